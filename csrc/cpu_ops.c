@@ -1,0 +1,76 @@
+/* cpu_ops.c: the CPU reference of every elementwise FP8 operation.
+ *
+ * Straight loops over the scalar rules of fp8_numerics.h, one element at a time, in index
+ * order. This is the definition the CUDA kernels are tested against byte for byte, so it
+ * favours being obviously right over being fast. Callers release the GIL around these calls.
+ */
+#include "fp8ext.h"
+#include "fp8_numerics.h"
+
+static inline float load_elem(const void *x, int dtype, int64_t i) {
+    switch (dtype) {
+    case FP8EXT_BF16: return fp8_bf16_bits_to_f32(((const uint16_t *)x)[i]);
+    case FP8EXT_F16: return fp8_f16_bits_to_f32(((const uint16_t *)x)[i]);
+    default: return ((const float *)x)[i];
+    }
+}
+
+/* |v| as float32 bits, compared as int32 for the running amax (see fp8ext.h). */
+static inline int32_t abs_bits(float v) { return (int32_t)(fp8_f32_bits(v) & 0x7FFFFFFFu); }
+
+static inline void amax_update(float *amax_out, int32_t m) {
+    int32_t cur = (int32_t)fp8_f32_bits(*amax_out);
+    if (m > cur) *amax_out = fp8_bits_f32((uint32_t)m);
+}
+
+void fp8ext_cpu_quantize(const fp8ext_quantize_args *a) {
+    const float scale = a->scale_ptr ? *a->scale_ptr : a->scale;
+    int32_t m = 0;
+    for (int64_t i = 0; i < a->n; ++i) {
+        const float v = load_elem(a->x, a->x_dtype, i);
+        const int32_t b = abs_bits(v);
+        if (b > m) m = b;
+        const float s = v * scale;
+        a->q[i] = a->stochastic
+                      ? fp8_encode_sr(s, fp8_sr_bits(a->sr_key, (uint64_t)i), a->fmt, a->saturate)
+                      : fp8_encode_rne(s, a->fmt, a->saturate);
+    }
+    if (a->amax_out && a->n > 0) amax_update(a->amax_out, m);
+}
+
+void fp8ext_cpu_dequantize(const fp8ext_dequantize_args *a) {
+    const float scale_inv = a->scale_inv_ptr ? *a->scale_inv_ptr : a->scale_inv;
+    for (int64_t i = 0; i < a->n; ++i) {
+        const float v = fp8_decode(a->q[i], a->fmt) * scale_inv;
+        switch (a->out_dtype) {
+        case FP8EXT_BF16: ((uint16_t *)a->out)[i] = fp8_f32_to_bf16_bits(v); break;
+        case FP8EXT_F16: ((uint16_t *)a->out)[i] = fp8_f32_to_f16_bits(v); break;
+        default: ((float *)a->out)[i] = v; break;
+        }
+    }
+}
+
+void fp8ext_cpu_amax(const fp8ext_amax_args *a) {
+    int32_t m = 0;
+    for (int64_t i = 0; i < a->n; ++i) {
+        const int32_t b = abs_bits(load_elem(a->x, a->x_dtype, i));
+        if (b > m) m = b;
+    }
+    if (a->n > 0) amax_update(a->amax_out, m);
+}
+
+void fp8ext_cpu_cast_transpose(const fp8ext_cast_transpose_args *a) {
+    const float scale = a->scale_ptr ? *a->scale_ptr : a->scale;
+    int32_t m = 0;
+    for (int64_t r = 0; r < a->rows; ++r) {
+        for (int64_t c = 0; c < a->cols; ++c) {
+            const float v = load_elem(a->x, a->x_dtype, r * a->cols + c);
+            const int32_t b = abs_bits(v);
+            if (b > m) m = b;
+            const uint8_t q = fp8_encode_rne(v * scale, a->fmt, a->saturate);
+            a->q[r * a->cols + c] = q;
+            a->qt[c * a->rows + r] = q;
+        }
+    }
+    if (a->amax_out && a->rows * a->cols > 0) amax_update(a->amax_out, m);
+}

@@ -1,0 +1,93 @@
+/* fp8ext.h: the thin C API between the CPython bindings and the work.
+ *
+ * Plain structs (pointers, dtype codes, sizes) describe one operation; one function per
+ * operation and device runs it. The CPU functions are the bit-exact reference; the CUDA
+ * launchers (csrc/kernels/) enqueue kernels on a stream and return a cudaError_t as int.
+ * Nothing here knows about Python, DLPack or layers: validation happens in the bindings.
+ *
+ * amax convention: amax_out points to one float32 holding a running maximum. Operations update
+ * it to max(*amax_out, max|x|), comparing float32 bit patterns as signed integers: for |x| that
+ * is the numeric order, NaN beats everything (so a NaN in x shows up in the amax), and any
+ * negative starting value loses.
+ */
+#ifndef FP8EXT_H
+#define FP8EXT_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Element types of high-precision tensors. */
+enum { FP8EXT_F32 = 0, FP8EXT_BF16 = 1, FP8EXT_F16 = 2 };
+
+static inline int fp8ext_dtype_size(int dtype) { return dtype == FP8EXT_F32 ? 4 : 2; }
+
+/* q[i] = fp8(x[i] * scale) for i < n. */
+typedef struct {
+    const void *x;
+    int x_dtype;
+    int64_t n;
+    uint8_t *q;
+    int fmt;                /* FP8EXT_E4M3 or FP8EXT_E5M2 */
+    const float *scale_ptr; /* when not NULL, *scale_ptr (on x's device) is the scale */
+    float scale;            /* used when scale_ptr is NULL */
+    float *amax_out;        /* NULL, or updated to max(*amax_out, max|x|) */
+    int saturate;
+    int stochastic;         /* round stochastically with bits fp8_sr_bits(sr_key, i) */
+    uint64_t sr_key;
+} fp8ext_quantize_args;
+
+/* out[i] = float(q[i]) * scale_inv, rounded to out_dtype. */
+typedef struct {
+    const uint8_t *q;
+    int fmt;
+    int64_t n;
+    void *out;
+    int out_dtype;
+    const float *scale_inv_ptr;
+    float scale_inv;
+} fp8ext_dequantize_args;
+
+/* *amax_out = max(*amax_out, max|x|). */
+typedef struct {
+    const void *x;
+    int x_dtype;
+    int64_t n;
+    float *amax_out;
+} fp8ext_amax_args;
+
+/* x is rows x cols, row-major. q (rows x cols) and qt (cols x rows) receive fp8(x * scale). */
+typedef struct {
+    const void *x;
+    int x_dtype;
+    int64_t rows, cols;
+    uint8_t *q;
+    uint8_t *qt;
+    int fmt;
+    const float *scale_ptr;
+    float scale;
+    float *amax_out;
+    int saturate;
+} fp8ext_cast_transpose_args;
+
+/* CPU reference (csrc/cpu_ops.c). Pure computation: no allocation, no failure. */
+void fp8ext_cpu_quantize(const fp8ext_quantize_args *a);
+void fp8ext_cpu_dequantize(const fp8ext_dequantize_args *a);
+void fp8ext_cpu_amax(const fp8ext_amax_args *a);
+void fp8ext_cpu_cast_transpose(const fp8ext_cast_transpose_args *a);
+
+/* CUDA launchers (csrc/kernels/). `stream` is a cudaStream_t; `num_sms` the device's
+ * multiprocessor count (a launcher may ignore it). They return cudaSuccess (0) or the launch
+ * error. */
+int fp8ext_cuda_quantize(const fp8ext_quantize_args *a, void *stream, int num_sms);
+int fp8ext_cuda_dequantize(const fp8ext_dequantize_args *a, void *stream, int num_sms);
+int fp8ext_cuda_amax(const fp8ext_amax_args *a, void *stream, int num_sms);
+int fp8ext_cuda_cast_transpose(const fp8ext_cast_transpose_args *a, void *stream, int num_sms);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* FP8EXT_H */

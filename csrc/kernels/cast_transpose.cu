@@ -1,0 +1,138 @@
+// cast_transpose.cu: q = fp8(x * scale) and qt = q^T in one pass over a 2-D x, with fused amax.
+//
+// Memory traffic: reads sizeof(T) bytes and writes 2 bytes per element (4 B/element for bf16).
+// Launch: one 128-thread block per 64x64 tile of x (a 1-D grid over tiles).
+//   1. Each thread loads 16-byte vectors of its tile rows (all loads issued before use),
+//      converts them, writes q straight from registers (coalesced along rows) and parks the
+//      bytes in a shared 64x68-byte tile (rows padded by one word).
+//   2. Each thread then reads 8 rows x 4 columns of bytes as 8 words, transposes that 8x4
+//      byte block in registers (__byte_perm) and writes four 8-byte pieces of qt. The lane
+//      mapping makes each warp write 32 contiguous bytes in each of 8 rows of qt and read the
+//      shared tile without bank conflicts.
+// Tiles on the matrix's edge, or data that is not aligned for these vector accesses, take an
+// element-by-element path in the same kernel (a block-uniform branch) with the same bytes.
+#include "common.cuh"
+
+namespace fp8ext {
+namespace {
+
+constexpr int kTile = 64;
+constexpr int kThreads = 128;
+constexpr int kRowWords = kTile / 4 + 1;  // 64 bytes of a tile row + one word of padding
+
+template <typename T, int FMT>
+__device__ __forceinline__ void fast_tile(const T *__restrict__ x, uint8_t *__restrict__ q, uint8_t *__restrict__ qt,
+                                          int64_t rows, int64_t cols, int64_t row0, int64_t col0, float scale,
+                                          int saturate, int32_t &amax, uint32_t (*tile)[kRowWords]) {
+    constexpr int V = Elem<T>::kVec;
+    constexpr int kVecPerRow = kTile / V;
+    constexpr int kPerThread = kTile * kVecPerRow / kThreads;
+    uint4 in[kPerThread];
+#pragma unroll
+    for (int it = 0; it < kPerThread; ++it) {
+        const int k = threadIdx.x + it * kThreads;
+        const int r = k / kVecPerRow, vc = k % kVecPerRow;
+        in[it] = __ldcs(reinterpret_cast<const uint4 *>(x + (row0 + r) * cols + col0 + vc * V));
+    }
+#pragma unroll
+    for (int it = 0; it < kPerThread; ++it) {
+        const int k = threadIdx.x + it * kThreads;
+        const int r = k / kVecPerRow, vc = k % kVecPerRow;
+        float f[V];
+        Elem<T>::unpack(in[it], f);
+        uint32_t w[V / 4];
+#pragma unroll
+        for (int j = 0; j < V; j += 4) {
+            amax = max(amax, max(max(abs_bits(f[j]), abs_bits(f[j + 1])), max(abs_bits(f[j + 2]), abs_bits(f[j + 3]))));
+            w[j / 4] = cvt2<FMT>(f[j] * scale, f[j + 1] * scale, saturate) |
+                       (cvt2<FMT>(f[j + 2] * scale, f[j + 3] * scale, saturate) << 16);
+            tile[r][vc * (V / 4) + j / 4] = w[j / 4];
+        }
+        uint8_t *dst = q + (row0 + r) * cols + col0 + vc * V;
+        if constexpr (V == 8) {
+            *reinterpret_cast<uint2 *>(dst) = make_uint2(w[0], w[1]);
+        } else {
+            *reinterpret_cast<uint32_t *>(dst) = w[0];
+        }
+    }
+    __syncthreads();
+    // 16 column-words x 8 row-chunks of 8 rows; lanes 0-7 take consecutive column-words.
+    const int t = threadIdx.x;
+    const int nword = (t % 8) + 8 * ((t / 32) % 2);
+    const int mchunk = ((t / 8) % 4) + 4 * (t / 64);
+    uint32_t w[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w[i] = tile[mchunk * 8 + i][nword];
+    // Byte k of w[0..3] -> lo[k], byte k of w[4..7] -> hi[k].
+    uint32_t lo[4], hi[4];
+    {
+        const uint32_t a01 = __byte_perm(w[0], w[1], 0x5140), a23 = __byte_perm(w[2], w[3], 0x5140);
+        const uint32_t b01 = __byte_perm(w[0], w[1], 0x7362), b23 = __byte_perm(w[2], w[3], 0x7362);
+        lo[0] = __byte_perm(a01, a23, 0x5410); lo[1] = __byte_perm(a01, a23, 0x7632);
+        lo[2] = __byte_perm(b01, b23, 0x5410); lo[3] = __byte_perm(b01, b23, 0x7632);
+    }
+    {
+        const uint32_t a01 = __byte_perm(w[4], w[5], 0x5140), a23 = __byte_perm(w[6], w[7], 0x5140);
+        const uint32_t b01 = __byte_perm(w[4], w[5], 0x7362), b23 = __byte_perm(w[6], w[7], 0x7362);
+        hi[0] = __byte_perm(a01, a23, 0x5410); hi[1] = __byte_perm(a01, a23, 0x7632);
+        hi[2] = __byte_perm(b01, b23, 0x5410); hi[3] = __byte_perm(b01, b23, 0x7632);
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        uint8_t *dst = qt + (col0 + nword * 4 + k) * rows + row0 + mchunk * 8;
+        *reinterpret_cast<uint2 *>(dst) = make_uint2(lo[k], hi[k]);
+    }
+}
+
+template <typename T, int FMT>
+__device__ __forceinline__ void edge_tile(const T *__restrict__ x, uint8_t *__restrict__ q, uint8_t *__restrict__ qt,
+                                          int64_t rows, int64_t cols, int64_t row0, int64_t col0, float scale,
+                                          int saturate, int32_t &amax) {
+    for (int e = threadIdx.x; e < kTile * kTile; e += kThreads) {
+        const int64_t r = row0 + e / kTile, c = col0 + e % kTile;
+        if (r >= rows || c >= cols) continue;
+        const float v = Elem<T>::load1(x, r * cols + c);
+        amax = max(amax, abs_bits(v));
+        const uint8_t b = static_cast<uint8_t>(cvt1<FMT>(v * scale, saturate));
+        q[r * cols + c] = b;
+        qt[c * rows + r] = b;
+    }
+}
+
+template <typename T, int FMT>
+__global__ void __launch_bounds__(kThreads)
+cast_transpose_kernel(const T *__restrict__ x, uint8_t *__restrict__ q, uint8_t *__restrict__ qt, int64_t rows,
+                      int64_t cols, int64_t col_tiles, const float *__restrict__ scale_ptr, float scale_value,
+                      float *amax_out, int saturate, int vector_ok) {
+    __shared__ uint32_t tile[kTile][kRowWords];
+    const float scale = load_scale(scale_ptr, scale_value);
+    const int64_t row0 = (static_cast<int64_t>(blockIdx.x) / col_tiles) * kTile;
+    const int64_t col0 = (static_cast<int64_t>(blockIdx.x) % col_tiles) * kTile;
+    int32_t amax = 0;
+    if (vector_ok && row0 + kTile <= rows && col0 + kTile <= cols)
+        fast_tile<T, FMT>(x, q, qt, rows, cols, row0, col0, scale, saturate, amax, tile);
+    else
+        edge_tile<T, FMT>(x, q, qt, rows, cols, row0, col0, scale, saturate, amax);
+    if (amax_out) block_amax_commit<kThreads>(amax, amax_out);
+}
+
+}  // namespace
+}  // namespace fp8ext
+
+extern "C" int fp8ext_cuda_cast_transpose(const fp8ext_cast_transpose_args *a, void *stream, int /*num_sms*/) {
+    using namespace fp8ext;
+    if (a->rows == 0 || a->cols == 0) return cudaSuccess;
+    const int64_t col_tiles = (a->cols + kTile - 1) / kTile;
+    const int64_t tiles = col_tiles * ((a->rows + kTile - 1) / kTile);
+    if (tiles > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
+    const int vector_ok = aligned(a->x, 16) && aligned(a->q, 8) && aligned(a->qt, 8) && a->cols % 8 == 0 &&
+                          a->rows % 8 == 0;
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    FP8EXT_DISPATCH_DTYPE(a->x_dtype, FP8EXT_DISPATCH_FMT(a->fmt, {
+        cast_transpose_kernel<T, FMT><<<static_cast<unsigned>(tiles), kThreads, 0, s>>>(
+            static_cast<const T *>(a->x), a->q, a->qt, a->rows, a->cols, col_tiles, a->scale_ptr, a->scale,
+            a->amax_out, a->saturate, vector_ok);
+        return cudaGetLastError();
+    }));
+    return cudaErrorInvalidValue;
+}

@@ -1,0 +1,128 @@
+// common.cuh: device helpers shared by fp8ext's kernels.
+//
+// The conversion float32 -> FP8 on the GPU uses the hardware's cvt.rn.satfinite (through
+// cuda_fp8.h's __nv_cvt_float2_to_fp8x2), which rounds to nearest even exactly as the scalar
+// definition in fp8_numerics.h does. Three cases are patched to that definition: NaN keeps its
+// sign, and without saturation an overflow (or Inf) becomes the format's overflow code. The
+// GPU tests check the result against the CPU reference byte for byte.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "../fp8_numerics.h"
+#include "../fp8ext.h"
+
+namespace fp8ext {
+
+__host__ __device__ constexpr __nv_fp8_interpretation_t interp(int fmt) { return fmt == FP8EXT_E4M3 ? __NV_E4M3 : __NV_E5M2; }
+
+// Patch one hardware-converted byte to fp8_encode_rne's definition (see the file header).
+template <int FMT>
+__device__ __forceinline__ uint32_t fixup(uint32_t byte, float v, int saturate) {
+    const uint32_t sign = (__float_as_uint(v) >> 24) & 0x80u;
+    if (v != v) return sign | FP8EXT_NAN_CODE;
+    if (!saturate && fp8_overflows(fabsf(v), FMT)) return sign | fp8_overflow_code(FMT);
+    return byte;
+}
+
+// Two scaled values -> two FP8 bytes (a in the low byte).
+template <int FMT>
+__device__ __forceinline__ uint32_t cvt2(float a, float b, int saturate) {
+    const uint32_t r = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, interp(FMT));
+    return fixup<FMT>(r & 0xFFu, a, saturate) | (fixup<FMT>(r >> 8, b, saturate) << 8);
+}
+
+template <int FMT>
+__device__ __forceinline__ uint32_t cvt1(float a, int saturate) {
+    const uint32_t r = __nv_cvt_float_to_fp8(a, __NV_SATFINITE, interp(FMT));
+    return fixup<FMT>(r & 0xFFu, a, saturate);
+}
+
+// ---- element types --------------------------------------------------------------------------
+// A 16-byte vector of T unpacked into float32; the conversions are exact.
+template <typename T> struct Elem;
+template <> struct Elem<float> {
+    static constexpr int kVec = 4;
+    static __device__ __forceinline__ void unpack(const uint4 &v, float *f) {
+        f[0] = __uint_as_float(v.x); f[1] = __uint_as_float(v.y);
+        f[2] = __uint_as_float(v.z); f[3] = __uint_as_float(v.w);
+    }
+    static __device__ __forceinline__ float load1(const void *p, int64_t i) {
+        return static_cast<const float *>(p)[i];
+    }
+};
+template <> struct Elem<__nv_bfloat16> {
+    static constexpr int kVec = 8;
+    static __device__ __forceinline__ void unpack(const uint4 &v, float *f) {
+        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            f[2 * i] = __uint_as_float(w[i] << 16);
+            f[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+        }
+    }
+    static __device__ __forceinline__ float load1(const void *p, int64_t i) {
+        return __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t *>(p)[i]) << 16);
+    }
+};
+template <> struct Elem<__half> {
+    static constexpr int kVec = 8;
+    static __device__ __forceinline__ void unpack(const uint4 &v, float *f) {
+        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            __half2 h;
+            memcpy(&h, &w[i], sizeof h);
+            const float2 p = __half22float2(h);
+            f[2 * i] = p.x;
+            f[2 * i + 1] = p.y;
+        }
+    }
+    static __device__ __forceinline__ float load1(const void *p, int64_t i) {
+        return __half2float(static_cast<const __half *>(p)[i]);
+    }
+};
+
+// ---- amax -----------------------------------------------------------------------------------
+// |v| as float32 bits; the maximum of these, compared as int32, is the amax (see fp8ext.h).
+__device__ __forceinline__ int32_t abs_bits(float v) { return static_cast<int32_t>(__float_as_uint(v) & 0x7FFFFFFFu); }
+
+// Block-wide maximum, then one atomic per block. Every thread of the block must call it.
+template <int kThreads>
+__device__ __forceinline__ void block_amax_commit(int32_t m, float *amax_out) {
+    __shared__ int32_t warp_max[kThreads / 32];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+    if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int w = 1; w < kThreads / 32; ++w) m = max(m, warp_max[w]);
+        atomicMax(reinterpret_cast<int *>(amax_out), m);
+    }
+}
+
+__device__ __forceinline__ float load_scale(const float *ptr, float value) { return ptr ? __ldg(ptr) : value; }
+
+inline bool aligned(const void *p, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(p) % bytes) == 0; }
+
+}  // namespace fp8ext
+
+// Dispatch on a high-precision dtype code: runs the body with `T` bound to the element type.
+#define FP8EXT_DISPATCH_DTYPE(dtype, ...)                                     \
+    switch (dtype) {                                                          \
+    case FP8EXT_F32: { using T = float; __VA_ARGS__; } break;                 \
+    case FP8EXT_BF16: { using T = __nv_bfloat16; __VA_ARGS__; } break;        \
+    case FP8EXT_F16: { using T = __half; __VA_ARGS__; } break;                \
+    default: return cudaErrorInvalidValue;                                    \
+    }
+
+// Dispatch on an FP8 format code: runs the body with the constant `FMT` bound.
+#define FP8EXT_DISPATCH_FMT(fmt, ...)                                                     \
+    if ((fmt) == FP8EXT_E4M3) { constexpr int FMT = FP8EXT_E4M3; __VA_ARGS__; }           \
+    else if ((fmt) == FP8EXT_E5M2) { constexpr int FMT = FP8EXT_E5M2; __VA_ARGS__; }      \
+    else return cudaErrorInvalidValue;

@@ -1,0 +1,135 @@
+// quantize.cu: q = fp8(x * scale) with an optional fused amax, for float32/bfloat16/float16 x.
+//
+// Memory traffic: reads sizeof(T) bytes and writes 1 byte per element (3 B/element for bf16);
+// the scale is one cached 4-byte load per thread, the amax one atomic per block.
+// Launch: a grid-stride loop over 16-byte input vectors, 256 threads per block and at most
+// 8 blocks per multiprocessor; each thread keeps kUnroll independent 16-byte loads in flight
+// before converting, so that enough bytes are in flight to cover DRAM latency. Inputs that are
+// not 16-byte aligned, and the last n % kVec elements, go through a one-element-per-thread
+// kernel that computes the same bytes.
+// Rounding: the hardware's round-to-nearest-even conversion (common.cuh), or, with
+// stochastic rounding, fp8_encode_sr with the counter-based bits fp8_sr_bits(key, index),
+// which is what the CPU reference computes too.
+#include "common.cuh"
+
+namespace fp8ext {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kUnroll = 4;
+
+template <typename T, int FMT, bool SR>
+__device__ __forceinline__ uint32_t convert_one(float v, float scale, int saturate, uint64_t key, int64_t index) {
+    if constexpr (SR) {
+        return fp8_encode_sr(v * scale, fp8_sr_bits(key, static_cast<uint64_t>(index)), FMT, saturate);
+    } else {
+        return cvt1<FMT>(v * scale, saturate);
+    }
+}
+
+// Converts one 16-byte vector of T (index `vi`) and stores its kVec bytes.
+template <typename T, int FMT, bool SR>
+__device__ __forceinline__ void convert_store(const uint4 &in, int64_t vi, uint8_t *__restrict__ q, float scale,
+                                              int saturate, uint64_t key, int32_t &amax) {
+    constexpr int V = Elem<T>::kVec;
+    float f[V];
+    Elem<T>::unpack(in, f);
+    uint32_t packed[V / 4];
+#pragma unroll
+    for (int j = 0; j < V; j += 2) {
+        amax = max(amax, max(abs_bits(f[j]), abs_bits(f[j + 1])));
+        uint32_t two;
+        if constexpr (SR) {
+            two = convert_one<T, FMT, true>(f[j], scale, saturate, key, vi * V + j) |
+                  (convert_one<T, FMT, true>(f[j + 1], scale, saturate, key, vi * V + j + 1) << 8);
+        } else {
+            two = cvt2<FMT>(f[j] * scale, f[j + 1] * scale, saturate);
+        }
+        if (j % 4 == 0) packed[j / 4] = two;
+        else packed[j / 4] |= two << 16;
+    }
+    if constexpr (V == 8) {
+        reinterpret_cast<uint2 *>(q)[vi] = make_uint2(packed[0], packed[1]);
+    } else {
+        reinterpret_cast<uint32_t *>(q)[vi] = packed[0];
+    }
+}
+
+template <typename T, int FMT, bool SR>
+__global__ void __launch_bounds__(kThreads)
+quantize_vec_kernel(const T *__restrict__ x, uint8_t *__restrict__ q, int64_t nvec, const float *__restrict__ scale_ptr,
+                    float scale_value, float *amax_out, int saturate, uint64_t key) {
+    const float scale = load_scale(scale_ptr, scale_value);
+    const uint4 *xv = reinterpret_cast<const uint4 *>(x);
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+    int32_t amax = 0;
+    for (int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; base < nvec;
+         base += stride * kUnroll) {
+        uint4 in[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int64_t i = base + u * stride;
+            if (i < nvec) in[u] = __ldcs(xv + i);  // read once: stream past the caches
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int64_t i = base + u * stride;
+            if (i < nvec) convert_store<T, FMT, SR>(in[u], i, q, scale, saturate, key, amax);
+        }
+    }
+    if (amax_out) block_amax_commit<kThreads>(amax, amax_out);
+}
+
+// One element per thread: elements [begin, n) of x; used for the tail and for unaligned data.
+template <typename T, int FMT, bool SR>
+__global__ void __launch_bounds__(kThreads)
+quantize_scalar_kernel(const T *__restrict__ x, uint8_t *__restrict__ q, int64_t begin, int64_t n,
+                       const float *__restrict__ scale_ptr, float scale_value, float *amax_out, int saturate,
+                       uint64_t key) {
+    const float scale = load_scale(scale_ptr, scale_value);
+    int32_t amax = 0;
+    for (int64_t i = begin + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
+         i += static_cast<int64_t>(gridDim.x) * kThreads) {
+        const float v = Elem<T>::load1(x, i);
+        amax = max(amax, abs_bits(v));
+        q[i] = static_cast<uint8_t>(convert_one<T, FMT, SR>(v, scale, saturate, key, i));
+    }
+    if (amax_out) block_amax_commit<kThreads>(amax, amax_out);
+}
+
+template <typename T, int FMT, bool SR>
+cudaError_t launch(const fp8ext_quantize_args *a, cudaStream_t stream, int num_sms) {
+    constexpr int V = Elem<T>::kVec;
+    const int max_blocks = num_sms * (2048 / kThreads);
+    int64_t done = 0;
+    if (aligned(a->x, 16) && aligned(a->q, V)) {
+        const int64_t nvec = a->n / V;
+        if (nvec > 0) {
+            const int64_t want = (nvec + kThreads * kUnroll - 1) / (kThreads * kUnroll);
+            const int blocks = static_cast<int>(want < max_blocks ? want : max_blocks);
+            quantize_vec_kernel<T, FMT, SR><<<blocks, kThreads, 0, stream>>>(
+                static_cast<const T *>(a->x), a->q, nvec, a->scale_ptr, a->scale, a->amax_out, a->saturate, a->sr_key);
+            done = nvec * V;
+        }
+    }
+    if (done < a->n) {
+        const int64_t want = (a->n - done + kThreads - 1) / kThreads;
+        const int blocks = static_cast<int>(want < max_blocks ? want : max_blocks);
+        quantize_scalar_kernel<T, FMT, SR><<<blocks, kThreads, 0, stream>>>(
+            static_cast<const T *>(a->x), a->q, done, a->n, a->scale_ptr, a->scale, a->amax_out, a->saturate, a->sr_key);
+    }
+    return cudaGetLastError();
+}
+
+}  // namespace
+}  // namespace fp8ext
+
+extern "C" int fp8ext_cuda_quantize(const fp8ext_quantize_args *a, void *stream, int num_sms) {
+    if (a->n == 0) return cudaSuccess;
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    FP8EXT_DISPATCH_DTYPE(a->x_dtype, FP8EXT_DISPATCH_FMT(a->fmt, {
+        return a->stochastic ? fp8ext::launch<T, FMT, true>(a, s, num_sms)
+                             : fp8ext::launch<T, FMT, false>(a, s, num_sms);
+    }));
+    return cudaErrorInvalidValue;
+}

@@ -1,0 +1,128 @@
+/* module.c: the fp8ext._C extension module: initialisation, module state, the format table
+ * and build information, and fp8ext_run_op, which sends an operation to the CPU reference or
+ * to a CUDA launcher. The operations' bindings live in py_ops.c.
+ */
+#include "module_state.h"
+
+#include "fp8_numerics.h"
+#include "third_party/dlpack/dlpack.h"
+
+#ifndef FP8EXT_CUDA_ARCHS
+#define FP8EXT_CUDA_ARCHS ""
+#endif
+#ifndef FP8EXT_NO_CUDA_REASON
+#define FP8EXT_NO_CUDA_REASON ""
+#endif
+
+int fp8ext_run_op(PyObject *module, const fp8ext_view *where, Py_ssize_t stream, const char *fn, fp8ext_cpu_fn cpu,
+                  fp8ext_cuda_fn cuda, const void *args) {
+    if (where->device_type == kDLCPU) {
+        Py_BEGIN_ALLOW_THREADS
+        cpu(args);
+        Py_END_ALLOW_THREADS
+        return 0;
+    }
+#ifdef FP8EXT_WITH_CUDA
+    fp8ext_cuda_scope scope;
+    if (fp8ext_cuda_enter(&fp8ext_get_state(module)->cuda, where->device_id, fn, &scope) < 0) return -1;
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    err = cuda(args, (void *)stream, scope.num_sms);
+    Py_END_ALLOW_THREADS
+    fp8ext_cuda_leave(&scope);
+    return err ? fp8ext_cuda_raise(fn, err) : 0;
+#else
+    (void)module;
+    (void)stream;
+    (void)cuda;
+    PyErr_Format(PyExc_RuntimeError,
+                 "%s(): got a tensor on cuda:%d, but this fp8ext was built without CUDA (%s). Rebuild with "
+                 "FP8EXT_CUDA=1 where nvcc and cuBLAS are installed.",
+                 fn, where->device_id, FP8EXT_NO_CUDA_REASON);
+    return -1;
+#endif
+}
+
+/* {"E4M3": {...}, "E5M2": {...}}: every constant derived from fp8_numerics.h. */
+static PyObject *format_dict(int fmt) {
+    const int mant = fp8_mant_bits(fmt);
+    PyObject *inf_code = fmt == FP8EXT_E5M2 ? PyLong_FromLong(FP8EXT_E5M2_INF_CODE) : Py_NewRef(Py_None);
+    if (!inf_code) return NULL;
+    return Py_BuildValue("{s:s,s:i,s:i,s:i,s:i,s:d,s:d,s:d,s:O,s:i,s:N,s:i,s:i}",                       //
+                         "name", fmt == FP8EXT_E4M3 ? "E4M3" : "E5M2",                                 //
+                         "code", fmt, "exp_bits", fp8_exp_bits(fmt), "mant_bits", mant,                //
+                         "bias", fp8_bias(fmt),                                                        //
+                         "max", (double)fp8_decode((uint8_t)fp8_max_code(fmt), fmt),                   //
+                         "min_normal", (double)fp8_decode((uint8_t)(1u << mant), fmt),                 //
+                         "min_subnormal", (double)fp8_decode(1, fmt),                                  //
+                         "has_inf", fmt == FP8EXT_E5M2 ? Py_True : Py_False,                           //
+                         "nan_code", FP8EXT_NAN_CODE, "inf_code", inf_code,                            //
+                         "max_code", (int)fp8_max_code(fmt),                                           //
+                         "overflow_code", (int)fp8_overflow_code(fmt));
+}
+
+static PyObject *py_formats(PyObject *module, PyObject *unused) {
+    (void)module;
+    (void)unused;
+    return Py_BuildValue("{s:N,s:N}", "E4M3", format_dict(FP8EXT_E4M3), "E5M2", format_dict(FP8EXT_E5M2));
+}
+
+static PyObject *py_cuda_device_count(PyObject *module, PyObject *unused) {
+    (void)module;
+    (void)unused;
+#ifdef FP8EXT_WITH_CUDA
+    return PyLong_FromLong(fp8ext_cuda_device_count());
+#else
+    return PyLong_FromLong(0);
+#endif
+}
+
+static PyObject *py_build_info(PyObject *module, PyObject *unused) {
+    (void)module;
+    (void)unused;
+#ifdef FP8EXT_WITH_CUDA
+    return Py_BuildValue("{s:O,s:s,s:i,s:i,s:s}", "cuda", Py_True, "cuda_archs", FP8EXT_CUDA_ARCHS,
+                         "cuda_runtime_version", fp8ext_cuda_runtime_version(), "cuda_driver_version",
+                         fp8ext_cuda_driver_version(), "no_cuda_reason", "");
+#else
+    return Py_BuildValue("{s:O,s:s,s:i,s:i,s:s}", "cuda", Py_False, "cuda_archs", "", "cuda_runtime_version", 0,
+                         "cuda_driver_version", 0, "no_cuda_reason", FP8EXT_NO_CUDA_REASON);
+#endif
+}
+
+static PyMethodDef module_methods[] = {
+    {"formats", py_formats, METH_NOARGS, "The FP8 formats' constants, as the C core defines them."},
+    {"cuda_device_count", py_cuda_device_count, METH_NOARGS,
+     "Number of CUDA devices this build can use (0 in a CPU-only build)."},
+    {"build_info", py_build_info, METH_NOARGS, "How this extension was built: CUDA or not, targets, versions."},
+    {NULL, NULL, 0, NULL},
+};
+
+static int module_exec(PyObject *module) {
+    if (PyModule_AddFunctions(module, module_methods) < 0) return -1;
+    if (PyModule_AddFunctions(module, fp8ext_op_methods) < 0) return -1;
+    if (PyModule_AddIntConstant(module, "E4M3", FP8EXT_E4M3) < 0) return -1;
+    if (PyModule_AddIntConstant(module, "E5M2", FP8EXT_E5M2) < 0) return -1;
+#ifdef FP8EXT_WITH_CUDA
+    if (PyModule_AddIntConstant(module, "WITH_CUDA", 1) < 0) return -1;
+#else
+    if (PyModule_AddIntConstant(module, "WITH_CUDA", 0) < 0) return -1;
+#endif
+    return 0;
+}
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, (void *)module_exec},
+    {0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "fp8ext._C",
+    .m_doc = "fp8ext's native core: FP8 casts (CPU reference and CUDA kernels) behind DLPack.",
+    .m_size = sizeof(fp8ext_state),
+    .m_methods = NULL,
+    .m_slots = module_slots,
+};
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModuleDef_Init(&module_def); }

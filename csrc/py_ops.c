@@ -1,0 +1,253 @@
+/* py_ops.c: CPython bindings of the elementwise FP8 operations.
+ *
+ * Each binding takes DLPack tensors whose outputs Python has already allocated, checks every
+ * argument (dtype, device, shape, layout, value), fills an argument struct of fp8ext.h and runs
+ * it through fp8ext_run_op. Keyword names match the Python API of fp8ext/ops.py. Every path out
+ * releases the views it took.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "fp8_numerics.h"
+#include "fp8ext.h"
+#include "module_state.h"
+
+static int check_fmt(int fmt, const char *fn) {
+    if (fmt == FP8EXT_E4M3 || fmt == FP8EXT_E5M2) return 0;
+    PyErr_Format(PyExc_ValueError, "%s(): fmt must be %d (E4M3) or %d (E5M2), got %d", fn, FP8EXT_E4M3, FP8EXT_E5M2,
+                 fmt);
+    return -1;
+}
+
+static int hp_dtype(const fp8ext_view *v) {
+    return v->kind == FP8EXT_KIND_BF16 ? FP8EXT_BF16 : v->kind == FP8EXT_KIND_F16 ? FP8EXT_F16 : FP8EXT_F32;
+}
+
+/* An input: any float dtype we read, contiguous. */
+static int get_input(PyObject *o, Py_ssize_t stream, const char *fn, const char *arg, fp8ext_view *v) {
+    if (fp8ext_view_get(o, stream, fn, arg, v) < 0) return -1;
+    if (fp8ext_check_float(v, fn, arg) < 0 || fp8ext_check_contiguous(v, fn, arg) < 0) return -1;
+    return 0;
+}
+
+/* An output of `kind` on ref's device, contiguous and writable. */
+static int get_output(PyObject *o, int kind, const fp8ext_view *ref, const char *ref_arg, Py_ssize_t stream,
+                      const char *fn, const char *arg, fp8ext_view *v) {
+    if (fp8ext_view_get(o, stream, fn, arg, v) < 0) return -1;
+    if (kind >= 0 && fp8ext_check_kind(v, kind, fn, arg) < 0) return -1;
+    if (kind < 0 && fp8ext_check_float(v, fn, arg) < 0) return -1;
+    if (fp8ext_check_same_device(v, ref, fn, arg, ref_arg) < 0 || fp8ext_check_contiguous(v, fn, arg) < 0 ||
+        fp8ext_check_writable(v, fn, arg) < 0)
+        return -1;
+    return 0;
+}
+
+/* A scale: a Python number (finite, > 0 once rounded to float32), or a one-element float32
+ * tensor on ref's device whose value is read where it lives (no host synchronisation). */
+static int get_scale(PyObject *o, const fp8ext_view *ref, const char *ref_arg, Py_ssize_t stream, const char *fn,
+                     const char *arg, fp8ext_view *t, const float **ptr, float *value) {
+    *ptr = NULL;
+    *value = 1.0f;
+    if (PyFloat_Check(o) || (PyLong_Check(o) && !PyBool_Check(o))) {
+        const double d = PyFloat_AsDouble(o);
+        if (d == -1.0 && PyErr_Occurred()) return -1;
+        const float f = (float)d;
+        if (!(isfinite(f) && f > 0.0f)) {
+            PyErr_Format(PyExc_ValueError, "%s(): %s must be finite and positive in float32, got %R", fn, arg, o);
+            return -1;
+        }
+        *value = f;
+        return 0;
+    }
+    if (fp8ext_view_get(o, stream, fn, arg, t) < 0 || fp8ext_check_scalar_f32(t, fn, arg) < 0 ||
+        fp8ext_check_same_device(t, ref, fn, arg, ref_arg) < 0)
+        return -1;
+    *ptr = (const float *)t->data;
+    return 0;
+}
+
+/* An optional running amax: None, or a one-element float32 tensor on ref's device. */
+static int get_amax(PyObject *o, const fp8ext_view *ref, const char *ref_arg, Py_ssize_t stream, const char *fn,
+                    const char *arg, fp8ext_view *t, float **ptr) {
+    *ptr = NULL;
+    if (o == Py_None) return 0;
+    if (fp8ext_view_get(o, stream, fn, arg, t) < 0 || fp8ext_check_scalar_f32(t, fn, arg) < 0 ||
+        fp8ext_check_same_device(t, ref, fn, arg, ref_arg) < 0 || fp8ext_check_writable(t, fn, arg) < 0)
+        return -1;
+    *ptr = (float *)t->data;
+    return 0;
+}
+
+/* ---- thunks: one signature for fp8ext_run_op ------------------------------------------- */
+static void cpu_quantize(const void *a) { fp8ext_cpu_quantize(a); }
+static void cpu_dequantize(const void *a) { fp8ext_cpu_dequantize(a); }
+static void cpu_amax(const void *a) { fp8ext_cpu_amax(a); }
+static void cpu_cast_transpose(const void *a) { fp8ext_cpu_cast_transpose(a); }
+#ifdef FP8EXT_WITH_CUDA
+static int cuda_quantize(const void *a, void *s, int n) { return fp8ext_cuda_quantize(a, s, n); }
+static int cuda_dequantize(const void *a, void *s, int n) { return fp8ext_cuda_dequantize(a, s, n); }
+static int cuda_amax(const void *a, void *s, int n) { return fp8ext_cuda_amax(a, s, n); }
+static int cuda_cast_transpose(const void *a, void *s, int n) { return fp8ext_cuda_cast_transpose(a, s, n); }
+#else
+#define cuda_quantize NULL
+#define cuda_dequantize NULL
+#define cuda_amax NULL
+#define cuda_cast_transpose NULL
+#endif
+
+#define RELEASE_ALL(...)                                                         \
+    do {                                                                         \
+        fp8ext_view *views_[] = {__VA_ARGS__};                                   \
+        for (size_t i_ = 0; i_ < sizeof views_ / sizeof views_[0]; ++i_)         \
+            fp8ext_view_release(views_[i_]);                                     \
+    } while (0)
+
+/* quantize(x, out, fmt, scale, amax_out=None, saturate=True, stochastic=False, seed=0, stream=0) */
+static PyObject *py_quantize(PyObject *module, PyObject *args, PyObject *kwargs) {
+    static const char *fn = "quantize";
+    static char *kwlist[] = {"x", "out", "fmt", "scale", "amax_out", "saturate", "stochastic", "seed", "stream", NULL};
+    PyObject *x_o, *out_o, *scale_o, *amax_o = Py_None;
+    int fmt, saturate = 1, stochastic = 0;
+    unsigned long long seed = 0;
+    Py_ssize_t stream = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOiO|OppKn:quantize", kwlist, &x_o, &out_o, &fmt, &scale_o,
+                                     &amax_o, &saturate, &stochastic, &seed, &stream))
+        return NULL;
+    fp8ext_view x = {0}, out = {0}, scale = {0}, amax = {0};
+    PyObject *ret = NULL;
+    fp8ext_quantize_args a = {0};
+    if (check_fmt(fmt, fn) < 0 || get_input(x_o, stream, fn, "x", &x) < 0 ||
+        get_output(out_o, FP8EXT_KIND_U8, &x, "x", stream, fn, "out", &out) < 0 ||
+        fp8ext_check_same_shape(&out, &x, fn, "out", "x") < 0 ||
+        get_scale(scale_o, &x, "x", stream, fn, "scale", &scale, &a.scale_ptr, &a.scale) < 0 ||
+        get_amax(amax_o, &x, "x", stream, fn, "amax_out", &amax, &a.amax_out) < 0)
+        goto done;
+    a.x = x.data;
+    a.x_dtype = hp_dtype(&x);
+    a.n = x.numel;
+    a.q = out.data;
+    a.fmt = fmt;
+    a.saturate = saturate;
+    a.stochastic = stochastic;
+    a.sr_key = fp8_sr_key(seed);
+    if (fp8ext_run_op(module, &x, stream, fn, cpu_quantize, cuda_quantize, &a) < 0) goto done;
+    ret = Py_NewRef(Py_None);
+done:
+    RELEASE_ALL(&x, &out, &scale, &amax);
+    return ret;
+}
+
+/* dequantize(q, out, fmt, scale_inv, stream=0) */
+static PyObject *py_dequantize(PyObject *module, PyObject *args, PyObject *kwargs) {
+    static const char *fn = "dequantize";
+    static char *kwlist[] = {"q", "out", "fmt", "scale_inv", "stream", NULL};
+    PyObject *q_o, *out_o, *scale_o;
+    int fmt;
+    Py_ssize_t stream = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOiO|n:dequantize", kwlist, &q_o, &out_o, &fmt, &scale_o, &stream))
+        return NULL;
+    fp8ext_view q = {0}, out = {0}, scale = {0};
+    PyObject *ret = NULL;
+    fp8ext_dequantize_args a = {0};
+    if (check_fmt(fmt, fn) < 0 || fp8ext_view_get(q_o, stream, fn, "q", &q) < 0 ||
+        fp8ext_check_kind(&q, FP8EXT_KIND_U8, fn, "q") < 0 || fp8ext_check_contiguous(&q, fn, "q") < 0 ||
+        get_output(out_o, -1, &q, "q", stream, fn, "out", &out) < 0 ||
+        fp8ext_check_same_shape(&out, &q, fn, "out", "q") < 0 ||
+        get_scale(scale_o, &q, "q", stream, fn, "scale_inv", &scale, &a.scale_inv_ptr, &a.scale_inv) < 0)
+        goto done;
+    a.q = q.data;
+    a.fmt = fmt;
+    a.n = q.numel;
+    a.out = out.data;
+    a.out_dtype = hp_dtype(&out);
+    if (fp8ext_run_op(module, &q, stream, fn, cpu_dequantize, cuda_dequantize, &a) < 0) goto done;
+    ret = Py_NewRef(Py_None);
+done:
+    RELEASE_ALL(&q, &out, &scale);
+    return ret;
+}
+
+/* amax(x, out, stream=0): out (one float32) becomes max(out, max|x|). */
+static PyObject *py_amax(PyObject *module, PyObject *args, PyObject *kwargs) {
+    static const char *fn = "amax";
+    static char *kwlist[] = {"x", "out", "stream", NULL};
+    PyObject *x_o, *out_o;
+    Py_ssize_t stream = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|n:amax", kwlist, &x_o, &out_o, &stream)) return NULL;
+    fp8ext_view x = {0}, out = {0};
+    PyObject *ret = NULL;
+    fp8ext_amax_args a = {0};
+    if (get_input(x_o, stream, fn, "x", &x) < 0 || get_amax(out_o, &x, "x", stream, fn, "out", &out, &a.amax_out) < 0)
+        goto done;
+    if (!a.amax_out) {
+        PyErr_Format(PyExc_TypeError, "%s(): out must be a float32 tensor, got None", fn);
+        goto done;
+    }
+    a.x = x.data;
+    a.x_dtype = hp_dtype(&x);
+    a.n = x.numel;
+    if (fp8ext_run_op(module, &x, stream, fn, cpu_amax, cuda_amax, &a) < 0) goto done;
+    ret = Py_NewRef(Py_None);
+done:
+    RELEASE_ALL(&x, &out);
+    return ret;
+}
+
+/* cast_transpose(x, out, out_t, fmt, scale, amax_out=None, saturate=True, stream=0) */
+static PyObject *py_cast_transpose(PyObject *module, PyObject *args, PyObject *kwargs) {
+    static const char *fn = "cast_transpose";
+    static char *kwlist[] = {"x", "out", "out_t", "fmt", "scale", "amax_out", "saturate", "stream", NULL};
+    PyObject *x_o, *out_o, *outt_o, *scale_o, *amax_o = Py_None;
+    int fmt, saturate = 1;
+    Py_ssize_t stream = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOiO|Opn:cast_transpose", kwlist, &x_o, &out_o, &outt_o, &fmt,
+                                     &scale_o, &amax_o, &saturate, &stream))
+        return NULL;
+    fp8ext_view x = {0}, out = {0}, outt = {0}, scale = {0}, amax = {0};
+    PyObject *ret = NULL;
+    fp8ext_cast_transpose_args a = {0};
+    if (check_fmt(fmt, fn) < 0 || get_input(x_o, stream, fn, "x", &x) < 0) goto done;
+    if (x.ndim != 2) {
+        PyErr_Format(PyExc_ValueError, "%s(): x must be 2-D, got %d dimensions", fn, x.ndim);
+        goto done;
+    }
+    if (get_output(out_o, FP8EXT_KIND_U8, &x, "x", stream, fn, "out", &out) < 0 ||
+        fp8ext_check_same_shape(&out, &x, fn, "out", "x") < 0 ||
+        get_output(outt_o, FP8EXT_KIND_U8, &x, "x", stream, fn, "out_t", &outt) < 0)
+        goto done;
+    if (outt.ndim != 2 || outt.shape[0] != x.shape[1] || outt.shape[1] != x.shape[0]) {
+        PyErr_Format(PyExc_ValueError, "%s(): out_t must have shape [%lld, %lld] (x transposed)", fn,
+                     (long long)x.shape[1], (long long)x.shape[0]);
+        goto done;
+    }
+    if (get_scale(scale_o, &x, "x", stream, fn, "scale", &scale, &a.scale_ptr, &a.scale) < 0 ||
+        get_amax(amax_o, &x, "x", stream, fn, "amax_out", &amax, &a.amax_out) < 0)
+        goto done;
+    a.x = x.data;
+    a.x_dtype = hp_dtype(&x);
+    a.rows = x.shape[0];
+    a.cols = x.shape[1];
+    a.q = out.data;
+    a.qt = outt.data;
+    a.fmt = fmt;
+    a.saturate = saturate;
+    if (fp8ext_run_op(module, &x, stream, fn, cpu_cast_transpose, cuda_cast_transpose, &a) < 0) goto done;
+    ret = Py_NewRef(Py_None);
+done:
+    RELEASE_ALL(&x, &out, &outt, &scale, &amax);
+    return ret;
+}
+
+PyMethodDef fp8ext_op_methods[] = {
+    {"quantize", (PyCFunction)(void (*)(void))py_quantize, METH_VARARGS | METH_KEYWORDS,
+     "quantize(x, out, fmt, scale, amax_out=None, saturate=True, stochastic=False, seed=0, stream=0)\n"
+     "out (uint8) = fp8(x * scale); amax_out, if given, becomes max(amax_out, max|x|)."},
+    {"dequantize", (PyCFunction)(void (*)(void))py_dequantize, METH_VARARGS | METH_KEYWORDS,
+     "dequantize(q, out, fmt, scale_inv, stream=0)\nout = float(q) * scale_inv, rounded to out's dtype."},
+    {"amax", (PyCFunction)(void (*)(void))py_amax, METH_VARARGS | METH_KEYWORDS,
+     "amax(x, out, stream=0)\nout (one float32) becomes max(out, max|x|); NaN in x gives NaN."},
+    {"cast_transpose", (PyCFunction)(void (*)(void))py_cast_transpose, METH_VARARGS | METH_KEYWORDS,
+     "cast_transpose(x, out, out_t, fmt, scale, amax_out=None, saturate=True, stream=0)\n"
+     "out = fp8(x * scale) and out_t = out transposed, for a 2-D x."},
+    {NULL, NULL, 0, NULL},
+};

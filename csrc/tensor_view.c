@@ -1,0 +1,228 @@
+/* tensor_view.c: DLPack capsules -> fp8ext_view, and the checks made on views.
+ * See tensor_view.h for the ownership rules. */
+#include "tensor_view.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#include "third_party/dlpack/dlpack.h"
+
+static const char kCapsule[] = "dltensor";
+static const char kCapsuleVersioned[] = "dltensor_versioned";
+
+/* Asks obj.__dlpack__ for a capsule, passing the stream for CUDA producers. New reference. */
+static PyObject *capsule_from_object(PyObject *obj, Py_ssize_t stream, const char *fn, const char *arg) {
+    PyObject *dev = PyObject_CallMethod(obj, "__dlpack_device__", NULL);
+    if (!dev) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError,
+                     "%s(): %s must be a tensor or array that supports DLPack (__dlpack__ and __dlpack_device__), "
+                     "got %.100s",
+                     fn, arg, Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    long dev_type = -1;
+    if (PyTuple_Check(dev) && PyTuple_GET_SIZE(dev) == 2) dev_type = PyLong_AsLong(PyTuple_GET_ITEM(dev, 0));
+    Py_DECREF(dev);
+    if (dev_type == -1 && PyErr_Occurred()) return NULL;
+    PyObject *method = PyObject_GetAttrString(obj, "__dlpack__");
+    if (!method) return NULL;
+    PyObject *capsule;
+    if (dev_type == kDLCUDA) {
+        /* DLPack's stream protocol: 0 is not allowed and 1 means the legacy default stream. */
+        PyObject *kwargs = Py_BuildValue("{s:n}", "stream", stream == 0 ? (Py_ssize_t)1 : stream);
+        PyObject *args = PyTuple_New(0);
+        capsule = (kwargs && args) ? PyObject_Call(method, args, kwargs) : NULL;
+        Py_XDECREF(kwargs);
+        Py_XDECREF(args);
+    } else {
+        capsule = PyObject_CallNoArgs(method);
+    }
+    Py_DECREF(method);
+    return capsule;
+}
+
+int fp8ext_view_get(PyObject *obj, Py_ssize_t stream, const char *fn, const char *arg, fp8ext_view *v) {
+    memset(v, 0, sizeof *v);
+    PyObject *capsule;
+    if (PyCapsule_CheckExact(obj)) {
+        capsule = obj;
+        Py_INCREF(capsule);
+    } else {
+        capsule = capsule_from_object(obj, stream, fn, arg);
+        if (!capsule) return -1;
+        if (!PyCapsule_CheckExact(capsule)) {
+            PyErr_Format(PyExc_TypeError, "%s(): %s.__dlpack__() returned %.100s, not a capsule", fn, arg,
+                         Py_TYPE(capsule)->tp_name);
+            Py_DECREF(capsule);
+            return -1;
+        }
+    }
+    const char *name = PyCapsule_GetName(capsule);
+    const DLTensor *t = NULL;
+    if (name && strcmp(name, kCapsule) == 0) {
+        const DLManagedTensor *m = (const DLManagedTensor *)PyCapsule_GetPointer(capsule, kCapsule);
+        if (m) t = &m->dl_tensor;
+    } else if (name && strcmp(name, kCapsuleVersioned) == 0) {
+        const DLManagedTensorVersioned *m =
+            (const DLManagedTensorVersioned *)PyCapsule_GetPointer(capsule, kCapsuleVersioned);
+        if (m && m->version.major != DLPACK_MAJOR_VERSION) {
+            PyErr_Format(PyExc_ValueError, "%s(): %s is a DLPack %u.%u tensor; fp8ext reads major version %d", fn,
+                         arg, m->version.major, m->version.minor, DLPACK_MAJOR_VERSION);
+            Py_DECREF(capsule);
+            return -1;
+        }
+        if (m) {
+            t = &m->dl_tensor;
+            v->read_only = (m->flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0;
+        }
+    } else {
+        PyErr_Format(PyExc_ValueError, "%s(): %s is a capsule named '%s', expected an unused 'dltensor' capsule", fn,
+                     arg, name ? name : "(null)");
+        Py_DECREF(capsule);
+        return -1;
+    }
+    if (!t) {
+        Py_DECREF(capsule);
+        return -1;
+    }
+    if (t->ndim < 0 || t->ndim > FP8EXT_MAX_NDIM) {
+        PyErr_Format(PyExc_ValueError, "%s(): %s has %d dimensions; fp8ext takes at most %d", fn, arg, t->ndim,
+                     FP8EXT_MAX_NDIM);
+        Py_DECREF(capsule);
+        return -1;
+    }
+    v->capsule = capsule;
+    v->data = (char *)t->data + t->byte_offset;
+    v->device_type = t->device.device_type;
+    v->device_id = t->device.device_id;
+    v->ndim = t->ndim;
+    v->code = t->dtype.code;
+    v->bits = t->dtype.bits;
+    v->lanes = t->dtype.lanes;
+    v->numel = 1;
+    for (int i = 0; i < t->ndim; ++i) {
+        v->shape[i] = t->shape[i];
+        v->numel *= t->shape[i];
+    }
+    /* Row-major compact, ignoring the strides of size-1 dimensions (which producers set freely). */
+    v->contiguous = 1;
+    if (t->strides && v->numel > 0) {
+        int64_t expected = 1;
+        for (int i = t->ndim - 1; i >= 0; --i) {
+            if (t->shape[i] != 1 && t->strides[i] != expected) v->contiguous = 0;
+            expected *= t->shape[i];
+        }
+    }
+    if (v->lanes != 1) v->kind = FP8EXT_KIND_OTHER;
+    else if (v->code == kDLFloat && v->bits == 32) v->kind = FP8EXT_KIND_F32;
+    else if (v->code == kDLBfloat && v->bits == 16) v->kind = FP8EXT_KIND_BF16;
+    else if (v->code == kDLFloat && v->bits == 16) v->kind = FP8EXT_KIND_F16;
+    else if (v->code == kDLUInt && v->bits == 8) v->kind = FP8EXT_KIND_U8;
+    else v->kind = FP8EXT_KIND_OTHER;
+    if (v->device_type != kDLCPU && v->device_type != kDLCUDA) {
+        char dev[32];
+        PyErr_Format(PyExc_ValueError, "%s(): %s is on %s; fp8ext runs on cpu and cuda devices", fn, arg,
+                     fp8ext_view_device_name(v, dev, sizeof dev));
+        fp8ext_view_release(v);
+        return -1;
+    }
+    return 0;
+}
+
+void fp8ext_view_release(fp8ext_view *v) { Py_CLEAR(v->capsule); }
+
+const char *fp8ext_view_dtype_name(const fp8ext_view *v, char *buf, size_t len) {
+    switch (v->code) {
+    case kDLInt: snprintf(buf, len, "int%u", v->bits); break;
+    case kDLUInt: snprintf(buf, len, "uint%u", v->bits); break;
+    case kDLFloat: snprintf(buf, len, "float%u", v->bits); break;
+    case kDLBfloat: snprintf(buf, len, "bfloat%u", v->bits); break;
+    case kDLComplex: snprintf(buf, len, "complex%u", v->bits); break;
+    case kDLBool: snprintf(buf, len, "bool"); break;
+    case kDLFloat8_e4m3fn: snprintf(buf, len, "float8_e4m3fn"); break;
+    case kDLFloat8_e5m2: snprintf(buf, len, "float8_e5m2"); break;
+    default: snprintf(buf, len, "DLPack type code %u (%u bits)", v->code, v->bits); break;
+    }
+    if (v->lanes != 1) {
+        size_t used = strlen(buf);
+        snprintf(buf + used, len - used, "x%u", v->lanes);
+    }
+    return buf;
+}
+
+const char *fp8ext_view_device_name(const fp8ext_view *v, char *buf, size_t len) {
+    if (v->device_type == kDLCPU) snprintf(buf, len, "cpu");
+    else if (v->device_type == kDLCUDA) snprintf(buf, len, "cuda:%d", v->device_id);
+    else snprintf(buf, len, "DLPack device type %d:%d", v->device_type, v->device_id);
+    return buf;
+}
+
+static int raise_dtype(const fp8ext_view *v, const char *fn, const char *arg, const char *expected) {
+    char dt[48], dev[32];
+    PyErr_Format(PyExc_TypeError, "%s(): %s must be %s, got %s on %s", fn, arg, expected,
+                 fp8ext_view_dtype_name(v, dt, sizeof dt), fp8ext_view_device_name(v, dev, sizeof dev));
+    return -1;
+}
+
+int fp8ext_check_float(const fp8ext_view *v, const char *fn, const char *arg) {
+    if (v->kind == FP8EXT_KIND_F32 || v->kind == FP8EXT_KIND_BF16 || v->kind == FP8EXT_KIND_F16) return 0;
+    return raise_dtype(v, fn, arg, "float32, bfloat16 or float16");
+}
+
+int fp8ext_check_kind(const fp8ext_view *v, int kind, const char *fn, const char *arg) {
+    static const char *names[] = {"float32", "bfloat16", "float16", "uint8 (FP8 bytes)"};
+    if (v->kind == kind) return 0;
+    return raise_dtype(v, fn, arg, names[kind]);
+}
+
+int fp8ext_check_contiguous(const fp8ext_view *v, const char *fn, const char *arg) {
+    if (v->contiguous) return 0;
+    PyErr_Format(PyExc_ValueError, "%s(): %s must be contiguous (row-major, compact); call .contiguous() first", fn,
+                 arg);
+    return -1;
+}
+
+int fp8ext_check_writable(const fp8ext_view *v, const char *fn, const char *arg) {
+    if (!v->read_only) return 0;
+    PyErr_Format(PyExc_ValueError, "%s(): %s is read-only, but fp8ext writes to it", fn, arg);
+    return -1;
+}
+
+int fp8ext_check_same_device(const fp8ext_view *v, const fp8ext_view *ref, const char *fn, const char *arg,
+                             const char *ref_arg) {
+    if (v->device_type == ref->device_type && (v->device_type == kDLCPU || v->device_id == ref->device_id)) return 0;
+    char d1[32], d2[32];
+    PyErr_Format(PyExc_ValueError, "%s(): %s is on %s but %s is on %s; they must be on the same device", fn, arg,
+                 fp8ext_view_device_name(v, d1, sizeof d1), ref_arg, fp8ext_view_device_name(ref, d2, sizeof d2));
+    return -1;
+}
+
+static void format_shape(const fp8ext_view *v, char *buf, size_t len) {
+    size_t used = (size_t)snprintf(buf, len, "[");
+    for (int i = 0; i < v->ndim && used < len; ++i)
+        used += (size_t)snprintf(buf + used, len - used, i ? ", %lld" : "%lld", (long long)v->shape[i]);
+    if (used < len) snprintf(buf + used, len - used, "]");
+}
+
+int fp8ext_check_same_shape(const fp8ext_view *v, const fp8ext_view *ref, const char *fn, const char *arg,
+                            const char *ref_arg) {
+    int same = v->ndim == ref->ndim;
+    for (int i = 0; same && i < v->ndim; ++i) same = v->shape[i] == ref->shape[i];
+    if (same) return 0;
+    char s1[160], s2[160];
+    format_shape(v, s1, sizeof s1);
+    format_shape(ref, s2, sizeof s2);
+    PyErr_Format(PyExc_ValueError, "%s(): %s has shape %s but %s has shape %s; they must match", fn, arg, s1, ref_arg,
+                 s2);
+    return -1;
+}
+
+int fp8ext_check_scalar_f32(const fp8ext_view *v, const char *fn, const char *arg) {
+    if (v->kind != FP8EXT_KIND_F32) return raise_dtype(v, fn, arg, "a float32 tensor with one element");
+    if (v->numel == 1) return 0;
+    char s[160];
+    format_shape(v, s, sizeof s);
+    PyErr_Format(PyExc_ValueError, "%s(): %s must hold exactly one float32 element, got shape %s", fn, arg, s);
+    return -1;
+}

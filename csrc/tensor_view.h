@@ -1,0 +1,58 @@
+/* tensor_view.h: borrowing tensors from Python through DLPack.
+ *
+ * A view holds a reference to the DLPack capsule for the duration of one call and reads the
+ * pointer, device, dtype and shape out of it. fp8ext never keeps a pointer past the call and
+ * never takes ownership (the capsule is not renamed "used_dltensor"), so the capsule's own
+ * destructor frees the producer's memory handle when the last reference goes.
+ *
+ * Every check raises a Python exception whose message names the function and the argument
+ * ("quantize(): x must be ..."), then returns -1.
+ */
+#ifndef FP8EXT_TENSOR_VIEW_H
+#define FP8EXT_TENSOR_VIEW_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+#define FP8EXT_MAX_NDIM 8
+
+/* What a view's element type is, as fp8ext sees it. */
+enum { FP8EXT_KIND_F32 = 0, FP8EXT_KIND_BF16 = 1, FP8EXT_KIND_F16 = 2, FP8EXT_KIND_U8 = 3, FP8EXT_KIND_OTHER = 4 };
+
+typedef struct {
+    PyObject *capsule; /* owned reference, released by fp8ext_view_release */
+    void *data;
+    int device_type;   /* DLPack device type: kDLCPU (1) or kDLCUDA (2) */
+    int device_id;
+    int ndim;
+    int64_t shape[FP8EXT_MAX_NDIM];
+    int64_t numel;
+    int kind;          /* FP8EXT_KIND_* */
+    uint8_t code, bits;
+    uint16_t lanes;
+    int contiguous;    /* row-major compact */
+    int read_only;
+} fp8ext_view;
+
+/* Fills *v from a DLPack capsule or an object with __dlpack__. A CUDA producer is asked for
+ * data ready on `stream` (a cudaStream_t as an integer). Returns 0, or -1 with an exception. */
+int fp8ext_view_get(PyObject *obj, Py_ssize_t stream, const char *fn, const char *arg, fp8ext_view *v);
+void fp8ext_view_release(fp8ext_view *v);
+
+/* Formatting for messages: "float32", "bfloat16", "uint8", "int64", ... and "cpu" / "cuda:1". */
+const char *fp8ext_view_dtype_name(const fp8ext_view *v, char *buf, size_t len);
+const char *fp8ext_view_device_name(const fp8ext_view *v, char *buf, size_t len);
+
+/* Checks, each raising with the function and argument named. */
+int fp8ext_check_float(const fp8ext_view *v, const char *fn, const char *arg); /* f32/bf16/f16 */
+int fp8ext_check_kind(const fp8ext_view *v, int kind, const char *fn, const char *arg);
+int fp8ext_check_contiguous(const fp8ext_view *v, const char *fn, const char *arg);
+int fp8ext_check_writable(const fp8ext_view *v, const char *fn, const char *arg);
+int fp8ext_check_same_device(const fp8ext_view *v, const fp8ext_view *ref, const char *fn, const char *arg,
+                             const char *ref_arg);
+int fp8ext_check_same_shape(const fp8ext_view *v, const fp8ext_view *ref, const char *fn, const char *arg,
+                            const char *ref_arg);
+int fp8ext_check_scalar_f32(const fp8ext_view *v, const char *fn, const char *arg); /* float32, one element */
+
+#endif /* FP8EXT_TENSOR_VIEW_H */

@@ -1,0 +1,41 @@
+"""fp8ext: FP8 training and inference for PyTorch on Hopper GPUs, with a bit-exact CPU reference.
+
+    import fp8ext
+    q = fp8ext.quantize(x, fp8ext.E4M3, scale)        # torch.float8_e4m3fn
+    x2 = fp8ext.dequantize(q, 1 / scale)
+
+The native core (fp8ext._C, C and CUDA C) defines the FP8 numerics once; this package decides what to
+compute and allocates outputs with torch. See README.md.
+"""
+
+import torch  # noqa: F401  (loads torch's CUDA libraries before the extension's)
+
+from . import _C
+from . import _library  # noqa: F401  (registers torch.ops.fp8ext.*)
+from .formats import E4M3, E5M2, FP8Format, Format
+from .ops import amax, cast_transpose, dequantize, quantize
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "E4M3",
+    "E5M2",
+    "FP8Format",
+    "Format",
+    "quantize",
+    "dequantize",
+    "amax",
+    "cast_transpose",
+    "cuda_available",
+    "build_info",
+]
+
+
+def cuda_available() -> bool:
+    """True when this build of fp8ext has its CUDA kernels and a CUDA device is visible."""
+    return bool(_C.WITH_CUDA) and _C.cuda_device_count() > 0
+
+
+def build_info() -> dict:
+    """How fp8ext._C was built: {'cuda': bool, 'cuda_archs': '90a', versions, 'no_cuda_reason': ...}."""
+    return dict(_C.build_info())

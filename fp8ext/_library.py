@@ -1,0 +1,69 @@
+"""fp8ext's operations as torch ops (torch.library), with fake implementations for tracing.
+
+torch.ops.fp8ext.{quantize, dequantize, amax, cast_transpose} run the same code as the eager
+functions in fp8ext.ops; the fake implementations give torch.compile / torch.export the outputs'
+shapes and dtypes without running anything, so compiled code calls fp8ext's kernels without graph
+breaks. The public functions in fp8ext.ops switch to these ops while torch.compile traces; eager calls
+skip the dispatcher and its overhead. A scale crosses as (tensor or None, float) since torch ops take
+one type per argument.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from . import ops
+from .formats import format_of_code
+
+
+def _scale(scale: Optional[torch.Tensor], scale_value: float):
+    return scale if scale is not None else scale_value
+
+
+@torch.library.custom_op("fp8ext::quantize", mutates_args=("amax_out",))
+def _quantize(x: torch.Tensor, fmt: int, scale: Optional[torch.Tensor], scale_value: float, saturate: bool,
+              stochastic: bool, seed: int, amax_out: Optional[torch.Tensor]) -> torch.Tensor:
+    return ops.quantize_eager(x, format_of_code(fmt), _scale(scale, scale_value), saturate, stochastic, seed,
+                              amax_out)
+
+
+@_quantize.register_fake
+def _(x, fmt, scale, scale_value, saturate, stochastic, seed, amax_out):
+    return x.new_empty(x.shape, dtype=format_of_code(fmt).torch_dtype)
+
+
+@torch.library.custom_op("fp8ext::dequantize", mutates_args=())
+def _dequantize(q: torch.Tensor, fmt: int, scale_inv: Optional[torch.Tensor], scale_inv_value: float,
+                dtype: torch.dtype) -> torch.Tensor:
+    return ops.dequantize_eager(q, format_of_code(fmt), _scale(scale_inv, scale_inv_value), dtype)
+
+
+@_dequantize.register_fake
+def _(q, fmt, scale_inv, scale_inv_value, dtype):
+    return q.new_empty(q.shape, dtype=dtype)
+
+
+@torch.library.custom_op("fp8ext::amax", mutates_args=())
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    return ops.amax_eager(x)
+
+
+@_amax.register_fake
+def _(x):
+    return x.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op("fp8ext::cast_transpose", mutates_args=("amax_out",))
+def _cast_transpose(x: torch.Tensor, fmt: int, scale: Optional[torch.Tensor], scale_value: float, saturate: bool,
+                    amax_out: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    return ops.cast_transpose_eager(x, format_of_code(fmt), _scale(scale, scale_value), saturate, amax_out)
+
+
+@_cast_transpose.register_fake
+def _(x, fmt, scale, scale_value, saturate, amax_out):
+    if x.dim() != 2:
+        raise ValueError(f"cast_transpose(): x must be 2-D, got shape {list(x.shape)}")
+    dtype = format_of_code(fmt).torch_dtype
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty((x.shape[1], x.shape[0]), dtype=dtype)

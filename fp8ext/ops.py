@@ -1,0 +1,149 @@
+"""FP8 casts: quantize, dequantize, amax and cast_transpose.
+
+Each function allocates its outputs with torch and runs fp8ext._C on the inputs' device: the bit-exact
+C reference on the CPU, a CUDA kernel on the caller's current stream on a GPU. Conventions (the same as
+Transformer Engine's): `scale` multiplies, q = fp8(x * scale); `scale_inv` = 1/scale dequantizes,
+x ~ float(q) * scale_inv. A scale is a Python number or a one-element float32 tensor on x's device,
+read where it lives (no host synchronisation). Under torch.compile the same calls go through the torch
+ops registered in fp8ext._library, so they trace without graph breaks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple, Union
+
+import torch
+
+from . import _C
+from ._boundary import describe, dl, dl_opt, scale_arg, stream_of
+from .formats import E4M3, FP8Format, format_of_dtype, resolve_format
+
+__all__ = ["quantize", "dequantize", "amax", "cast_transpose"]
+
+Scale = Union[float, torch.Tensor]
+_HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_seed(seed: Any, fn: str) -> int:
+    if seed is None:
+        # Drawn from torch's CPU generator: torch.manual_seed makes it reproducible. No device sync.
+        return int(torch.randint(0, 2**62, (), dtype=torch.int64))
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"{fn}(): seed must be an int in [0, 2**63), got {seed!r}")
+    return seed
+
+
+def _scale_parts(scale: Scale) -> Tuple[Optional[torch.Tensor], float]:
+    return (scale, 1.0) if isinstance(scale, torch.Tensor) else (None, float(scale))
+
+
+def quantize(x: Any, fmt: Any = E4M3, scale: Scale = 1.0, *, saturate: bool = True, stochastic: bool = False,
+             seed: Optional[int] = None, amax_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """q = fp8(x * scale), as a torch.float8_e4m3fn or torch.float8_e5m2 tensor of x's shape.
+
+    x: float32, bfloat16 or float16, contiguous, on the CPU or a CUDA device (a numpy array works on
+    the CPU). The product x * scale is rounded to float32, then to FP8: to nearest even, or
+    stochastically with `stochastic=True` (unbiased; the same `seed` gives the same bytes on CPU and
+    GPU; seed=None draws one from torch's CPU generator). saturate=True clamps to +-fmt.max (Inf too);
+    saturate=False gives the format's own overflow: Inf for E5M2, NaN for E4M3. NaN stays NaN.
+    amax_out: a one-element float32 tensor on x's device that becomes max(amax_out, max|x|) (|x| before
+    scaling) in the same pass; NaN in x makes it NaN.
+    """
+    f = resolve_format(fmt, "quantize")
+    seed = _check_seed(seed, "quantize") if stochastic else 0
+    if torch.compiler.is_compiling():
+        scale_t, scale_v = _scale_parts(scale)
+        return torch.ops.fp8ext.quantize(x, f.code, scale_t, scale_v, saturate, stochastic, seed, amax_out)
+    return quantize_eager(x, f, scale, saturate, stochastic, seed, amax_out)
+
+
+def quantize_eager(x: Any, f: FP8Format, scale: Any, saturate: bool, stochastic: bool, seed: int,
+                   amax_out: Optional[torch.Tensor]) -> torch.Tensor:
+    shape, device = describe(x, "quantize")
+    out = torch.empty(shape, dtype=torch.uint8, device=device)
+    _C.quantize(dl(x), _to_dl(out), f.code, scale_arg(scale), amax_out=dl_opt(amax_out), saturate=saturate,
+                stochastic=stochastic, seed=seed, stream=stream_of(device))
+    return out.view(f.torch_dtype)
+
+
+def dequantize(q: Any, scale_inv: Scale = 1.0, dtype: torch.dtype = torch.float32, *,
+               fmt: Any = None) -> torch.Tensor:
+    """x = float(q) * scale_inv, rounded (to nearest even) to `dtype` (float32, bfloat16 or float16).
+
+    q: a torch.float8_e4m3fn / float8_e5m2 tensor (its dtype gives the format), or uint8 bytes with
+    `fmt` given. scale_inv: a Python number or a one-element float32 tensor on q's device.
+    """
+    fn = "dequantize"
+    if dtype not in _HIGH_PRECISION:
+        raise TypeError(f"{fn}(): dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
+    f = _format_of_q(q, fmt, fn)
+    if torch.compiler.is_compiling():
+        scale_t, scale_v = _scale_parts(scale_inv)
+        return torch.ops.fp8ext.dequantize(q, f.code, scale_t, scale_v, dtype)
+    return dequantize_eager(q, f, scale_inv, dtype)
+
+
+def dequantize_eager(q: Any, f: FP8Format, scale_inv: Any, dtype: torch.dtype) -> torch.Tensor:
+    shape, device = describe(q, "dequantize", "q")
+    out = torch.empty(shape, dtype=dtype, device=device)
+    _C.dequantize(dl(q), _to_dl(out), f.code, scale_arg(scale_inv), stream=stream_of(device))
+    return out
+
+
+def amax(x: Any) -> torch.Tensor:
+    """max|x| as a 0-d float32 tensor on x's device (0 for an empty x; NaN if x holds a NaN)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.fp8ext.amax(x)
+    return amax_eager(x)
+
+
+def amax_eager(x: Any) -> torch.Tensor:
+    _, device = describe(x, "amax")
+    out = torch.zeros((), dtype=torch.float32, device=device)
+    _C.amax(dl(x), _to_dl(out), stream=stream_of(device))
+    return out
+
+
+def cast_transpose(x: Any, fmt: Any = E4M3, scale: Scale = 1.0, amax_out: Optional[torch.Tensor] = None, *,
+                   saturate: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(q, q_t): q = fp8(x * scale) of a 2-D x [M, N] and its transpose q_t [N, M], in one pass over x.
+
+    Rounding, saturation, scale and amax_out as in quantize (round to nearest even only). The transposed
+    copy is what a GEMM needs when the FP8 operand must be K-major the other way (FP8Linear's wgrad).
+    """
+    f = resolve_format(fmt, "cast_transpose")
+    if torch.compiler.is_compiling():
+        scale_t, scale_v = _scale_parts(scale)
+        return torch.ops.fp8ext.cast_transpose(x, f.code, scale_t, scale_v, saturate, amax_out)
+    return cast_transpose_eager(x, f, scale, saturate, amax_out)
+
+
+def cast_transpose_eager(x: Any, f: FP8Format, scale: Any, saturate: bool,
+                         amax_out: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    shape, device = describe(x, "cast_transpose")
+    if len(shape) != 2:
+        raise ValueError(f"cast_transpose(): x must be 2-D, got shape {list(shape)}")
+    q = torch.empty(shape, dtype=torch.uint8, device=device)
+    qt = torch.empty((shape[1], shape[0]), dtype=torch.uint8, device=device)
+    _C.cast_transpose(dl(x), _to_dl(q), _to_dl(qt), f.code, scale_arg(scale), amax_out=dl_opt(amax_out),
+                      saturate=saturate, stream=stream_of(device))
+    return q.view(f.torch_dtype), qt.view(f.torch_dtype)
+
+
+def _format_of_q(q: Any, fmt: Any, fn: str) -> FP8Format:
+    if fmt is not None:
+        f = resolve_format(fmt, fn)
+        qf = format_of_dtype(q.dtype) if isinstance(q, torch.Tensor) else None
+        if qf is not None and qf is not f:
+            raise ValueError(f"{fn}(): q is {q.dtype} but fmt={f!r}; leave fmt out or make them agree")
+        return f
+    if isinstance(q, torch.Tensor):
+        f = format_of_dtype(q.dtype)
+        if f is not None:
+            return f
+        raise TypeError(f"{fn}(): q must be a torch.float8_e4m3fn or torch.float8_e5m2 tensor (or uint8 with "
+                        f"fmt=...), got {q.dtype}")
+    raise TypeError(f"{fn}(): q must be a torch float8 tensor, or give fmt= for uint8 bytes; got {type(q).__name__}")
+
+
+_to_dl = torch._C._to_dlpack  # fp8ext's own freshly allocated outputs: plain dtypes, always torch
