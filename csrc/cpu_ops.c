@@ -30,10 +30,9 @@ void fp8ext_cpu_quantize(const fp8ext_quantize_args *a) {
         const float v = load_elem(a->x, a->x_dtype, i);
         const int32_t b = abs_bits(v);
         if (b > m) m = b;
-        const float s = v * scale;
         a->q[i] = a->stochastic
-                      ? fp8_encode_sr(s, fp8_sr_bits(a->sr_key, (uint64_t)i), a->fmt, a->saturate)
-                      : fp8_encode_rne(s, a->fmt, a->saturate);
+                      ? fp8_quantize_sr(v, scale, fp8_sr_bits(a->sr_key, (uint64_t)i), a->fmt, a->saturate)
+                      : fp8_quantize_rne(v, scale, a->fmt, a->saturate);
     }
     if (a->amax_out && a->n > 0) amax_update(a->amax_out, m);
 }
@@ -67,7 +66,7 @@ void fp8ext_cpu_cast_transpose(const fp8ext_cast_transpose_args *a) {
             const float v = load_elem(a->x, a->x_dtype, r * a->cols + c);
             const int32_t b = abs_bits(v);
             if (b > m) m = b;
-            const uint8_t q = fp8_encode_rne(v * scale, a->fmt, a->saturate);
+            const uint8_t q = fp8_quantize_rne(v, scale, a->fmt, a->saturate);
             a->q[r * a->cols + c] = q;
             a->qt[c * a->rows + r] = q;
         }

@@ -12,7 +12,9 @@
  *   - saturate != 0: results beyond the largest finite value, and +-Inf, become +-max
  *     (what cuda_fp8's __NV_SATFINITE does). saturate == 0: the format's own overflow,
  *     Inf for E5M2 and NaN for E4M3 (__NV_NOSAT).
- *   - NaN stays NaN and keeps its sign: NaN -> sign | 0x7F in both formats.
+ *   - NaN stays NaN: NaN -> sign | 0x7F in both formats, where the sign is x's (the unscaled input's).
+ *     The sign of a NaN that comes out of arithmetic is not portable: x86 keeps the operand's,
+ *     NVIDIA GPUs return a positive canonical NaN. So fp8_quantize_* take the sign from x.
  *   - Signed zeros keep their sign; values that round to zero give +-0.
  */
 #ifndef FP8EXT_FP8_NUMERICS_H
@@ -142,6 +144,19 @@ FP8_FN uint8_t fp8_encode_sr(float v, uint32_t rnd, int fmt, int saturate) {
     uint32_t enc = e < emin ? k : ((uint32_t)(e + bias) << mant) + k - (1u << mant);
     if (enc > fp8_max_code(fmt)) enc = saturate ? fp8_max_code(fmt) : fp8_overflow_code(fmt);
     return (uint8_t)(sign | enc);
+}
+
+/* q = fp8(x * scale): the product rounded to float32, then to FP8 (see the NaN rule at the top). */
+FP8_FN uint8_t fp8_nan_of(float x) { return (uint8_t)(((fp8_f32_bits(x) >> 24) & 0x80u) | FP8EXT_NAN_CODE); }
+
+FP8_FN uint8_t fp8_quantize_rne(float x, float scale, int fmt, int saturate) {
+    const float v = x * scale;
+    return v != v ? fp8_nan_of(x) : fp8_encode_rne(v, fmt, saturate);
+}
+
+FP8_FN uint8_t fp8_quantize_sr(float x, float scale, uint32_t rnd, int fmt, int saturate) {
+    const float v = x * scale;
+    return v != v ? fp8_nan_of(x) : fp8_encode_sr(v, rnd, fmt, saturate);
 }
 
 /* Counter-based random bits for stochastic rounding: the same (key, index) gives the same bits

@@ -39,6 +39,8 @@ def scale_arg(scale: Any) -> Any:
 def describe(x: Any, fn: str, arg: str = "x") -> Tuple[Tuple[int, ...], torch.device]:
     """Shape and device of a torch tensor or of any array that supports DLPack."""
     if isinstance(x, torch.Tensor):
+        if x.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{fn}(): {arg} is on {x.device.type}; fp8ext runs on cpu and cuda")
         return x.shape, x.device
     dev = getattr(x, "__dlpack_device__", None)
     if dev is None or not hasattr(x, "__dlpack__"):

@@ -1,11 +1,14 @@
 """fp8ext's operations as torch ops (torch.library), with fake implementations for tracing.
 
-torch.ops.fp8ext.{quantize, dequantize, amax, cast_transpose} run the same code as the eager
-functions in fp8ext.ops; the fake implementations give torch.compile / torch.export the outputs'
-shapes and dtypes without running anything, so compiled code calls fp8ext's kernels without graph
-breaks. The public functions in fp8ext.ops switch to these ops while torch.compile traces; eager calls
-skip the dispatcher and its overhead. A scale crosses as (tensor or None, float) since torch ops take
-one type per argument.
+torch.ops.fp8ext.{quantize, dequantize, amax, cast_transpose} run the same code as the eager functions
+in fp8ext.ops; the fake implementations give torch.compile / torch.export the outputs' shapes and dtypes
+without running anything, so compiled code calls fp8ext's kernels without graph breaks. The public
+functions in fp8ext.ops switch to these ops while torch.compile traces; eager calls skip the dispatcher.
+
+The ops are functional: instead of updating amax_out in place they take the running amax and return
+the updated one, and the public function copies it back (an ordinary in-place op that the compilers
+handle everywhere; custom ops with optional mutated arguments trip inductor in torch 2.11). A scale
+crosses as (tensor or None, float) since a torch op takes one type per argument.
 """
 
 from __future__ import annotations
@@ -22,16 +25,25 @@ def _scale(scale: Optional[torch.Tensor], scale_value: float):
     return scale if scale is not None else scale_value
 
 
-@torch.library.custom_op("fp8ext::quantize", mutates_args=("amax_out",))
+def _running_amax(x: torch.Tensor, amax_in: Optional[torch.Tensor]) -> torch.Tensor:
+    return amax_in.clone() if amax_in is not None else torch.zeros((), dtype=torch.float32, device=x.device)
+
+
+def _fake_amax(x: torch.Tensor, amax_in: Optional[torch.Tensor]) -> torch.Tensor:
+    return amax_in.new_empty(amax_in.shape) if amax_in is not None else x.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op("fp8ext::quantize", mutates_args=())
 def _quantize(x: torch.Tensor, fmt: int, scale: Optional[torch.Tensor], scale_value: float, saturate: bool,
-              stochastic: bool, seed: int, amax_out: Optional[torch.Tensor]) -> torch.Tensor:
-    return ops.quantize_eager(x, format_of_code(fmt), _scale(scale, scale_value), saturate, stochastic, seed,
-                              amax_out)
+              stochastic: bool, seed: int, amax_in: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    amax = _running_amax(x, amax_in)
+    q = ops.quantize_eager(x, format_of_code(fmt), _scale(scale, scale_value), saturate, stochastic, seed, amax)
+    return q, amax
 
 
 @_quantize.register_fake
-def _(x, fmt, scale, scale_value, saturate, stochastic, seed, amax_out):
-    return x.new_empty(x.shape, dtype=format_of_code(fmt).torch_dtype)
+def _(x, fmt, scale, scale_value, saturate, stochastic, seed, amax_in):
+    return x.new_empty(x.shape, dtype=format_of_code(fmt).torch_dtype), _fake_amax(x, amax_in)
 
 
 @torch.library.custom_op("fp8ext::dequantize", mutates_args=())
@@ -55,15 +67,18 @@ def _(x):
     return x.new_empty((), dtype=torch.float32)
 
 
-@torch.library.custom_op("fp8ext::cast_transpose", mutates_args=("amax_out",))
+@torch.library.custom_op("fp8ext::cast_transpose", mutates_args=())
 def _cast_transpose(x: torch.Tensor, fmt: int, scale: Optional[torch.Tensor], scale_value: float, saturate: bool,
-                    amax_out: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-    return ops.cast_transpose_eager(x, format_of_code(fmt), _scale(scale, scale_value), saturate, amax_out)
+                    amax_in: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    amax = _running_amax(x, amax_in)
+    q, qt = ops.cast_transpose_eager(x, format_of_code(fmt), _scale(scale, scale_value), saturate, amax)
+    return q, qt, amax
 
 
 @_cast_transpose.register_fake
-def _(x, fmt, scale, scale_value, saturate, amax_out):
+def _(x, fmt, scale, scale_value, saturate, amax_in):
     if x.dim() != 2:
         raise ValueError(f"cast_transpose(): x must be 2-D, got shape {list(x.shape)}")
     dtype = format_of_code(fmt).torch_dtype
-    return x.new_empty(x.shape, dtype=dtype), x.new_empty((x.shape[1], x.shape[0]), dtype=dtype)
+    return (x.new_empty(x.shape, dtype=dtype), x.new_empty((x.shape[1], x.shape[0]), dtype=dtype),
+            _fake_amax(x, amax_in))

@@ -53,7 +53,10 @@ def quantize(x: Any, fmt: Any = E4M3, scale: Scale = 1.0, *, saturate: bool = Tr
     seed = _check_seed(seed, "quantize") if stochastic else 0
     if torch.compiler.is_compiling():
         scale_t, scale_v = _scale_parts(scale)
-        return torch.ops.fp8ext.quantize(x, f.code, scale_t, scale_v, saturate, stochastic, seed, amax_out)
+        q, new_amax = torch.ops.fp8ext.quantize(x, f.code, scale_t, scale_v, saturate, stochastic, seed, amax_out)
+        if amax_out is not None:
+            amax_out.copy_(new_amax)
+        return q
     return quantize_eager(x, f, scale, saturate, stochastic, seed, amax_out)
 
 
@@ -114,7 +117,10 @@ def cast_transpose(x: Any, fmt: Any = E4M3, scale: Scale = 1.0, amax_out: Option
     f = resolve_format(fmt, "cast_transpose")
     if torch.compiler.is_compiling():
         scale_t, scale_v = _scale_parts(scale)
-        return torch.ops.fp8ext.cast_transpose(x, f.code, scale_t, scale_v, saturate, amax_out)
+        q, qt, new_amax = torch.ops.fp8ext.cast_transpose(x, f.code, scale_t, scale_v, saturate, amax_out)
+        if amax_out is not None:
+            amax_out.copy_(new_amax)
+        return q, qt
     return cast_transpose_eager(x, f, scale, saturate, amax_out)
 
 

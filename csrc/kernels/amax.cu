@@ -1,9 +1,9 @@
 // amax.cu: *amax_out = max(*amax_out, max|x|) over float32/bfloat16/float16 x.
 //
 // Memory traffic: reads sizeof(T) bytes per element, writes nothing but one atomic per block.
-// Launch: grid-stride over 16-byte vectors, 256 threads per block, at most 8 blocks per
-// multiprocessor, kUnroll loads in flight per thread; unaligned data and the last n % kVec
-// elements go one element per thread. The maximum is taken over |x|'s float32 bits as int32,
+// Launch: one pass, as quantize.cu: each 256-thread block owns kUnroll * 256 consecutive 16-byte
+// vectors, all loads issued before use; unaligned data and the last n % kVec elements go one
+// element per thread. The maximum is taken over |x|'s float32 bits as int32,
 // so a NaN anywhere in x makes the result NaN (see fp8ext.h).
 #include "common.cuh"
 
@@ -17,24 +17,19 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads) amax_vec_kernel(const T *__restrict__ x, int64_t nvec, float *amax_out) {
     constexpr int V = Elem<T>::kVec;
     const uint4 *xv = reinterpret_cast<const uint4 *>(x);
-    const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+    const int64_t base = static_cast<int64_t>(blockIdx.x) * (kThreads * kUnroll) + threadIdx.x;
     int32_t amax = 0;
-    for (int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; base < nvec;
-         base += stride * kUnroll) {
-        uint4 in[kUnroll];
+    uint4 in[kUnroll];
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-            const int64_t i = base + u * stride;
-            if (i < nvec) in[u] = __ldcs(xv + i);
-        }
+    for (int u = 0; u < kUnroll; ++u)
+        if (base + u * kThreads < nvec) in[u] = __ldcs(xv + base + u * kThreads);
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-            if (base + u * stride < nvec) {
-                float f[V];
-                Elem<T>::unpack(in[u], f);
+    for (int u = 0; u < kUnroll; ++u) {
+        if (base + u * kThreads < nvec) {
+            float f[V];
+            Elem<T>::unpack(in[u], f);
 #pragma unroll
-                for (int j = 0; j < V; ++j) amax = max(amax, abs_bits(f[j]));
-            }
+            for (int j = 0; j < V; ++j) amax = max(amax, abs_bits(f[j]));
         }
     }
     block_amax_commit<kThreads>(amax, amax_out);
@@ -58,9 +53,9 @@ cudaError_t launch(const fp8ext_amax_args *a, cudaStream_t stream, int num_sms) 
     if (aligned(a->x, 16)) {
         const int64_t nvec = a->n / V;
         if (nvec > 0) {
-            const int64_t want = (nvec + kThreads * kUnroll - 1) / (kThreads * kUnroll);
-            const int blocks = static_cast<int>(want < max_blocks ? want : max_blocks);
-            amax_vec_kernel<T><<<blocks, kThreads, 0, stream>>>(static_cast<const T *>(a->x), nvec, a->amax_out);
+            const int64_t blocks = (nvec + kThreads * kUnroll - 1) / (kThreads * kUnroll);
+            if (blocks > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
+            amax_vec_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(static_cast<const T *>(a->x), nvec, a->amax_out);
             done = nvec * V;
         }
     }

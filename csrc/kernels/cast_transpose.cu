@@ -44,8 +44,7 @@ __device__ __forceinline__ void fast_tile(const T *__restrict__ x, uint8_t *__re
 #pragma unroll
         for (int j = 0; j < V; j += 4) {
             amax = max(amax, max(max(abs_bits(f[j]), abs_bits(f[j + 1])), max(abs_bits(f[j + 2]), abs_bits(f[j + 3]))));
-            w[j / 4] = cvt2<FMT>(f[j] * scale, f[j + 1] * scale, saturate) |
-                       (cvt2<FMT>(f[j + 2] * scale, f[j + 3] * scale, saturate) << 16);
+            w[j / 4] = cvt2<FMT>(f[j], f[j + 1], scale, saturate) | (cvt2<FMT>(f[j + 2], f[j + 3], scale, saturate) << 16);
             tile[r][vc * (V / 4) + j / 4] = w[j / 4];
         }
         uint8_t *dst = q + (row0 + r) * cols + col0 + vc * V;
@@ -93,7 +92,7 @@ __device__ __forceinline__ void edge_tile(const T *__restrict__ x, uint8_t *__re
         if (r >= rows || c >= cols) continue;
         const float v = Elem<T>::load1(x, r * cols + c);
         amax = max(amax, abs_bits(v));
-        const uint8_t b = static_cast<uint8_t>(cvt1<FMT>(v * scale, saturate));
+        const uint8_t b = static_cast<uint8_t>(cvt1<FMT>(v, scale, saturate));
         q[r * cols + c] = b;
         qt[c * rows + r] = b;
     }

@@ -4,7 +4,8 @@
 // cuda_fp8.h's __nv_cvt_float2_to_fp8x2), which rounds to nearest even exactly as the scalar
 // definition in fp8_numerics.h does. Three cases are patched to that definition: NaN keeps its
 // sign, and without saturation an overflow (or Inf) becomes the format's overflow code. The
-// GPU tests check the result against the CPU reference byte for byte.
+// GPU tests check the result against the CPU reference byte for byte. The helpers take the unscaled
+// x beside the scaled value v = x * scale because a NaN's sign comes from x (fp8_numerics.h).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -20,26 +21,27 @@ namespace fp8ext {
 
 __host__ __device__ constexpr __nv_fp8_interpretation_t interp(int fmt) { return fmt == FP8EXT_E4M3 ? __NV_E4M3 : __NV_E5M2; }
 
-// Patch one hardware-converted byte to fp8_encode_rne's definition (see the file header).
+// Patch one hardware-converted byte of v = x * scale to fp8_quantize_rne's definition.
 template <int FMT>
-__device__ __forceinline__ uint32_t fixup(uint32_t byte, float v, int saturate) {
-    const uint32_t sign = (__float_as_uint(v) >> 24) & 0x80u;
-    if (v != v) return sign | FP8EXT_NAN_CODE;
-    if (!saturate && fp8_overflows(fabsf(v), FMT)) return sign | fp8_overflow_code(FMT);
+__device__ __forceinline__ uint32_t fixup(uint32_t byte, float v, float x, int saturate) {
+    if (v != v) return fp8_nan_of(x);
+    if (!saturate && fp8_overflows(fabsf(v), FMT)) return ((__float_as_uint(v) >> 24) & 0x80u) | fp8_overflow_code(FMT);
     return byte;
 }
 
-// Two scaled values -> two FP8 bytes (a in the low byte).
+// fp8(a * scale), fp8(b * scale) -> two FP8 bytes (a's in the low byte).
 template <int FMT>
-__device__ __forceinline__ uint32_t cvt2(float a, float b, int saturate) {
-    const uint32_t r = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, interp(FMT));
-    return fixup<FMT>(r & 0xFFu, a, saturate) | (fixup<FMT>(r >> 8, b, saturate) << 8);
+__device__ __forceinline__ uint32_t cvt2(float a, float b, float scale, int saturate) {
+    const float va = a * scale, vb = b * scale;
+    const uint32_t r = __nv_cvt_float2_to_fp8x2(make_float2(va, vb), __NV_SATFINITE, interp(FMT));
+    return fixup<FMT>(r & 0xFFu, va, a, saturate) | (fixup<FMT>(r >> 8, vb, b, saturate) << 8);
 }
 
 template <int FMT>
-__device__ __forceinline__ uint32_t cvt1(float a, int saturate) {
-    const uint32_t r = __nv_cvt_float_to_fp8(a, __NV_SATFINITE, interp(FMT));
-    return fixup<FMT>(r & 0xFFu, a, saturate);
+__device__ __forceinline__ uint32_t cvt1(float a, float scale, int saturate) {
+    const float va = a * scale;
+    const uint32_t r = __nv_cvt_float_to_fp8(va, __NV_SATFINITE, interp(FMT));
+    return fixup<FMT>(r & 0xFFu, va, a, saturate);
 }
 
 // ---- element types --------------------------------------------------------------------------
@@ -71,6 +73,11 @@ template <> struct Elem<__nv_bfloat16> {
 };
 template <> struct Elem<__half> {
     static constexpr int kVec = 8;
+    // The hardware's half -> float conversion returns a positive canonical NaN; OR-ing the half's
+    // sign bit back in keeps a negative NaN's sign (and changes nothing for other values).
+    static __device__ __forceinline__ float widen(uint32_t bits16, float f) {
+        return __uint_as_float(__float_as_uint(f) | ((bits16 & 0x8000u) << 16));
+    }
     static __device__ __forceinline__ void unpack(const uint4 &v, float *f) {
         const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -78,12 +85,13 @@ template <> struct Elem<__half> {
             __half2 h;
             memcpy(&h, &w[i], sizeof h);
             const float2 p = __half22float2(h);
-            f[2 * i] = p.x;
-            f[2 * i + 1] = p.y;
+            f[2 * i] = widen(w[i], p.x);
+            f[2 * i + 1] = widen(w[i] >> 16, p.y);
         }
     }
     static __device__ __forceinline__ float load1(const void *p, int64_t i) {
-        return __half2float(static_cast<const __half *>(p)[i]);
+        const __half h = static_cast<const __half *>(p)[i];
+        return widen(__half_as_ushort(h), __half2float(h));
     }
 };
 

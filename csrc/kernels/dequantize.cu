@@ -1,8 +1,8 @@
 // dequantize.cu: out = float(q) * scale_inv, rounded to float32/bfloat16/float16.
 //
 // Memory traffic: reads 1 byte and writes sizeof(out) bytes per element (3 B for bf16 out).
-// Launch: grid-stride over 8-byte groups of q, 256 threads per block, at most 8 blocks per
-// multiprocessor. FP8 -> float16 is exact (every E4M3/E5M2 value is a float16 value, NaN and
+// Launch: one pass, as quantize.cu: each 256-thread block owns kUnroll * 256 consecutive 8-byte
+// groups of q, all loads issued before use. FP8 -> float16 is exact (every E4M3/E5M2 value is a float16 value, NaN and
 // Inf included), so the hardware's cvt to half2 followed by an exact widening gives the same
 // float32 as fp8_decode; the product and the final rounding are one float32 multiply and one
 // round-to-nearest-even, as in the CPU reference. Unaligned data and the tail go one element
@@ -13,7 +13,7 @@ namespace fp8ext {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kUnroll = 2;
+constexpr int kUnroll = 4;
 
 template <typename O> struct Out;
 template <> struct Out<float> {
@@ -69,27 +69,24 @@ dequantize_vec_kernel(const uint8_t *__restrict__ q, void *__restrict__ out, int
                       const float *__restrict__ scale_ptr, float scale_value) {
     const float s = load_scale(scale_ptr, scale_value);
     const uint2 *qv = reinterpret_cast<const uint2 *>(q);
-    const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-    for (int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; base < ngroups;
-         base += stride * kUnroll) {
-        uint2 in[kUnroll];
+    const int64_t base = static_cast<int64_t>(blockIdx.x) * (kThreads * kUnroll) + threadIdx.x;
+    uint2 in[kUnroll];
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-            if (base + u * stride < ngroups) in[u] = __ldcs(qv + base + u * stride);
+    for (int u = 0; u < kUnroll; ++u)
+        if (base + u * kThreads < ngroups) in[u] = __ldcs(qv + base + u * kThreads);
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-            const int64_t g = base + u * stride;
-            if (g >= ngroups) continue;
-            const uint32_t w[2] = {in[u].x, in[u].y};
-            float v[8];
+    for (int u = 0; u < kUnroll; ++u) {
+        const int64_t g = base + u * kThreads;
+        if (g >= ngroups) continue;
+        const uint32_t w[2] = {in[u].x, in[u].y};
+        float v[8];
 #pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const float2 p = decode2<FMT>(static_cast<uint16_t>(w[k / 2] >> (16 * (k % 2))));
-                v[2 * k] = p.x * s;
-                v[2 * k + 1] = p.y * s;
-            }
-            Out<O>::store8(out, g, v);
+        for (int k = 0; k < 4; ++k) {
+            const float2 p = decode2<FMT>(static_cast<uint16_t>(w[k / 2] >> (16 * (k % 2))));
+            v[2 * k] = p.x * s;
+            v[2 * k + 1] = p.y * s;
         }
+        Out<O>::store8(out, g, v);
     }
 }
 
@@ -110,9 +107,9 @@ cudaError_t launch(const fp8ext_dequantize_args *a, cudaStream_t stream, int num
     if (aligned(a->q, 8) && aligned(a->out, 16)) {
         const int64_t ngroups = a->n / 8;
         if (ngroups > 0) {
-            const int64_t want = (ngroups + kThreads * kUnroll - 1) / (kThreads * kUnroll);
-            const int blocks = static_cast<int>(want < max_blocks ? want : max_blocks);
-            dequantize_vec_kernel<O, FMT><<<blocks, kThreads, 0, stream>>>(a->q, a->out, ngroups, a->scale_inv_ptr,
+            const int64_t blocks = (ngroups + kThreads * kUnroll - 1) / (kThreads * kUnroll);
+            if (blocks > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
+            dequantize_vec_kernel<O, FMT><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a->q, a->out, ngroups, a->scale_inv_ptr,
                                                                           a->scale_inv);
             done = ngroups * 8;
         }

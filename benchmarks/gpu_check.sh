@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# gpu_check.sh: everything fp8ext needs a GPU for, in one call on the lent machine (the device tool):
+# build with CUDA for the local chip, run the whole test suite (GPU tests included), run benchmarks.
+# Logs go to $OUT (the device tool brings that folder back), the short tables to stdout.
+#
+#   bash benchmarks/gpu_check.sh                 # build + tests + all benchmarks
+#   bash benchmarks/gpu_check.sh tests quantize  # pick steps: build is implied; tests, quantize, ...
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/benchmarks/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+steps=${*:-tests quantize}
+PY=${PYTHON:-python3}
+
+{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv; nvcc --version | tail -2
+  $PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
+} > "$OUT/env.log" 2>&1
+cat "$OUT/env.log"
+
+echo "== build"
+if ! FP8EXT_CUDA=1 $PY -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
+    tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
+fi
+grep "fp8ext build: building" "$OUT/build.log"
+$PY -c "import fp8ext; print(fp8ext.build_info(), 'cuda_available', fp8ext.cuda_available())"
+
+status=0
+for step in $steps; do
+    case $step in
+    tests)
+        echo "== tests"
+        $PY -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest.log" | tail -25 || status=1 ;;
+    quantize|gemm|linear)
+        echo "== bench_$step"
+        $PY benchmarks/bench_$step.py 2>&1 | tee "$OUT/bench_$step.log" || status=1 ;;
+    *) echo "unknown step $step"; status=1 ;;
+    esac
+done
+exit $status
