@@ -73,3 +73,23 @@ void fp8ext_cpu_cast_transpose(const fp8ext_cast_transpose_args *a) {
     }
     if (a->amax_out && a->rows * a->cols > 0) amax_update(a->amax_out, m);
 }
+
+void fp8ext_cpu_quantize_blocks(const fp8ext_quantize_blocks_args *a) {
+    for (int64_t r0 = 0; r0 < a->rows; r0 += a->block_rows) {
+        for (int64_t c0 = 0; c0 < a->cols; c0 += a->block_cols) {
+            const int64_t r1 = r0 + a->block_rows < a->rows ? r0 + a->block_rows : a->rows;
+            const int64_t c1 = c0 + a->block_cols < a->cols ? c0 + a->block_cols : a->cols;
+            int32_t m = 0;
+            for (int64_t r = r0; r < r1; ++r)
+                for (int64_t c = c0; c < c1; ++c) {
+                    const int32_t b = abs_bits(load_elem(a->x, a->x_dtype, r * a->cols + c));
+                    if (b > m) m = b;
+                }
+            const float scale = fp8_scale_for_amax(fp8_bits_f32((uint32_t)m), a->fmt);
+            for (int64_t r = r0; r < r1; ++r)
+                for (int64_t c = c0; c < c1; ++c)
+                    a->q[r * a->cols + c] = fp8_quantize_rne(load_elem(a->x, a->x_dtype, r * a->cols + c), scale, a->fmt, 1);
+            a->scale_inv[(r0 / a->block_rows) * a->stride_r + (c0 / a->block_cols) * a->stride_c] = 1.0f / scale;
+        }
+    }
+}

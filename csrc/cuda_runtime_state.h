@@ -1,7 +1,7 @@
 /* cuda_runtime_state.h: the CUDA-side state of the module and the calls that use it.
  *
  * One fp8ext_cuda_state lives in the module state (module.c) and owns what fp8ext keeps per
- * device: the multiprocessor count, read once. Only built with CUDA (FP8EXT_WITH_CUDA).
+ * device: the multiprocessor count, read once, and the cuBLASLt handle and GEMM plans. Only built with CUDA (FP8EXT_WITH_CUDA).
  * Functions returning int give 0, or -1 with a Python exception set.
  */
 #ifndef FP8EXT_CUDA_RUNTIME_STATE_H
@@ -10,10 +10,13 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "gemm_cublaslt.h"
+
 #define FP8EXT_MAX_DEVICES 64
 
 typedef struct {
     int num_sms[FP8EXT_MAX_DEVICES]; /* 0 until first read */
+    fp8ext_gemm_state gemm;          /* cuBLASLt handles and GEMM plans */
 } fp8ext_cuda_state;
 
 /* Brackets work on `device`: makes it current if it is not, reads its multiprocessor count. */

@@ -187,6 +187,15 @@ FP8_FN float fp8_decode(uint8_t b, int fmt) {
     return fp8_bits_f32(sign | ((ef - (uint32_t)bias + 127u) << 23) | (f << (23 - mant)));
 }
 
+/* The scale that maps an amax onto the format's largest value, fmt.max / amax ("current scaling",
+ * used per block by the block quantizers): 1 when amax is 0, NaN or Inf (nothing to fit), and at
+ * most FLT_MAX when amax is so small that the quotient overflows. */
+FP8_FN float fp8_scale_for_amax(float amax, int fmt) {
+    if (!(amax > 0.0f) || amax > 3.40282347e38f) return 1.0f;
+    const float s = fp8_decode((uint8_t)fp8_max_code(fmt), fmt) / amax;
+    return s > 3.40282347e38f ? 3.40282347e38f : s;
+}
+
 /* ---- float32 -> bfloat16 / float16 (dequantize's output), round to nearest even --------- */
 FP8_FN uint16_t fp8_f32_to_bf16_bits(float v) {
     const uint32_t u = fp8_f32_bits(v);

@@ -72,11 +72,27 @@ typedef struct {
     int saturate;
 } fp8ext_cast_transpose_args;
 
+/* Block ("current") scaling: x [rows, cols] in blocks of block_rows x block_cols (block_cols ==
+ * cols: one block per row). For each block, scale = fp8_scale_for_amax(max|block|), q = fp8(x *
+ * scale) saturating, and scale_inv = 1 / scale is stored at scale_inv[rb * stride_r + cb * stride_c].
+ * Supported shapes: 1 x 128, 128 x 128, 1 x cols. */
+typedef struct {
+    const void *x;
+    int x_dtype;
+    int64_t rows, cols;
+    int64_t block_rows, block_cols;
+    uint8_t *q;
+    float *scale_inv;
+    int64_t stride_r, stride_c;
+    int fmt;
+} fp8ext_quantize_blocks_args;
+
 /* CPU reference (csrc/cpu_ops.c). Pure computation: no allocation, no failure. */
 void fp8ext_cpu_quantize(const fp8ext_quantize_args *a);
 void fp8ext_cpu_dequantize(const fp8ext_dequantize_args *a);
 void fp8ext_cpu_amax(const fp8ext_amax_args *a);
 void fp8ext_cpu_cast_transpose(const fp8ext_cast_transpose_args *a);
+void fp8ext_cpu_quantize_blocks(const fp8ext_quantize_blocks_args *a);
 
 /* CUDA launchers (csrc/kernels/). `stream` is a cudaStream_t; `num_sms` the device's
  * multiprocessor count (a launcher may ignore it). They return cudaSuccess (0) or the launch
@@ -85,6 +101,7 @@ int fp8ext_cuda_quantize(const fp8ext_quantize_args *a, void *stream, int num_sm
 int fp8ext_cuda_dequantize(const fp8ext_dequantize_args *a, void *stream, int num_sms);
 int fp8ext_cuda_amax(const fp8ext_amax_args *a, void *stream, int num_sms);
 int fp8ext_cuda_cast_transpose(const fp8ext_cast_transpose_args *a, void *stream, int num_sms);
+int fp8ext_cuda_quantize_blocks(const fp8ext_quantize_blocks_args *a, void *stream, int num_sms);
 
 #ifdef __cplusplus
 }

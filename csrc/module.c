@@ -81,12 +81,13 @@ static PyObject *py_build_info(PyObject *module, PyObject *unused) {
     (void)module;
     (void)unused;
 #ifdef FP8EXT_WITH_CUDA
-    return Py_BuildValue("{s:O,s:s,s:i,s:i,s:s}", "cuda", Py_True, "cuda_archs", FP8EXT_CUDA_ARCHS,
+    return Py_BuildValue("{s:O,s:s,s:i,s:i,s:n,s:s}", "cuda", Py_True, "cuda_archs", FP8EXT_CUDA_ARCHS,
                          "cuda_runtime_version", fp8ext_cuda_runtime_version(), "cuda_driver_version",
-                         fp8ext_cuda_driver_version(), "no_cuda_reason", "");
+                         fp8ext_cuda_driver_version(), "cublaslt_version", (Py_ssize_t)fp8ext_cublaslt_version(),
+                         "no_cuda_reason", "");
 #else
-    return Py_BuildValue("{s:O,s:s,s:i,s:i,s:s}", "cuda", Py_False, "cuda_archs", "", "cuda_runtime_version", 0,
-                         "cuda_driver_version", 0, "no_cuda_reason", FP8EXT_NO_CUDA_REASON);
+    return Py_BuildValue("{s:O,s:s,s:i,s:i,s:i,s:s}", "cuda", Py_False, "cuda_archs", "", "cuda_runtime_version", 0,
+                         "cuda_driver_version", 0, "cublaslt_version", 0, "no_cuda_reason", FP8EXT_NO_CUDA_REASON);
 #endif
 }
 
@@ -101,6 +102,7 @@ static PyMethodDef module_methods[] = {
 static int module_exec(PyObject *module) {
     if (PyModule_AddFunctions(module, module_methods) < 0) return -1;
     if (PyModule_AddFunctions(module, fp8ext_op_methods) < 0) return -1;
+    if (PyModule_AddFunctions(module, fp8ext_gemm_methods) < 0) return -1;
     if (PyModule_AddIntConstant(module, "E4M3", FP8EXT_E4M3) < 0) return -1;
     if (PyModule_AddIntConstant(module, "E5M2", FP8EXT_E5M2) < 0) return -1;
 #ifdef FP8EXT_WITH_CUDA
@@ -109,6 +111,15 @@ static int module_exec(PyObject *module) {
     if (PyModule_AddIntConstant(module, "WITH_CUDA", 0) < 0) return -1;
 #endif
     return 0;
+}
+
+static void module_free(void *module) {
+#ifdef FP8EXT_WITH_CUDA
+    fp8ext_state *st = fp8ext_get_state((PyObject *)module);
+    if (st) fp8ext_gemm_state_free(&st->cuda.gemm);
+#else
+    (void)module;
+#endif
 }
 
 static PyModuleDef_Slot module_slots[] = {
@@ -123,6 +134,7 @@ static struct PyModuleDef module_def = {
     .m_size = sizeof(fp8ext_state),
     .m_methods = NULL,
     .m_slots = module_slots,
+    .m_free = module_free,
 };
 
 PyMODINIT_FUNC PyInit__C(void) { return PyModuleDef_Init(&module_def); }

@@ -31,7 +31,8 @@ typedef int (*fp8ext_cuda_fn)(const void *args, void *stream, int num_sms);
 int fp8ext_run_op(PyObject *module, const fp8ext_view *where, Py_ssize_t stream, const char *fn, fp8ext_cpu_fn cpu,
                   fp8ext_cuda_fn cuda, const void *args);
 
-/* Method tables of py_ops.c, joined into the module's by module.c. */
+/* Method tables of py_ops.c and py_gemm.c, joined into the module's by module.c. */
 extern PyMethodDef fp8ext_op_methods[];
+extern PyMethodDef fp8ext_gemm_methods[];
 
 #endif /* FP8EXT_MODULE_STATE_H */

@@ -83,16 +83,19 @@ static void cpu_quantize(const void *a) { fp8ext_cpu_quantize(a); }
 static void cpu_dequantize(const void *a) { fp8ext_cpu_dequantize(a); }
 static void cpu_amax(const void *a) { fp8ext_cpu_amax(a); }
 static void cpu_cast_transpose(const void *a) { fp8ext_cpu_cast_transpose(a); }
+static void cpu_quantize_blocks(const void *a) { fp8ext_cpu_quantize_blocks(a); }
 #ifdef FP8EXT_WITH_CUDA
 static int cuda_quantize(const void *a, void *s, int n) { return fp8ext_cuda_quantize(a, s, n); }
 static int cuda_dequantize(const void *a, void *s, int n) { return fp8ext_cuda_dequantize(a, s, n); }
 static int cuda_amax(const void *a, void *s, int n) { return fp8ext_cuda_amax(a, s, n); }
 static int cuda_cast_transpose(const void *a, void *s, int n) { return fp8ext_cuda_cast_transpose(a, s, n); }
+static int cuda_quantize_blocks(const void *a, void *s, int n) { return fp8ext_cuda_quantize_blocks(a, s, n); }
 #else
 #define cuda_quantize NULL
 #define cuda_dequantize NULL
 #define cuda_amax NULL
 #define cuda_cast_transpose NULL
+#define cuda_quantize_blocks NULL
 #endif
 
 #define RELEASE_ALL(...)                                                         \
@@ -238,6 +241,57 @@ done:
     return ret;
 }
 
+/* quantize_blocks(x, out, scale_inv, fmt, block_rows, block_cols, stride_r, stride_c, stream=0)
+ * scale_inv is the whole float32 buffer; block (rb, cb)'s scale_inv goes to [rb * stride_r + cb * stride_c]. */
+static PyObject *py_quantize_blocks(PyObject *module, PyObject *args, PyObject *kwargs) {
+    static const char *fn = "quantize_blocks";
+    static char *kwlist[] = {"x", "out", "scale_inv", "fmt", "block_rows", "block_cols", "stride_r", "stride_c",
+                             "stream", NULL};
+    PyObject *x_o, *out_o, *s_o;
+    int fmt;
+    long long br, bc, sr, sc;
+    Py_ssize_t stream = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOiLLLL|n:quantize_blocks", kwlist, &x_o, &out_o, &s_o, &fmt, &br,
+                                     &bc, &sr, &sc, &stream))
+        return NULL;
+    fp8ext_view x = {0}, out = {0}, sv = {0};
+    PyObject *ret = NULL;
+    fp8ext_quantize_blocks_args a = {0};
+    if (check_fmt(fmt, fn) < 0 || get_input(x_o, stream, fn, "x", &x) < 0) goto done;
+    if (x.ndim != 2) {
+        PyErr_Format(PyExc_ValueError, "%s(): x must be 2-D, got %d dimensions", fn, x.ndim);
+        goto done;
+    }
+    a.rows = x.shape[0], a.cols = x.shape[1];
+    if (!((br == 1 && bc == 128) || (br == 128 && bc == 128) || (br == 1 && bc == a.cols))) {
+        PyErr_Format(PyExc_ValueError, "%s(): blocks of %lld x %lld are not supported: 1 x 128, 128 x 128 or 1 x cols",
+                     fn, br, bc);
+        goto done;
+    }
+    if (a.cols % 8 || ((uintptr_t)x.data % 16)) {
+        PyErr_Format(PyExc_ValueError, "%s(): x needs a column count that is a multiple of 8 (got %lld) and a 16-byte "
+                     "aligned start", fn, (long long)a.cols);
+        goto done;
+    }
+    if (get_output(out_o, FP8EXT_KIND_U8, &x, "x", stream, fn, "out", &out) < 0 ||
+        fp8ext_check_same_shape(&out, &x, fn, "out", "x") < 0 ||
+        get_output(s_o, FP8EXT_KIND_F32, &x, "x", stream, fn, "scale_inv", &sv) < 0)
+        goto done;
+    const int64_t nrb = (a.rows + br - 1) / br, ncb = (a.cols + bc - 1) / bc;
+    if (sr < 0 || sc < 0 || (a.rows && ((nrb - 1) * sr + (ncb - 1) * sc >= sv.numel))) {
+        PyErr_Format(PyExc_ValueError, "%s(): scale_inv (%lld floats) is too small for %lld x %lld blocks with strides "
+                     "(%lld, %lld)", fn, (long long)sv.numel, (long long)nrb, (long long)ncb, sr, sc);
+        goto done;
+    }
+    a.x = x.data, a.x_dtype = hp_dtype(&x), a.block_rows = br, a.block_cols = bc, a.q = out.data;
+    a.scale_inv = sv.data, a.stride_r = sr, a.stride_c = sc, a.fmt = fmt;
+    if (fp8ext_run_op(module, &x, stream, fn, cpu_quantize_blocks, cuda_quantize_blocks, &a) < 0) goto done;
+    ret = Py_NewRef(Py_None);
+done:
+    RELEASE_ALL(&x, &out, &sv);
+    return ret;
+}
+
 PyMethodDef fp8ext_op_methods[] = {
     {"quantize", (PyCFunction)(void (*)(void))py_quantize, METH_VARARGS | METH_KEYWORDS,
      "quantize(x, out, fmt, scale, amax_out=None, saturate=True, stochastic=False, seed=0, stream=0)\n"
@@ -249,5 +303,8 @@ PyMethodDef fp8ext_op_methods[] = {
     {"cast_transpose", (PyCFunction)(void (*)(void))py_cast_transpose, METH_VARARGS | METH_KEYWORDS,
      "cast_transpose(x, out, out_t, fmt, scale, amax_out=None, saturate=True, stream=0)\n"
      "out = fp8(x * scale) and out_t = out transposed, for a 2-D x."},
+    {"quantize_blocks", (PyCFunction)(void (*)(void))py_quantize_blocks, METH_VARARGS | METH_KEYWORDS,
+     "quantize_blocks(x, out, scale_inv, fmt, block_rows, block_cols, stride_r, stride_c, stream=0)\n"
+     "Block scaling: per block scale = fmt.max / amax, out = fp8(x * scale), scale_inv = 1 / scale."},
     {NULL, NULL, 0, NULL},
 };

@@ -107,12 +107,11 @@ int fp8ext_view_get(PyObject *obj, Py_ssize_t stream, const char *fn, const char
     }
     /* Row-major compact, ignoring the strides of size-1 dimensions (which producers set freely). */
     v->contiguous = 1;
-    if (t->strides && v->numel > 0) {
-        int64_t expected = 1;
-        for (int i = t->ndim - 1; i >= 0; --i) {
-            if (t->shape[i] != 1 && t->strides[i] != expected) v->contiguous = 0;
-            expected *= t->shape[i];
-        }
+    int64_t expected = 1;
+    for (int i = t->ndim - 1; i >= 0; --i) {
+        v->strides[i] = t->strides ? t->strides[i] : expected;
+        if (t->shape[i] != 1 && v->strides[i] != expected && v->numel > 0) v->contiguous = 0;
+        expected *= t->shape[i];
     }
     if (v->lanes != 1) v->kind = FP8EXT_KIND_OTHER;
     else if (v->code == kDLFloat && v->bits == 32) v->kind = FP8EXT_KIND_F32;
@@ -198,11 +197,12 @@ int fp8ext_check_same_device(const fp8ext_view *v, const fp8ext_view *ref, const
     return -1;
 }
 
-static void format_shape(const fp8ext_view *v, char *buf, size_t len) {
+const char *fp8ext_view_shape_str(const fp8ext_view *v, char *buf, size_t len) {
     size_t used = (size_t)snprintf(buf, len, "[");
     for (int i = 0; i < v->ndim && used < len; ++i)
         used += (size_t)snprintf(buf + used, len - used, i ? ", %lld" : "%lld", (long long)v->shape[i]);
     if (used < len) snprintf(buf + used, len - used, "]");
+    return buf;
 }
 
 int fp8ext_check_same_shape(const fp8ext_view *v, const fp8ext_view *ref, const char *fn, const char *arg,
@@ -211,8 +211,8 @@ int fp8ext_check_same_shape(const fp8ext_view *v, const fp8ext_view *ref, const 
     for (int i = 0; same && i < v->ndim; ++i) same = v->shape[i] == ref->shape[i];
     if (same) return 0;
     char s1[160], s2[160];
-    format_shape(v, s1, sizeof s1);
-    format_shape(ref, s2, sizeof s2);
+    fp8ext_view_shape_str(v, s1, sizeof s1);
+    fp8ext_view_shape_str(ref, s2, sizeof s2);
     PyErr_Format(PyExc_ValueError, "%s(): %s has shape %s but %s has shape %s; they must match", fn, arg, s1, ref_arg,
                  s2);
     return -1;
@@ -222,7 +222,7 @@ int fp8ext_check_scalar_f32(const fp8ext_view *v, const char *fn, const char *ar
     if (v->kind != FP8EXT_KIND_F32) return raise_dtype(v, fn, arg, "a float32 tensor with one element");
     if (v->numel == 1) return 0;
     char s[160];
-    format_shape(v, s, sizeof s);
+    fp8ext_view_shape_str(v, s, sizeof s);
     PyErr_Format(PyExc_ValueError, "%s(): %s must hold exactly one float32 element, got shape %s", fn, arg, s);
     return -1;
 }

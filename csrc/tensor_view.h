@@ -27,6 +27,7 @@ typedef struct {
     int device_id;
     int ndim;
     int64_t shape[FP8EXT_MAX_NDIM];
+    int64_t strides[FP8EXT_MAX_NDIM]; /* in elements; filled in for compact producers too */
     int64_t numel;
     int kind;          /* FP8EXT_KIND_* */
     uint8_t code, bits;
@@ -43,6 +44,7 @@ void fp8ext_view_release(fp8ext_view *v);
 /* Formatting for messages: "float32", "bfloat16", "uint8", "int64", ... and "cpu" / "cuda:1". */
 const char *fp8ext_view_dtype_name(const fp8ext_view *v, char *buf, size_t len);
 const char *fp8ext_view_device_name(const fp8ext_view *v, char *buf, size_t len);
+const char *fp8ext_view_shape_str(const fp8ext_view *v, char *buf, size_t len); /* "[4, 16]" */
 
 /* Checks, each raising with the function and argument named. */
 int fp8ext_check_float(const fp8ext_view *v, const char *fn, const char *arg); /* f32/bf16/f16 */

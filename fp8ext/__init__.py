@@ -12,8 +12,9 @@ import torch  # noqa: F401  (loads torch's CUDA libraries before the extension's
 
 from . import _C
 from . import _library  # noqa: F401  (registers torch.ops.fp8ext.*)
+from ._gemm import gemm, gemm_cache_info, set_gemm_autotune
 from .formats import E4M3, E5M2, FP8Format, Format
-from .ops import amax, cast_transpose, dequantize, quantize
+from .ops import amax, cast_transpose, dequantize, quantize, quantize_blockwise, quantize_rowwise
 
 __version__ = "0.1.0"
 
@@ -26,6 +27,11 @@ __all__ = [
     "dequantize",
     "amax",
     "cast_transpose",
+    "quantize_rowwise",
+    "quantize_blockwise",
+    "gemm",
+    "set_gemm_autotune",
+    "gemm_cache_info",
     "cuda_available",
     "build_info",
 ]

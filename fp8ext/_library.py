@@ -1,6 +1,6 @@
 """fp8ext's operations as torch ops (torch.library), with fake implementations for tracing.
 
-torch.ops.fp8ext.{quantize, dequantize, amax, cast_transpose} run the same code as the eager functions
+torch.ops.fp8ext.{quantize, dequantize, amax, cast_transpose, gemm} run the same code as the eager functions
 in fp8ext.ops; the fake implementations give torch.compile / torch.export the outputs' shapes and dtypes
 without running anything, so compiled code calls fp8ext's kernels without graph breaks. The public
 functions in fp8ext.ops switch to these ops while torch.compile traces; eager calls skip the dispatcher.
@@ -17,6 +17,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from . import _gemm as _gemm_mod
 from . import ops
 from .formats import format_of_code
 
@@ -82,3 +83,19 @@ def _(x, fmt, scale, scale_value, saturate, amax_in):
     dtype = format_of_code(fmt).torch_dtype
     return (x.new_empty(x.shape, dtype=dtype), x.new_empty((x.shape[1], x.shape[0]), dtype=dtype),
             _fake_amax(x, amax_in))
+
+
+@torch.library.custom_op("fp8ext::gemm", mutates_args=())
+def _gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
+          out_dtype: torch.dtype, bias: Optional[torch.Tensor], use_fast_accum: bool, acc_in: Optional[torch.Tensor],
+          out_scale: Optional[torch.Tensor], want_amax: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    out = acc_in.clone() if acc_in is not None else None
+    amax = torch.zeros((), dtype=torch.float32, device=a.device)
+    out = _gemm_mod.gemm_eager(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, use_fast_accum, out,
+                               acc_in is not None, out_scale, amax if want_amax else None)
+    return out, amax
+
+
+@_gemm.register_fake
+def _(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, use_fast_accum, acc_in, out_scale, want_amax):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype), a.new_empty((), dtype=torch.float32)

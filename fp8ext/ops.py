@@ -153,3 +153,50 @@ def _format_of_q(q: Any, fmt: Any, fn: str) -> FP8Format:
 
 
 _to_dl = torch._C._to_dlpack  # fp8ext's own freshly allocated outputs: plain dtypes, always torch
+
+
+def quantize_rowwise(x: torch.Tensor, fmt: Any = E4M3) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale_inv): each row of a 2-D x [M, K] quantized with its own scale = fmt.max / max|row| (1 for an
+    all-zero row), saturating; scale_inv [M] = 1 / scale, float32, as fp8ext.gemm takes it for per-row
+    scaling. One pass over x (K % 8 == 0)."""
+    f = resolve_format(fmt, "quantize_rowwise")
+    return _quantize_blocks(x, f, "row", "quantize_rowwise")
+
+
+def quantize_blockwise(x: torch.Tensor, fmt: Any = E4M3, block: Tuple[int, int] = (1, 128)
+                       ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale_inv): a 2-D x [R, C] quantized per block of 1 x 128 (activations) or 128 x 128 (weights),
+    DeepSeek-V3's recipe: per block scale = fmt.max / max|block|, saturating; scale_inv = 1 / scale.
+
+    scale_inv comes in the shape and memory layout fp8ext.gemm (cuBLASLt) reads: for 1 x 128 blocks
+    [R, ceil(C/128)] stored R-fastest (strides (1, R); R % 4 == 0), for 128 x 128 blocks
+    [ceil(R/128), ceil(C/128)] with rows padded to a multiple of 4 floats. One pass over x (C % 8 == 0).
+    """
+    f = resolve_format(fmt, "quantize_blockwise")
+    if tuple(block) not in ((1, 128), (128, 128)):
+        raise ValueError(f"quantize_blockwise(): block must be (1, 128) or (128, 128), got {block}")
+    return _quantize_blocks(x, f, "1x128" if block[0] == 1 else "128x128", "quantize_blockwise")
+
+
+def _quantize_blocks(x, f: FP8Format, kind: str, fn: str):
+    shape, device = describe(x, fn)
+    if len(shape) != 2:
+        raise ValueError(f"{fn}(): x must be 2-D, got shape {list(shape)}")
+    rows, cols = shape
+    br, bc = {"row": (1, cols), "1x128": (1, 128), "128x128": (128, 128)}[kind]
+    nrb, ncb = -(-rows // br), -(-cols // max(bc, 1))
+    if kind == "1x128":
+        if rows % 4:
+            raise ValueError(f"{fn}(): 1x128 blocks need a row count that is a multiple of 4 (cuBLASLt), got {rows}")
+        buf = torch.zeros((ncb, rows), dtype=torch.float32, device=device)  # rows fastest
+        scale_inv, sr, sc = buf.t(), 1, rows
+    elif kind == "128x128":
+        ld = -(-ncb // 4) * 4  # rows padded to a multiple of 4 floats
+        buf = torch.zeros((nrb, ld), dtype=torch.float32, device=device)
+        scale_inv, sr, sc = buf[:, :ncb], ld, 1
+    else:
+        buf = torch.empty((rows,), dtype=torch.float32, device=device)
+        scale_inv, sr, sc = buf, 1, 0
+    q = torch.empty(shape, dtype=torch.uint8, device=device)
+    _C.quantize_blocks(dl(x), _to_dl(q), _to_dl(buf), f.code, br, bc, sr, sc, stream=stream_of(device))
+    return q.view(f.torch_dtype), scale_inv

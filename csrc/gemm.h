@@ -1,0 +1,51 @@
+/* gemm.h: the FP8 GEMM as the bindings hand it to cuBLASLt.
+ *
+ * Row-major, F.linear convention: out[M, N] = (a[M, K] * sa) @ (b[N, K] * sb)^T (+ bias[N])
+ * (+ out, with accumulate), a and b FP8. cuBLASLt is column-major and takes FP8 only as "TN" on
+ * sm_90, which is exactly this product read column-major: cuBLAS A = b (transposed), cuBLAS B = a,
+ * m = N, n = M, k = K, D = out with leading dimension N (facts/cublaslt_fp8.md, section 1.3).
+ * So b's scales go to cuBLAS's A scale pointer and a's to its B scale pointer.
+ */
+#ifndef FP8EXT_GEMM_H
+#define FP8EXT_GEMM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Output element types: the high-precision codes of fp8ext.h, or an FP8 format. */
+enum { FP8EXT_OUT_F32 = 0, FP8EXT_OUT_BF16 = 1, FP8EXT_OUT_F16 = 2, FP8EXT_OUT_E4M3 = 3, FP8EXT_OUT_E5M2 = 4 };
+
+/* How an operand's scale_inv tensor covers it. Shapes (a is [M, K], b is [N, K], KB = ceil(K/128)):
+ *   TENSOR      one float32                       (cuBLASLt SCALAR_32F)
+ *   ROW         a: [M], b: [N]; one per row       (OUTER_VEC_32F)
+ *   BLOCK_1x128 a: [M, KB], b: [N, KB]; one per row and 128 columns of K, stored row-fastest
+ *               (strides (1, M) resp. (1, N))      (VEC128_32F)
+ *   BLOCK_128x128  b only: [ceil(N/128), KB], one per 128x128 tile, rows padded to a multiple of 4
+ *               (strides (roundup4(KB), 1))        (BLK128x128_32F)
+ */
+enum { FP8EXT_SCALE_TENSOR = 0, FP8EXT_SCALE_ROW = 1, FP8EXT_SCALE_BLOCK_1x128 = 2, FP8EXT_SCALE_BLOCK_128x128 = 3 };
+
+typedef struct {
+    int64_t m, n, k;
+    const void *a;
+    int a_fmt; /* FP8EXT_E4M3 / FP8EXT_E5M2 */
+    const void *b;
+    int b_fmt;
+    const float *a_scale_inv;
+    int a_scale_mode;
+    const float *b_scale_inv;
+    int b_scale_mode;
+    void *out;
+    int out_type;          /* FP8EXT_OUT_* */
+    const void *bias;      /* NULL or [N] */
+    int bias_type;         /* FP8EXT_BF16 / FP8EXT_F16 when bias is set */
+    const float *out_scale; /* FP8 output: q = fp8(d * out_scale) */
+    float *amax_out;       /* FP8 output: max(amax_out, max|d|), d before out_scale */
+    int accumulate;        /* out += product (beta = 1) */
+    int fast_accum;
+    void *workspace;
+    size_t workspace_size;
+    int device;
+} fp8ext_gemm_args;
+
+#endif /* FP8EXT_GEMM_H */

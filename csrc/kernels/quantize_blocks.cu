@@ -1,0 +1,151 @@
+// quantize_blocks.cu: block ("current") scaling for the block-scaled GEMMs. For each block of x: its
+// amax, scale = fp8_scale_for_amax(amax), q = fp8(x * scale) (saturating) and scale_inv = 1 / scale,
+// in one pass over x from DRAM (a block's values stay in registers, or in L2 for whole rows).
+//
+// Memory traffic: sizeof(T) read + 1 written per element, plus 4 bytes per block.
+// Launches (256 threads per block, 8 elements = one 16-byte bf16 vector per thread and chunk):
+//   1 x 128   one thread per 8-element chunk; the 16 lanes of a half-warp hold one 128-element group,
+//             reduce its amax with shuffles and the first lane stores the scale.
+//   128 x 128 one CUDA block per tile; each thread loads its 8 chunks (all in flight), then the block
+//             reduces the amax through shared memory.
+//   1 x cols  one CUDA block per row; it reads the row twice (amax, then convert), the second time
+//             mostly from L2.
+// Requires cols % 8 == 0 and a 16-byte aligned x (the Python wrapper checks, the GEMM needs more).
+#include "common.cuh"
+
+namespace fp8ext {
+namespace {
+
+constexpr int kThreads = 256;
+
+// 8 elements starting at x[i] (i a multiple of 8) as float32.
+template <typename T>
+__device__ __forceinline__ void load8(const T *x, int64_t i, float *f) {
+    Elem<T>::unpack(__ldcs(reinterpret_cast<const uint4 *>(x + i)), f);
+    if constexpr (Elem<T>::kVec == 4) Elem<T>::unpack(__ldcs(reinterpret_cast<const uint4 *>(x + i) + 1), f + 4);
+}
+
+template <int FMT>
+__device__ __forceinline__ void store8(uint8_t *q, int64_t i, const float *f, float scale) {
+    const uint32_t lo = cvt2<FMT>(f[0], f[1], scale, 1) | (cvt2<FMT>(f[2], f[3], scale, 1) << 16);
+    const uint32_t hi = cvt2<FMT>(f[4], f[5], scale, 1) | (cvt2<FMT>(f[6], f[7], scale, 1) << 16);
+    *reinterpret_cast<uint2 *>(q + i) = make_uint2(lo, hi);
+}
+
+__device__ __forceinline__ int32_t amax8(const float *f) {
+    int32_t m = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) m = max(m, abs_bits(f[j]));
+    return m;
+}
+
+// All threads of the block get the block's amax bits.
+__device__ __forceinline__ int32_t block_max(int32_t m) {
+    __shared__ int32_t warp_max[kThreads / 32];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+    if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
+    __syncthreads();
+    m = warp_max[0];
+#pragma unroll
+    for (int w = 1; w < kThreads / 32; ++w) m = max(m, warp_max[w]);
+    return m;
+}
+
+template <typename T, int FMT>
+__global__ void __launch_bounds__(kThreads) quantize_1x128_kernel(const T *__restrict__ x, uint8_t *__restrict__ q,
+                                                                  float *__restrict__ scale_inv, int64_t rows,
+                                                                  int64_t cols, int64_t groups, int64_t stride_r,
+                                                                  int64_t stride_c) {
+    const int64_t chunk = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+    const int64_t per_row = groups * 16;
+    const int64_t row = chunk / per_row, col = (chunk % per_row) * 8;
+    const bool valid = row < rows && col < cols;
+    float f[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if (valid) load8(x, row * cols + col, f);
+    int32_t m = amax8(f);
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));  // the half-warp's group
+    const float scale = fp8_scale_for_amax(__int_as_float(m), FMT);
+    if (valid) store8<FMT>(q, row * cols + col, f, scale);
+    if (row < rows && (chunk % 16) == 0) scale_inv[row * stride_r + (col / 128) * stride_c] = 1.0f / scale;
+}
+
+template <typename T, int FMT>
+__global__ void __launch_bounds__(kThreads) quantize_128x128_kernel(const T *__restrict__ x, uint8_t *__restrict__ q,
+                                                                    float *__restrict__ scale_inv, int64_t rows,
+                                                                    int64_t cols, int64_t stride_r, int64_t stride_c) {
+    constexpr int kChunks = 128 * 16 / kThreads;  // 8 chunks of 8 elements per thread
+    const int64_t r0 = static_cast<int64_t>(blockIdx.y) * 128, c0 = static_cast<int64_t>(blockIdx.x) * 128;
+    float f[kChunks][8];
+    int32_t m = 0;
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+        const int id = threadIdx.x + i * kThreads;
+        const int64_t r = r0 + id / 16, c = c0 + (id % 16) * 8;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) f[i][j] = 0.0f;
+        if (r < rows && c < cols) load8(x, r * cols + c, f[i]);
+        m = max(m, amax8(f[i]));
+    }
+    const float scale = fp8_scale_for_amax(__int_as_float(block_max(m)), FMT);
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+        const int id = threadIdx.x + i * kThreads;
+        const int64_t r = r0 + id / 16, c = c0 + (id % 16) * 8;
+        if (r < rows && c < cols) store8<FMT>(q, r * cols + c, f[i], scale);
+    }
+    if (threadIdx.x == 0) scale_inv[blockIdx.y * stride_r + blockIdx.x * stride_c] = 1.0f / scale;
+}
+
+template <typename T, int FMT>
+__global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const T *__restrict__ x, uint8_t *__restrict__ q,
+                                                                 float *__restrict__ scale_inv, int64_t cols,
+                                                                 int64_t stride_r) {
+    const int64_t base = static_cast<int64_t>(blockIdx.x) * cols;
+    float f[8];
+    int32_t m = 0;
+    for (int64_t c = threadIdx.x * 8; c < cols; c += kThreads * 8) {
+        load8(x, base + c, f);
+        m = max(m, amax8(f));
+    }
+    const float scale = fp8_scale_for_amax(__int_as_float(block_max(m)), FMT);
+    for (int64_t c = threadIdx.x * 8; c < cols; c += kThreads * 8) {
+        load8(x, base + c, f);
+        store8<FMT>(q, base + c, f, scale);
+    }
+    if (threadIdx.x == 0) scale_inv[blockIdx.x * stride_r] = 1.0f / scale;
+}
+
+}  // namespace
+}  // namespace fp8ext
+
+extern "C" int fp8ext_cuda_quantize_blocks(const fp8ext_quantize_blocks_args *a, void *stream, int /*num_sms*/) {
+    using namespace fp8ext;
+    if (a->rows == 0 || a->cols == 0) return cudaSuccess;
+    if (a->cols % 8 || !aligned(a->x, 16) || !aligned(a->q, 8)) return cudaErrorMisalignedAddress;
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    FP8EXT_DISPATCH_DTYPE(a->x_dtype, FP8EXT_DISPATCH_FMT(a->fmt, {
+        const T *x = static_cast<const T *>(a->x);
+        if (a->block_rows == 1 && a->block_cols == 128) {
+            const int64_t groups = (a->cols + 127) / 128;
+            const int64_t blocks = (a->rows * groups * 16 + kThreads - 1) / kThreads;
+            if (blocks > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
+            quantize_1x128_kernel<T, FMT><<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(
+                x, a->q, a->scale_inv, a->rows, a->cols, groups, a->stride_r, a->stride_c);
+        } else if (a->block_rows == 128 && a->block_cols == 128) {
+            const dim3 grid(static_cast<unsigned>((a->cols + 127) / 128), static_cast<unsigned>((a->rows + 127) / 128));
+            if ((a->rows + 127) / 128 > 65535) return cudaErrorInvalidConfiguration;
+            quantize_128x128_kernel<T, FMT><<<grid, kThreads, 0, s>>>(x, a->q, a->scale_inv, a->rows, a->cols,
+                                                                      a->stride_r, a->stride_c);
+        } else if (a->block_rows == 1 && a->block_cols == a->cols) {
+            if (a->rows > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
+            quantize_rows_kernel<T, FMT><<<static_cast<unsigned>(a->rows), kThreads, 0, s>>>(x, a->q, a->scale_inv,
+                                                                                             a->cols, a->stride_r);
+        } else {
+            return cudaErrorInvalidValue;
+        }
+        return cudaGetLastError();
+    }));
+    return cudaErrorInvalidValue;
+}

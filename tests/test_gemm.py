@@ -1,0 +1,263 @@
+"""fp8ext.gemm against a float64 product of the dequantized inputs, on the CPU (emulated) and the GPU
+(cuBLASLt), over format pairs, scale kinds, output types, bias, accumulation and FP8 output."""
+
+import threading
+
+import pytest
+import torch
+
+import fp8ext
+from conftest import DEVICES, requires_cuda
+
+PAIRS = [(fp8ext.E4M3, fp8ext.E4M3), (fp8ext.E4M3, fp8ext.E5M2), (fp8ext.E5M2, fp8ext.E4M3)]
+SHAPES = [(16, 32, 16), (48, 256, 80), (200, 384, 112), (1, 128, 64), (130, 2048, 272)]
+
+
+def make(m, k, n, fa, fb, kind, device, seed=0):
+    """Random FP8 operands and scale_inv tensors of the given kind, plus the dequantized float64 values."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-3, 4, (m, 1), generator=g).float())
+    w = torch.randn(n, k, generator=g) * 0.05
+    x, w = x.to(device), w.to(device)
+    if kind == "tensor":
+        sa = torch.tensor(fa.max / x.abs().max().item(), device=device)
+        sb = torch.tensor(fb.max / w.abs().max().item(), device=device)
+        a, b = fp8ext.quantize(x, fa, sa), fp8ext.quantize(w, fb, sb)
+        sa_inv, sb_inv = sa.reciprocal(), sb.reciprocal()
+        da, db = a.double() * sa_inv.double(), b.double() * sb_inv.double()
+    elif kind == "row":
+        a, sa_inv = fp8ext.quantize_rowwise(x, fa)
+        b, sb_inv = fp8ext.quantize_rowwise(w, fb)
+        da, db = a.double() * sa_inv.double()[:, None], b.double() * sb_inv.double()[:, None]
+    else:
+        a, sa_inv = fp8ext.quantize_blockwise(x, fa, (1, 128))
+        b, sb_inv = fp8ext.quantize_blockwise(w, fb, (128, 128) if kind == "block" else (1, 128))
+        da = a.double() * sa_inv.double().repeat_interleave(128, 1)[:, :k]
+        sbe = sb_inv.double()
+        if kind == "block":
+            sbe = sbe.repeat_interleave(128, 0)[:n]
+        db = b.double() * sbe.repeat_interleave(128, 1)[:, :k]
+    return a, b, sa_inv, sb_inv, da, db
+
+
+def rel_err(got, want):
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fa, fb", PAIRS, ids=lambda f: f.name)
+@pytest.mark.parametrize("kind", ["tensor", "row", "block", "block1x128"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_fp32_output_matches_fp64_product(device, fa, fb, kind, shape):
+    m, k, n = shape
+    if kind.startswith("block"):
+        m += -m % 4  # 1x128 blocks need M % 4 == 0 (cuBLASLt); the refusal is tested in test_errors_name_the_rule
+    a, b, sa, sb, da, db = make(m, k, n, fa, fb, kind, device)
+    out = fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, out_dtype=torch.float32)
+    assert out.shape == (m, n) and out.dtype == torch.float32 and out.device.type == device
+    err = rel_err(out, da @ db.t())
+    assert err < 1e-3, f"relative Frobenius error {err:.2e}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("out_dtype, tol", [(torch.bfloat16, 8e-3), (torch.float16, 1e-3)])
+def test_half_outputs_and_bias(device, out_dtype, tol):
+    a, b, sa, sb, da, db = make(96, 512, 144, fp8ext.E4M3, fp8ext.E4M3, "tensor", device)
+    bias = (torch.randn(144, device=device) * 3).to(out_dtype if out_dtype == torch.float16 else torch.bfloat16)
+    out = fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, out_dtype=out_dtype, bias=bias)
+    assert out.dtype == out_dtype
+    assert rel_err(out, da @ db.t() + bias.double()) < tol
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp32_output_with_bf16_bias(device):
+    a, b, sa, sb, da, db = make(64, 256, 96, fp8ext.E4M3, fp8ext.E5M2, "tensor", device)
+    bias = torch.randn(96, device=device).to(torch.bfloat16)
+    out = fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, out_dtype=torch.float32, bias=bias)
+    assert rel_err(out, da @ db.t() + bias.double()) < 1e-3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_accumulate_adds_into_fp32_out(device):
+    a, b, sa, sb, da, db = make(64, 256, 96, fp8ext.E5M2, fp8ext.E4M3, "tensor", device)
+    acc = torch.randn(64, 96, device=device)
+    start = acc.clone()
+    res = fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, out=acc, accumulate=True)
+    assert res is acc
+    assert rel_err(acc, start.double() + da @ db.t()) < 1e-3
+    fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, out=acc, accumulate=True)
+    assert rel_err(acc, start.double() + 2 * (da @ db.t())) < 1e-3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fa, fb, fo", [(fp8ext.E4M3, fp8ext.E4M3, fp8ext.E4M3), (fp8ext.E4M3, fp8ext.E5M2, fp8ext.E5M2)],
+                         ids=["e4m3_out", "e5m2_out"])
+def test_fp8_output_with_scale_and_amax(device, fa, fb, fo):
+    a, b, sa, sb, da, db = make(64, 256, 96, fa, fb, "tensor", device)
+    ref = da @ db.t()
+    out_scale = torch.tensor(fo.max / 2 / ref.abs().max().item(), device=device)
+    amax = torch.full((), -1.0, device=device)
+    out = fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, out_dtype=fo.torch_dtype, out_scale=out_scale,
+                      amax_out=amax)
+    assert out.dtype == fo.torch_dtype
+    assert abs(amax.item() - ref.abs().max().item()) <= 1e-4 * ref.abs().max().item(), "amax of d, before out_scale"
+    err = rel_err(out.double() / out_scale.double(), ref)
+    assert err < (0.04 if fo is fp8ext.E4M3 else 0.08), f"FP8 output error {err}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fast_accumulation_stays_close(device):
+    a, b, sa, sb, da, db = make(128, 4096, 128, fp8ext.E4M3, fp8ext.E4M3, "tensor", device)
+    out = fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, out_dtype=torch.float32, use_fast_accum=True)
+    assert rel_err(out, da @ db.t()) < 1e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_errors_name_the_rule(device):
+    def q(shape, f=fp8ext.E4M3):
+        return fp8ext.quantize(torch.randn(shape, device=device), f)
+
+    one = torch.ones((), device=device)
+    a, b = q((32, 64)), q((48, 64))
+    cases = [
+        (dict(a=q((32, 40)), b=q((48, 40))), ValueError, r"K and N to be nonzero multiples of 16.*K=40"),
+        (dict(b=q((40, 64))), ValueError, r"multiples of 16.*N=40"),
+        (dict(b=q((48, 32))), ValueError, r"a is \[32, 64\] but b is \[48, 32\]"),
+        (dict(a=q((32, 64), fp8ext.E5M2), b=q((48, 64), fp8ext.E5M2)), ValueError, r"no E5M2 x E5M2"),
+        (dict(a=torch.randn(32, 64, device=device)), TypeError, r"a must be a torch.float8_e4m3fn or torch.float8_e5m2"),
+        (dict(a=q((2, 32, 64))), ValueError, r"a and b must be 2-D"),
+        (dict(a_scale_inv=torch.ones(5, device=device)), ValueError, r"a_scale_inv has shape \[5\]"),
+        (dict(a_scale_inv=torch.ones((), dtype=torch.float64, device=device)), TypeError, r"a_scale_inv must be float32"),
+        (dict(a_scale_inv=torch.ones(32, device=device)), ValueError, r"per-row but b_scale_inv is per-tensor"),
+        (dict(bias=torch.ones(48, device=device)), TypeError, r"bias must be bfloat16 for a bfloat16 output"),
+        (dict(bias=torch.ones(47, device=device, dtype=torch.bfloat16)), ValueError, r"bias must have shape \[48\]"),
+        (dict(out_dtype=torch.float8_e5m2), ValueError, r"E5M2 output needs an E5M2 input"),
+        (dict(out_dtype=torch.int32), TypeError, r"out_dtype must be one of"),
+        (dict(accumulate=True), ValueError, r"accumulate=True adds into out: pass out="),
+        (dict(out=torch.empty(32, 48, device=device, dtype=torch.float8_e4m3fn), accumulate=True), ValueError,
+         r"accumulate=True needs a float32, bfloat16 or float16 out"),
+        (dict(out=torch.empty(32, 40, device=device)), ValueError, r"out must have shape \[32, 48\]"),
+        (dict(out_scale=one), ValueError, r"out_scale and amax_out go with an FP8 output"),
+        (dict(out=torch.empty(32, 48, device=device), out_dtype=torch.bfloat16), ValueError, r"out is torch.float32"),
+    ]
+    for kw, exc, match in cases:
+        args = dict(a=a, b=b, a_scale_inv=one, b_scale_inv=one) | kw
+        with pytest.raises(exc, match=match):
+            fp8ext.gemm(args.pop("a"), args.pop("b"), **args)
+    xa, sxa = fp8ext.quantize_blockwise(torch.randn(32, 256, device=device), fp8ext.E4M3)
+    xb, sxb = fp8ext.quantize_blockwise(torch.randn(64, 256, device=device), fp8ext.E4M3, (128, 128))
+    with pytest.raises(ValueError, match="use_fast_accum=True is not supported with block scales"):
+        fp8ext.gemm(xa, xb, a_scale_inv=sxa, b_scale_inv=sxb, use_fast_accum=True)
+    with pytest.raises(ValueError, match=r"must be stored M-fastest, strides \(1, 32\)"):
+        fp8ext.gemm(xa, xb, a_scale_inv=sxa.contiguous(), b_scale_inv=sxb)
+    with pytest.raises(ValueError, match=r"a_scale_inv has shape \[1, 2\]; for a \[64, 256\] expected"):
+        fp8ext.gemm(xb, xb, a_scale_inv=sxb, b_scale_inv=sxb)  # 128x128 blocks are for b (weights) only
+    with pytest.raises(ValueError, match=r"1x128-block scales need M \(6\) to be a multiple of 4"):
+        fp8ext.gemm(fp8ext.quantize(torch.randn(6, 256, device=device)), xb,
+                    a_scale_inv=torch.ones(6, 2, device=device).t().contiguous().t(), b_scale_inv=sxb)
+    with pytest.raises(ValueError, match=r"FP8 output needs per-tensor input scales"):
+        fp8ext.gemm(xa, xb, a_scale_inv=sxa, b_scale_inv=sxb, out_dtype=torch.float8_e4m3fn)
+
+
+def test_quantize_blocks_need_rows_multiple_of_4_and_cols_multiple_of_8():
+    with pytest.raises(ValueError, match="multiple of 4"):
+        fp8ext.quantize_blockwise(torch.randn(6, 128))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        fp8ext.quantize_rowwise(torch.randn(6, 12))
+    with pytest.raises(ValueError, match=r"block must be \(1, 128\) or \(128, 128\)"):
+        fp8ext.quantize_blockwise(torch.randn(8, 128), block=(2, 64))
+
+
+# ---- GPU-only behaviour ----------------------------------------------------------------------------
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["tensor", "row"])
+@pytest.mark.parametrize("fast", [False, True])
+def test_matches_torch_scaled_mm(kind, fast):
+    a, b, sa, sb, _, _ = make(256, 1024, 512, fp8ext.E4M3, fp8ext.E4M3, kind, "cuda")
+    ours = fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, out_dtype=torch.bfloat16, use_fast_accum=fast)
+    if kind == "tensor":
+        theirs = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast)
+    else:
+        theirs = torch._scaled_mm(a, b.t(), scale_a=sa[:, None].contiguous(), scale_b=sb[None, :].contiguous(),
+                                  out_dtype=torch.bfloat16, use_fast_accum=fast)
+    diff = ((ours.float() - theirs.float()).norm() / theirs.float().norm()).item()
+    assert diff < 4e-3, f"fp8ext vs torch._scaled_mm relative difference {diff:.2e}"
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_cuda_graph_capture_replays_with_new_inputs():
+    m, k, n = 128, 512, 256
+    a, b, sa, sb, _, _ = make(m, k, n, fp8ext.E4M3, fp8ext.E4M3, "tensor", "cuda")
+    out = torch.empty(m, n, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, out=out)  # plan and workspace made outside the graph
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, out=out)
+    for seed in (1, 2):
+        a2, b2, sa2, sb2, da, db = make(m, k, n, fp8ext.E4M3, fp8ext.E4M3, "tensor", "cuda", seed=seed)
+        a.copy_(a2), b.copy_(b2), sa.copy_(sa2), sb.copy_(sb2)
+        g.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, da @ db.t()) < 1e-3
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_plan_cache_and_autotune():
+    fp8ext._C.gemm_cache_clear()
+    before = fp8ext.gemm_cache_info()
+    a, b, sa, sb, da, db = make(512, 1024, 768, fp8ext.E4M3, fp8ext.E4M3, "tensor", "cuda")
+    for _ in range(3):
+        plain = fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, out_dtype=torch.float32)
+    info = fp8ext.gemm_cache_info()
+    assert info["plans"] == 1 and info["misses"] - before["misses"] == 1 and info["hits"] - before["hits"] == 2
+    tuned = fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, out_dtype=torch.float32, autotune=True)
+    assert fp8ext.gemm_cache_info()["tuned"] >= before["tuned"]
+    assert rel_err(tuned, da @ db.t()) < 1e-3 and rel_err(plain, da @ db.t()) < 1e-3
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_threads_with_their_own_streams():
+    """Several Python threads, each on its own stream with its own shapes, get their own right answers."""
+    errors, results = [], {}
+
+    def work(i):
+        try:
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s):
+                a, b, sa, sb, da, db = make(64 * (i + 1), 256, 128 + 16 * i, fp8ext.E4M3, fp8ext.E5M2, "tensor", "cuda", i)
+                outs = [fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, out_dtype=torch.float32) for _ in range(20)]
+            s.synchronize()
+            results[i] = max(rel_err(o, da @ db.t()) for o in outs)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert max(results.values()) < 1e-3, results
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_no_host_sync_in_gemm():
+    a, b, sa, sb, _, _ = make(128, 256, 128, fp8ext.E4M3, fp8ext.E4M3, "tensor", "cuda")
+    fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb)  # plan made
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
