@@ -2,9 +2,10 @@
  *
  * A plan holds everything about a GEMM that does not change from call to call for one problem
  * (device, M, N, K, types, scale modes, epilogue, pointer alignments, ...): the matmul and layout
- * descriptors and the algorithm, chosen by cuBLASLt's heuristic on first use and, on request,
- * re-chosen once by timing the heuristic's top candidates (autotune). A call then only sets the
- * pointer attributes (scales, bias, amax) and enqueues cublasLtMatmul.
+ * descriptors and the algorithm: cuBLASLt's heuristic pick, or, for calls that ask for autotune
+ * (a separate plan of the same problem), the fastest of up to 16 heuristic candidates (8 for the
+ * workspace given, 8 for a 1 MiB one), timed once on the first such call. A call then only sets
+ * the pointer attributes (scales, bias, amax) and enqueues cublasLtMatmul.
  *
  * Threads: every function here runs with the GIL held, which serialises access to the cache and
  * to a plan's descriptor (whose pointer attributes each call rewrites). Workspaces belong to the

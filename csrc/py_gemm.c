@@ -31,9 +31,9 @@ static int value_error(const char *fmt, ...) {
 
 static int is_aligned(const void *p, uintptr_t n) { return ((uintptr_t)p % n) == 0; }
 
-/* An FP8 operand: uint8 bytes, 2-D, row-major, 16-byte aligned (cuBLASLt's FP8 rule). */
-static int get_operand(PyObject *o, Py_ssize_t stream, const char *arg, fp8ext_view *v) {
-    if (fp8ext_view_get(o, stream, FN, arg, v) < 0 || fp8ext_check_kind(v, FP8EXT_KIND_U8, FN, arg) < 0 ||
+/* An FP8 operand: FP8 bytes, 2-D, row-major, 16-byte aligned (cuBLASLt's FP8 rule). */
+static int get_operand(PyObject *o, int fmt, Py_ssize_t stream, const char *arg, fp8ext_view *v) {
+    if (fp8ext_view_get(o, stream, FN, arg, v) < 0 || fp8ext_check_fp8(v, fmt, FN, arg) < 0 ||
         fp8ext_check_contiguous(v, FN, arg) < 0)
         return -1;
     if (v->ndim != 2) return value_error(FN "(): %s must be 2-D, got %d dimensions", arg, v->ndim);
@@ -129,7 +129,7 @@ static PyObject *py_gemm(PyObject *module, PyObject *args, PyObject *kwargs) {
                        "as HYBRID does: E5M2 gradients times E4M3 weights or activations)");
         goto done;
     }
-    if (get_operand(a_o, stream, "a", &a) < 0 || get_operand(b_o, stream, "b", &b) < 0 ||
+    if (get_operand(a_o, a_fmt, stream, "a", &a) < 0 || get_operand(b_o, b_fmt, stream, "b", &b) < 0 ||
         fp8ext_check_same_device(&b, &a, FN, "b", "a") < 0)
         goto done;
     g.m = a.shape[0], g.k = a.shape[1], g.n = b.shape[0];
@@ -167,7 +167,7 @@ static PyObject *py_gemm(PyObject *module, PyObject *args, PyObject *kwargs) {
         fp8ext_check_contiguous(&out, FN, "out") < 0 || fp8ext_check_writable(&out, FN, "out") < 0)
         goto done;
     if (out_fmt >= 0) {
-        if (fp8ext_check_kind(&out, FP8EXT_KIND_U8, FN, "out") < 0) goto done;
+        if (fp8ext_check_fp8(&out, out_fmt, FN, "out") < 0) goto done;
         g.out_type = out_fmt == FP8EXT_E4M3 ? FP8EXT_OUT_E4M3 : FP8EXT_OUT_E5M2;
     } else {
         if (fp8ext_check_float(&out, FN, "out") < 0) goto done;

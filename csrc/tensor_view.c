@@ -118,7 +118,9 @@ int fp8ext_view_get(PyObject *obj, Py_ssize_t stream, const char *fn, const char
     else if (v->code == kDLBfloat && v->bits == 16) v->kind = FP8EXT_KIND_BF16;
     else if (v->code == kDLFloat && v->bits == 16) v->kind = FP8EXT_KIND_F16;
     else if (v->code == kDLUInt && v->bits == 8) v->kind = FP8EXT_KIND_U8;
+    else if ((v->code == kDLFloat8_e4m3fn || v->code == kDLFloat8_e5m2) && v->bits == 8) v->kind = FP8EXT_KIND_U8;
     else v->kind = FP8EXT_KIND_OTHER;
+    v->fp8_fmt = v->lanes != 1 ? -1 : v->code == kDLFloat8_e4m3fn ? 0 : v->code == kDLFloat8_e5m2 ? 1 : -1;
     if (v->device_type != kDLCPU && v->device_type != kDLCUDA) {
         char dev[32];
         PyErr_Format(PyExc_ValueError, "%s(): %s is on %s; fp8ext runs on cpu and cuda devices", fn, arg,
@@ -224,5 +226,13 @@ int fp8ext_check_scalar_f32(const fp8ext_view *v, const char *fn, const char *ar
     char s[160];
     fp8ext_view_shape_str(v, s, sizeof s);
     PyErr_Format(PyExc_ValueError, "%s(): %s must hold exactly one float32 element, got shape %s", fn, arg, s);
+    return -1;
+}
+
+int fp8ext_check_fp8(const fp8ext_view *v, int fmt, const char *fn, const char *arg) {
+    if (fp8ext_check_kind(v, FP8EXT_KIND_U8, fn, arg) < 0) return -1;
+    if (v->fp8_fmt < 0 || v->fp8_fmt == fmt) return 0;
+    PyErr_Format(PyExc_ValueError, "%s(): %s holds %s values but the format given for it is %s", fn, arg,
+                 v->fp8_fmt == 0 ? "float8_e4m3fn" : "float8_e5m2", fmt == 0 ? "E4M3" : "E5M2");
     return -1;
 }

@@ -32,6 +32,7 @@ typedef struct {
     int kind;          /* FP8EXT_KIND_* */
     uint8_t code, bits;
     uint16_t lanes;
+    int fp8_fmt;       /* for torch float8 DLPack codes: FP8EXT_E4M3 / FP8EXT_E5M2; -1 for plain uint8 */
     int contiguous;    /* row-major compact */
     int read_only;
 } fp8ext_view;
@@ -56,5 +57,7 @@ int fp8ext_check_same_device(const fp8ext_view *v, const fp8ext_view *ref, const
 int fp8ext_check_same_shape(const fp8ext_view *v, const fp8ext_view *ref, const char *fn, const char *arg,
                             const char *ref_arg);
 int fp8ext_check_scalar_f32(const fp8ext_view *v, const char *fn, const char *arg); /* float32, one element */
+/* FP8 bytes (uint8, or a float8 DLPack type) in format fmt: a float8 type must agree with fmt. */
+int fp8ext_check_fp8(const fp8ext_view *v, int fmt, const char *fn, const char *arg);
 
 #endif /* FP8EXT_TENSOR_VIEW_H */

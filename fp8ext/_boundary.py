@@ -16,11 +16,29 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+def _exports_float8() -> bool:
+    """Whether this torch exports float8 tensors over DLPack (newer releases do; C accepts those codes as FP8
+    bytes and checks them against the format). Older ones raise, and FP8 crosses as a uint8 view."""
+    try:
+        _to_dlpack(torch.empty(1, dtype=torch.float8_e4m3fn))
+        return True
+    except Exception:  # noqa: BLE001 - any refusal means "view as uint8"
+        return False
+
+
+FP8_DLPACK = _exports_float8()
+
+
+def dl_fp8(t: torch.Tensor) -> Any:
+    """A DLPack capsule for an FP8 torch tensor: its own float8 type where torch exports it, else uint8."""
+    return _to_dlpack(t if FP8_DLPACK else t.view(torch.uint8))
+
+
 def dl(t: Any) -> Any:
-    """A DLPack capsule for a torch tensor (FP8 viewed as uint8); anything else unchanged."""
+    """A DLPack capsule for a torch tensor (FP8 as dl_fp8 does); anything else unchanged."""
     if isinstance(t, torch.Tensor):
         if t.dtype in _FP8_DTYPES:
-            t = t.view(torch.uint8)
+            return dl_fp8(t)
         return _to_dlpack(t)
     return t
 

@@ -17,8 +17,8 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from . import _C
-from ._boundary import stream_of
-from .formats import FP8Format, format_of_dtype
+from ._boundary import dl_fp8, stream_of
+from .formats import E4M3, E5M2, FP8Format
 from .ops import amax as _amax
 from .ops import dequantize, quantize
 
@@ -26,7 +26,8 @@ __all__ = ["gemm", "set_gemm_autotune", "gemm_cache_info", "WORKSPACE_BYTES"]
 
 WORKSPACE_BYTES = 32 * 1024 * 1024  # cuBLAS's recommendation for Hopper
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
-_workspaces: Dict[Tuple[int, int], torch.Tensor] = {}
+_workspaces: Dict[Tuple[int, int], Tuple[torch.Tensor, object]] = {}  # (device, stream) -> (buffer, capsule)
+_FP8 = {torch.float8_e4m3fn: E4M3, torch.float8_e5m2: E5M2}
 _autotune = os.environ.get("FP8EXT_GEMM_AUTOTUNE", "0") == "1"
 _to_dl = torch._C._to_dlpack
 _MODE_TENSOR, _MODE_ROW, _MODE_1x128, _MODE_128x128 = 0, 1, 2, 3
@@ -45,17 +46,20 @@ def gemm_cache_info() -> dict:
     return dict(_C.gemm_cache_info())
 
 
-def _workspace(device: torch.device, stream: int) -> torch.Tensor:
+def _workspace(device: torch.device, stream: int):
+    """A DLPack capsule of the workspace for (device, stream), made on first use. The capsule is kept and
+    reused: fp8ext's C code borrows capsules and never consumes them."""
     key = (device.index, stream)
     ws = _workspaces.get(key)
     if ws is None:
-        ws = _workspaces[key] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-    return ws
+        buf = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        ws = _workspaces[key] = (buf, _to_dl(buf))
+    return ws[1]
 
 
 def _fp8_format(t, arg: str) -> FP8Format:
-    f = format_of_dtype(t.dtype) if isinstance(t, torch.Tensor) else None
-    if f is None:
+    f = _FP8.get(getattr(t, "dtype", None))
+    if f is None or not isinstance(t, torch.Tensor):
         got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
         raise TypeError(f"gemm(): {arg} must be a torch.float8_e4m3fn or torch.float8_e5m2 tensor, got {got}")
     return f
@@ -105,26 +109,24 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, a_scale_inv: torch.Tensor, b_scale
 
 def gemm_eager(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, use_fast_accum, out, accumulate, out_scale, amax_out,
                tune: bool = False) -> torch.Tensor:
-    fa, fb = format_of_dtype(a.dtype), format_of_dtype(b.dtype)
-    fo = format_of_dtype(out_dtype)
-    if out is None:
-        out = torch.empty((a.shape[0], b.shape[0]), dtype=out_dtype, device=a.device)
+    fa, fb, fo = _FP8[a.dtype], _FP8[b.dtype], _FP8.get(out_dtype)
     device = a.device
+    if out is None:
+        out = torch.empty((a.shape[0], b.shape[0]), dtype=out_dtype, device=device)
     on_gpu = device.type == "cuda"
     stream = stream_of(device) if on_gpu else 0
-    modes = _C.gemm(_to_dl(a.view(torch.uint8)), _to_dl(b.view(torch.uint8)), fa.code, fb.code,
-                    _dl_any(a_scale_inv), _dl_any(b_scale_inv), _to_dl(out.view(torch.uint8) if fo else out),
-                    out_fmt=fo.code if fo else -1, bias=_dl_opt(bias), out_scale=_dl_opt(out_scale),
-                    amax_out=_dl_opt(amax_out), accumulate=accumulate, fast_accum=use_fast_accum,
-                    workspace=_to_dl(_workspace(device, stream)) if on_gpu else None, stream=stream,
-                    autotune=tune)
+    modes = _C.gemm(dl_fp8(a), dl_fp8(b), fa.code, fb.code, _dl_any(a_scale_inv), _dl_any(b_scale_inv),
+                    dl_fp8(out) if fo else _to_dl(out), out_fmt=fo.code if fo else -1, bias=_dl_opt(bias),
+                    out_scale=_dl_opt(out_scale), amax_out=_dl_opt(amax_out), accumulate=accumulate,
+                    fast_accum=use_fast_accum, workspace=_workspace(device, stream) if on_gpu else None,
+                    stream=stream, autotune=tune)
     if not on_gpu:
         _emulate(a, b, a_scale_inv, b_scale_inv, modes, bias, out, accumulate, out_scale, amax_out, fo)
     return out
 
 
 def _dl_any(t):
-    return _to_dl(t) if isinstance(t, torch.Tensor) else t
+    return _to_dl(t) if isinstance(t, torch.Tensor) else t  # anything else: C says what it expected
 
 
 def _dl_opt(t):
