@@ -169,7 +169,8 @@ def plot(rows, path):
     xs = range(len(rows))
     for i, (key, color) in enumerate((("bf16", "gray"), ("_scaled_mm", "tab:orange"), ("fp8ext", "tab:blue"),
                                       ("fp8ext tuned", "tab:green"))):
-        ax.bar([x + (i - 1.5) * 0.2 for x in xs], [r[key] for r in rows], 0.2, label=key, color=color)
+        label = "torch._scaled_mm" if key == "_scaled_mm" else key  # matplotlib hides labels starting with "_"
+        ax.bar([x + (i - 1.5) * 0.2 for x in xs], [r[key] for r in rows], 0.2, label=label, color=color)
     ax.set_xticks(list(xs), labels, rotation=60, ha="right", fontsize=8)
     ax.set_ylabel("TFLOP/s")
     ax.set_title("FP8 GEMM (bf16 out, per-tensor scales) vs bf16 matmul")
