@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/benchmarks/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-steps=${*:-tests quantize}
+steps=${*:-tests quantize gemm linear}
 PY=${PYTHON:-python3}
 
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv; nvcc --version | tail -2

@@ -35,6 +35,7 @@ void fp8ext_cpu_quantize(const fp8ext_quantize_args *a) {
                       : fp8_quantize_rne(v, scale, a->fmt, a->saturate);
     }
     if (a->amax_out && a->n > 0) amax_update(a->amax_out, m);
+    if (a->scale_inv_out) *a->scale_inv_out = 1.0f / scale;
 }
 
 void fp8ext_cpu_dequantize(const fp8ext_dequantize_args *a) {
@@ -72,6 +73,7 @@ void fp8ext_cpu_cast_transpose(const fp8ext_cast_transpose_args *a) {
         }
     }
     if (a->amax_out && a->rows * a->cols > 0) amax_update(a->amax_out, m);
+    if (a->scale_inv_out) *a->scale_inv_out = 1.0f / scale;
 }
 
 void fp8ext_cpu_quantize_blocks(const fp8ext_quantize_blocks_args *a) {
@@ -92,4 +94,32 @@ void fp8ext_cpu_quantize_blocks(const fp8ext_quantize_blocks_args *a) {
             a->scale_inv[(r0 / a->block_rows) * a->stride_r + (c0 / a->block_cols) * a->stride_c] = 1.0f / scale;
         }
     }
+}
+
+static int finite(float v) { return (fp8_f32_bits(v) & 0x7F800000u) != 0x7F800000u; }
+
+void fp8ext_cpu_scale_update(const fp8ext_scale_update_args *a) {
+    for (int64_t i = 0; i < a->n; ++i) {
+        const float recent = a->history[i];
+        float amax = finite(recent) ? recent : 0.0f;
+        if (a->algo == 0)
+            for (int64_t h = 1; h < a->len; ++h) {
+                const float v = a->history[h * a->n + i];
+                if (finite(v) && v > amax) amax = v;
+            }
+        if (a->update) {
+            const float old = a->scale[i];
+            const float s = !finite(recent) ? old * a->backoff : fp8_scale_rule(amax, a->fmt_max[i], a->margin_factor, old);
+            a->scale[i] = s;
+            a->scale_inv[i] = 1.0f / s;
+        }
+        for (int64_t h = a->len - 1; h > 0; --h) a->history[h * a->n + i] = a->history[(h - 1) * a->n + i];
+        a->history[i] = 0.0f;
+    }
+}
+
+void fp8ext_cpu_scale_from_amax(const fp8ext_scale_from_amax_args *a) {
+    const float s = fp8_scale_rule(*a->amax, a->fmt_max, a->margin_factor, 1.0f);
+    *a->scale = s;
+    *a->scale_inv = 1.0f / s;
 }

@@ -196,6 +196,14 @@ FP8_FN float fp8_scale_for_amax(float amax, int fmt) {
     return s > 3.40282347e38f ? 3.40282347e38f : s;
 }
 
+/* Delayed/current scaling's rule: fmt_max / amax / margin_factor (margin_factor = 2^margin), or
+ * `keep` when amax is 0 or not finite; capped at FLT_MAX when amax is tiny. */
+FP8_FN float fp8_scale_rule(float amax, float fmt_max, float margin_factor, float keep) {
+    if (!(amax > 0.0f) || amax > 3.40282347e38f) return keep;
+    const float s = fmt_max / amax / margin_factor;
+    return s > 3.40282347e38f ? 3.40282347e38f : s;
+}
+
 /* ---- float32 -> bfloat16 / float16 (dequantize's output), round to nearest even --------- */
 FP8_FN uint16_t fp8_f32_to_bf16_bits(float v) {
     const uint32_t u = fp8_f32_bits(v);

@@ -34,6 +34,7 @@ typedef struct {
     const float *scale_ptr; /* when not NULL, *scale_ptr (on x's device) is the scale */
     float scale;            /* used when scale_ptr is NULL */
     float *amax_out;        /* NULL, or updated to max(*amax_out, max|x|) */
+    float *scale_inv_out;   /* NULL, or set to 1 / scale (the factor that dequantizes q) */
     int saturate;
     int stochastic;         /* round stochastically with bits fp8_sr_bits(sr_key, i) */
     uint64_t sr_key;
@@ -69,8 +70,39 @@ typedef struct {
     const float *scale_ptr;
     float scale;
     float *amax_out;
+    float *scale_inv_out; /* NULL, or set to 1 / scale */
     int saturate;
 } fp8ext_cast_transpose_args;
+
+/* Delayed scaling, all tensors at once. history is [len, n] (row 0: the amax each tensor recorded
+ * this step), scale / scale_inv / fmt_max are [n]. For each tensor i:
+ *   amax = the largest finite entry of its history column (algo 0, "max") or row 0 (algo 1,
+ *          "most_recent"; a non-finite one counts as 0);
+ *   if update: row 0 non-finite -> scale *= backoff (the step overflowed);
+ *              else amax > 0    -> scale = fp8_scale_for_amax-style fmt_max / amax / 2^margin;
+ *              else             -> scale kept;  scale_inv = 1 / scale;
+ *   then the history moves down one row and row 0 is zeroed for the next step. */
+typedef struct {
+    float *history;
+    float *scale;
+    float *scale_inv;
+    const float *fmt_max;
+    int64_t n, len;
+    int algo;
+    float margin_factor; /* 2^margin */
+    float backoff;
+    int update;
+} fp8ext_scale_update_args;
+
+/* Current scaling of one tensor: scale = fmt_max / amax / 2^margin (1 when amax is 0 or not finite,
+ * at most FLT_MAX), scale_inv = 1 / scale; amax, scale and scale_inv are single floats. */
+typedef struct {
+    const float *amax;
+    float *scale;
+    float *scale_inv;
+    float fmt_max;
+    float margin_factor;
+} fp8ext_scale_from_amax_args;
 
 /* Block ("current") scaling: x [rows, cols] in blocks of block_rows x block_cols (block_cols ==
  * cols: one block per row). For each block, scale = fp8_scale_for_amax(max|block|), q = fp8(x *
@@ -93,6 +125,8 @@ void fp8ext_cpu_dequantize(const fp8ext_dequantize_args *a);
 void fp8ext_cpu_amax(const fp8ext_amax_args *a);
 void fp8ext_cpu_cast_transpose(const fp8ext_cast_transpose_args *a);
 void fp8ext_cpu_quantize_blocks(const fp8ext_quantize_blocks_args *a);
+void fp8ext_cpu_scale_update(const fp8ext_scale_update_args *a);
+void fp8ext_cpu_scale_from_amax(const fp8ext_scale_from_amax_args *a);
 
 /* CUDA launchers (csrc/kernels/). `stream` is a cudaStream_t; `num_sms` the device's
  * multiprocessor count (a launcher may ignore it). They return cudaSuccess (0) or the launch
@@ -102,6 +136,9 @@ int fp8ext_cuda_dequantize(const fp8ext_dequantize_args *a, void *stream, int nu
 int fp8ext_cuda_amax(const fp8ext_amax_args *a, void *stream, int num_sms);
 int fp8ext_cuda_cast_transpose(const fp8ext_cast_transpose_args *a, void *stream, int num_sms);
 int fp8ext_cuda_quantize_blocks(const fp8ext_quantize_blocks_args *a, void *stream, int num_sms);
+int fp8ext_cuda_scale_update(const fp8ext_scale_update_args *a, void *stream, int num_sms);
+int fp8ext_cuda_scale_from_amax(const fp8ext_scale_from_amax_args *a, void *stream, int num_sms);
+int fp8ext_cuda_write_reciprocal(const float *scale_ptr, float scale_value, float *out, void *stream);
 
 #ifdef __cplusplus
 }

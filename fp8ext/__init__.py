@@ -13,8 +13,13 @@ import torch  # noqa: F401  (loads torch's CUDA libraries before the extension's
 from . import _C
 from . import _library  # noqa: F401  (registers torch.ops.fp8ext.*)
 from ._gemm import gemm, gemm_cache_info, set_gemm_autotune
+from .autocast import fp8_autocast, get_fp8_recipe, get_scaling_manager, is_fp8_enabled
+from .convert import FP8ConversionWarning, convert_to_fp8, prepare_fp8
 from .formats import E4M3, E5M2, FP8Format, Format
-from .ops import amax, cast_transpose, dequantize, quantize, quantize_blockwise, quantize_rowwise
+from .linear import FP8Linear
+from .ops import amax, cast_transpose, dequantize, quantize, quantize_blockwise, quantize_rowwise, scale_from_amax
+from .recipe import CurrentScaling, DelayedScaling, Float8CurrentScaling
+from .scaling import FP8ScalingManager
 
 __version__ = "0.1.0"
 
@@ -29,9 +34,22 @@ __all__ = [
     "cast_transpose",
     "quantize_rowwise",
     "quantize_blockwise",
+    "scale_from_amax",
     "gemm",
     "set_gemm_autotune",
     "gemm_cache_info",
+    "DelayedScaling",
+    "CurrentScaling",
+    "Float8CurrentScaling",
+    "FP8ScalingManager",
+    "fp8_autocast",
+    "is_fp8_enabled",
+    "get_fp8_recipe",
+    "get_scaling_manager",
+    "FP8Linear",
+    "convert_to_fp8",
+    "prepare_fp8",
+    "FP8ConversionWarning",
     "cuda_available",
     "build_info",
 ]

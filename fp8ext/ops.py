@@ -18,7 +18,8 @@ from . import _C
 from ._boundary import describe, dl, dl_opt, scale_arg, stream_of
 from .formats import E4M3, FP8Format, format_of_dtype, resolve_format
 
-__all__ = ["quantize", "dequantize", "amax", "cast_transpose"]
+__all__ = ["quantize", "dequantize", "amax", "cast_transpose", "quantize_rowwise", "quantize_blockwise",
+           "scale_from_amax"]
 
 Scale = Union[float, torch.Tensor]
 _HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
@@ -38,7 +39,8 @@ def _scale_parts(scale: Scale) -> Tuple[Optional[torch.Tensor], float]:
 
 
 def quantize(x: Any, fmt: Any = E4M3, scale: Scale = 1.0, *, saturate: bool = True, stochastic: bool = False,
-             seed: Optional[int] = None, amax_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+             seed: Optional[int] = None, amax_out: Optional[torch.Tensor] = None,
+             scale_inv_out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q = fp8(x * scale), as a torch.float8_e4m3fn or torch.float8_e5m2 tensor of x's shape.
 
     x: float32, bfloat16 or float16, contiguous, on the CPU or a CUDA device (a numpy array works on
@@ -47,25 +49,36 @@ def quantize(x: Any, fmt: Any = E4M3, scale: Scale = 1.0, *, saturate: bool = Tr
     GPU; seed=None draws one from torch's CPU generator). saturate=True clamps to +-fmt.max (Inf too);
     saturate=False gives the format's own overflow: Inf for E5M2, NaN for E4M3. NaN stays NaN.
     amax_out: a one-element float32 tensor on x's device that becomes max(amax_out, max|x|) (|x| before
-    scaling) in the same pass; NaN in x makes it NaN.
+    scaling) in the same pass; NaN in x makes it NaN. scale_inv_out: a one-element float32 tensor set to
+    1 / scale in the same launch (so a saved FP8 tensor keeps the exact factor that dequantizes it).
     """
     f = resolve_format(fmt, "quantize")
     seed = _check_seed(seed, "quantize") if stochastic else 0
     if torch.compiler.is_compiling():
         scale_t, scale_v = _scale_parts(scale)
         q, new_amax = torch.ops.fp8ext.quantize(x, f.code, scale_t, scale_v, saturate, stochastic, seed, amax_out)
-        if amax_out is not None:
-            amax_out.copy_(new_amax)
+        _write_back(amax_out, new_amax, scale_inv_out, scale)
         return q
-    return quantize_eager(x, f, scale, saturate, stochastic, seed, amax_out)
+    return quantize_eager(x, f, scale, saturate, stochastic, seed, amax_out, scale_inv_out)
+
+
+def _write_back(amax_out, new_amax, scale_inv_out, scale) -> None:
+    """Under torch.compile: the in-place results of the functional torch ops, as ordinary tensor ops."""
+    if amax_out is not None:
+        amax_out.copy_(new_amax.reshape(amax_out.shape))
+    if scale_inv_out is not None:
+        if isinstance(scale, torch.Tensor):
+            scale_inv_out.copy_(scale.reciprocal().reshape(scale_inv_out.shape))
+        else:
+            scale_inv_out.fill_(1.0 / float(scale))
 
 
 def quantize_eager(x: Any, f: FP8Format, scale: Any, saturate: bool, stochastic: bool, seed: int,
-                   amax_out: Optional[torch.Tensor]) -> torch.Tensor:
+                   amax_out: Optional[torch.Tensor], scale_inv_out: Optional[torch.Tensor] = None) -> torch.Tensor:
     shape, device = describe(x, "quantize")
     out = torch.empty(shape, dtype=torch.uint8, device=device)
     _C.quantize(dl(x), _to_dl(out), f.code, scale_arg(scale), amax_out=dl_opt(amax_out), saturate=saturate,
-                stochastic=stochastic, seed=seed, stream=stream_of(device))
+                stochastic=stochastic, seed=seed, stream=stream_of(device), scale_inv_out=dl_opt(scale_inv_out))
     return out.view(f.torch_dtype)
 
 
@@ -108,31 +121,32 @@ def amax_eager(x: Any) -> torch.Tensor:
 
 
 def cast_transpose(x: Any, fmt: Any = E4M3, scale: Scale = 1.0, amax_out: Optional[torch.Tensor] = None, *,
-                   saturate: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+                   saturate: bool = True, scale_inv_out: Optional[torch.Tensor] = None
+                   ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(q, q_t): q = fp8(x * scale) of a 2-D x [M, N] and its transpose q_t [N, M], in one pass over x.
 
-    Rounding, saturation, scale and amax_out as in quantize (round to nearest even only). The transposed
-    copy is what a GEMM needs when the FP8 operand must be K-major the other way (FP8Linear's wgrad).
+    Rounding, saturation, scale, amax_out and scale_inv_out as in quantize (round to nearest even only).
+    The transposed copy is what a GEMM needs when the FP8 operand must be K-major the other way
+    (FP8Linear's weight gradient).
     """
     f = resolve_format(fmt, "cast_transpose")
     if torch.compiler.is_compiling():
         scale_t, scale_v = _scale_parts(scale)
         q, qt, new_amax = torch.ops.fp8ext.cast_transpose(x, f.code, scale_t, scale_v, saturate, amax_out)
-        if amax_out is not None:
-            amax_out.copy_(new_amax)
+        _write_back(amax_out, new_amax, scale_inv_out, scale)
         return q, qt
-    return cast_transpose_eager(x, f, scale, saturate, amax_out)
+    return cast_transpose_eager(x, f, scale, saturate, amax_out, scale_inv_out)
 
 
-def cast_transpose_eager(x: Any, f: FP8Format, scale: Any, saturate: bool,
-                         amax_out: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+def cast_transpose_eager(x: Any, f: FP8Format, scale: Any, saturate: bool, amax_out: Optional[torch.Tensor],
+                         scale_inv_out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     shape, device = describe(x, "cast_transpose")
     if len(shape) != 2:
         raise ValueError(f"cast_transpose(): x must be 2-D, got shape {list(shape)}")
     q = torch.empty(shape, dtype=torch.uint8, device=device)
     qt = torch.empty((shape[1], shape[0]), dtype=torch.uint8, device=device)
     _C.cast_transpose(dl(x), _to_dl(q), _to_dl(qt), f.code, scale_arg(scale), amax_out=dl_opt(amax_out),
-                      saturate=saturate, stream=stream_of(device))
+                      saturate=saturate, stream=stream_of(device), scale_inv_out=dl_opt(scale_inv_out))
     return q.view(f.torch_dtype), qt.view(f.torch_dtype)
 
 
@@ -200,3 +214,19 @@ def _quantize_blocks(x, f: FP8Format, kind: str, fn: str):
     q = torch.empty(shape, dtype=torch.uint8, device=device)
     _C.quantize_blocks(dl(x), _to_dl(q), _to_dl(buf), f.code, br, bc, sr, sc, stream=stream_of(device))
     return q.view(f.torch_dtype), scale_inv
+
+
+def scale_from_amax(amax: torch.Tensor, fmt: Any = E4M3, margin: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(scale, scale_inv) for current scaling from a one-element amax tensor, on its device: scale =
+    fmt.max / amax / 2**margin, or 1 when amax is 0 or not finite (capped at the float32 maximum)."""
+    f = resolve_format(fmt, "scale_from_amax")
+    if torch.compiler.is_compiling():
+        a = amax.reshape(()).float()
+        ok = (a > 0) & torch.isfinite(a)
+        scale = torch.where(ok, (f.max / a / 2.0 ** margin).clamp(max=torch.finfo(torch.float32).max), 1.0)
+        return scale, scale.reciprocal()
+    _, device = describe(amax, "scale_from_amax", "amax")
+    scale = torch.empty((), dtype=torch.float32, device=device)
+    scale_inv = torch.empty((), dtype=torch.float32, device=device)
+    _C.scale_from_amax(dl(amax), _to_dl(scale), _to_dl(scale_inv), f.code, float(margin), stream=stream_of(device))
+    return scale, scale_inv

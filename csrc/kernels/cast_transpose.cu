@@ -102,9 +102,10 @@ template <typename T, int FMT>
 __global__ void __launch_bounds__(kThreads)
 cast_transpose_kernel(const T *__restrict__ x, uint8_t *__restrict__ q, uint8_t *__restrict__ qt, int64_t rows,
                       int64_t cols, int64_t col_tiles, const float *__restrict__ scale_ptr, float scale_value,
-                      float *amax_out, int saturate, int vector_ok) {
+                      float *amax_out, float *scale_inv_out, int saturate, int vector_ok) {
     __shared__ uint32_t tile[kTile][kRowWords];
     const float scale = load_scale(scale_ptr, scale_value);
+    if (scale_inv_out && blockIdx.x == 0 && threadIdx.x == 0) *scale_inv_out = 1.0f / scale;
     const int64_t row0 = (static_cast<int64_t>(blockIdx.x) / col_tiles) * kTile;
     const int64_t col0 = (static_cast<int64_t>(blockIdx.x) % col_tiles) * kTile;
     int32_t amax = 0;
@@ -120,7 +121,9 @@ cast_transpose_kernel(const T *__restrict__ x, uint8_t *__restrict__ q, uint8_t 
 
 extern "C" int fp8ext_cuda_cast_transpose(const fp8ext_cast_transpose_args *a, void *stream, int /*num_sms*/) {
     using namespace fp8ext;
-    if (a->rows == 0 || a->cols == 0) return cudaSuccess;
+    if (a->rows == 0 || a->cols == 0)
+        return a->scale_inv_out ? fp8ext_cuda_write_reciprocal(a->scale_ptr, a->scale, a->scale_inv_out, stream)
+                                : cudaSuccess;
     const int64_t col_tiles = (a->cols + kTile - 1) / kTile;
     const int64_t tiles = col_tiles * ((a->rows + kTile - 1) / kTile);
     if (tiles > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
@@ -130,7 +133,7 @@ extern "C" int fp8ext_cuda_cast_transpose(const fp8ext_cast_transpose_args *a, v
     FP8EXT_DISPATCH_DTYPE(a->x_dtype, FP8EXT_DISPATCH_FMT(a->fmt, {
         cast_transpose_kernel<T, FMT><<<static_cast<unsigned>(tiles), kThreads, 0, s>>>(
             static_cast<const T *>(a->x), a->q, a->qt, a->rows, a->cols, col_tiles, a->scale_ptr, a->scale,
-            a->amax_out, a->saturate, vector_ok);
+            a->amax_out, a->scale_inv_out, a->saturate, vector_ok);
         return cudaGetLastError();
     }));
     return cudaErrorInvalidValue;

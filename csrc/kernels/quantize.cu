@@ -59,8 +59,9 @@ __device__ __forceinline__ void convert_store(const uint4 &in, int64_t vi, uint8
 template <typename T, int FMT, bool SR>
 __global__ void __launch_bounds__(kThreads)
 quantize_vec_kernel(const T *__restrict__ x, uint8_t *__restrict__ q, int64_t nvec, const float *__restrict__ scale_ptr,
-                    float scale_value, float *amax_out, int saturate, uint64_t key) {
+                    float scale_value, float *amax_out, float *scale_inv_out, int saturate, uint64_t key) {
     const float scale = load_scale(scale_ptr, scale_value);
+    if (scale_inv_out && blockIdx.x == 0 && threadIdx.x == 0) *scale_inv_out = 1.0f / scale;
     const uint4 *xv = reinterpret_cast<const uint4 *>(x);
     const int64_t base = static_cast<int64_t>(blockIdx.x) * (kThreads * kUnroll) + threadIdx.x;
     int32_t amax = 0;
@@ -78,9 +79,10 @@ quantize_vec_kernel(const T *__restrict__ x, uint8_t *__restrict__ q, int64_t nv
 template <typename T, int FMT, bool SR>
 __global__ void __launch_bounds__(kThreads)
 quantize_scalar_kernel(const T *__restrict__ x, uint8_t *__restrict__ q, int64_t begin, int64_t n,
-                       const float *__restrict__ scale_ptr, float scale_value, float *amax_out, int saturate,
-                       uint64_t key) {
+                       const float *__restrict__ scale_ptr, float scale_value, float *amax_out,
+                       float *scale_inv_out, int saturate, uint64_t key) {
     const float scale = load_scale(scale_ptr, scale_value);
+    if (scale_inv_out && blockIdx.x == 0 && threadIdx.x == 0) *scale_inv_out = 1.0f / scale;
     int32_t amax = 0;
     for (int64_t i = begin + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
          i += static_cast<int64_t>(gridDim.x) * kThreads) {
@@ -102,7 +104,8 @@ cudaError_t launch(const fp8ext_quantize_args *a, cudaStream_t stream, int num_s
             const int64_t blocks = (nvec + kThreads * kUnroll - 1) / (kThreads * kUnroll);
             if (blocks > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
             quantize_vec_kernel<T, FMT, SR><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-                static_cast<const T *>(a->x), a->q, nvec, a->scale_ptr, a->scale, a->amax_out, a->saturate, a->sr_key);
+                static_cast<const T *>(a->x), a->q, nvec, a->scale_ptr, a->scale, a->amax_out, a->scale_inv_out,
+                a->saturate, a->sr_key);
             done = nvec * V;
         }
     }
@@ -110,7 +113,8 @@ cudaError_t launch(const fp8ext_quantize_args *a, cudaStream_t stream, int num_s
         const int64_t want = (a->n - done + kThreads - 1) / kThreads;
         const int blocks = static_cast<int>(want < max_blocks ? want : max_blocks);
         quantize_scalar_kernel<T, FMT, SR><<<blocks, kThreads, 0, stream>>>(
-            static_cast<const T *>(a->x), a->q, done, a->n, a->scale_ptr, a->scale, a->amax_out, a->saturate, a->sr_key);
+            static_cast<const T *>(a->x), a->q, done, a->n, a->scale_ptr, a->scale, a->amax_out, a->scale_inv_out,
+            a->saturate, a->sr_key);
     }
     return cudaGetLastError();
 }
@@ -119,7 +123,9 @@ cudaError_t launch(const fp8ext_quantize_args *a, cudaStream_t stream, int num_s
 }  // namespace fp8ext
 
 extern "C" int fp8ext_cuda_quantize(const fp8ext_quantize_args *a, void *stream, int num_sms) {
-    if (a->n == 0) return cudaSuccess;
+    if (a->n == 0)
+        return a->scale_inv_out ? fp8ext_cuda_write_reciprocal(a->scale_ptr, a->scale, a->scale_inv_out, stream)
+                                : cudaSuccess;
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     FP8EXT_DISPATCH_DTYPE(a->x_dtype, FP8EXT_DISPATCH_FMT(a->fmt, {
         return a->stochastic ? fp8ext::launch<T, FMT, true>(a, s, num_sms)

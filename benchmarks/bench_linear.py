@@ -1,0 +1,209 @@
+"""Training-step time of one linear layer: fp8ext.FP8Linear vs nn.Linear in bf16 vs a torch-only FP8 baseline,
+side by side in one run.
+
+    python benchmarks/bench_linear.py          # needs a CUDA GPU and fp8ext built with CUDA
+
+Step = forward + backward of y = x W^T for x [M, K] bf16, W [N, K] bf16 (no bias, as the anchors), with a
+random upstream gradient. Implementations:
+  bf16           nn.Linear
+  torch FP8      torch-only dynamic tensorwise FP8: three torch._scaled_mm with amax-scaled casts, the whole
+                 autograd function under torch.compile (the anchors' baseline, facts/h100_anchors.py)
+  fp8ext         FP8Linear in fp8_autocast(DelayedScaling()), every step a full step: the scale update on
+                 entry, the weight cast (the weight changes every step in training), x and dy cast_transposed
+Medians of CUDA-event timings, implementations interleaved over rounds. At (4096, 1024, 1024) both bf16 and
+fp8ext steps are also captured as CUDA graphs and replayed (launch overhead out of the way).
+Goals (issue 4, H100): >= 1.6x bf16 at (8192,4096,16384), >= 1.25x at (8192,4096,4096), >= 0.9x at
+(4096,1024,1024) as CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+import fp8ext
+from _harness import bench_ms, device_header, save, table
+
+E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
+SHAPES = [(8192, 4096, 4096), (8192, 4096, 16384), (16384, 8192, 8192), (4096, 1024, 1024)]
+
+
+def _to8(t, dt):
+    amax = t.abs().amax().float().clamp(min=1e-12)
+    s = torch.finfo(dt).max / amax
+    return (t.float() * s).clamp(-torch.finfo(dt).max, torch.finfo(dt).max).to(dt), s.reciprocal()
+
+
+class TorchFP8(torch.autograd.Function):
+    """The torch-only baseline of facts/h100_anchors.py."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        x8, sx = _to8(x, E4)
+        w8, sw = _to8(w, E4)
+        ctx.save_for_backward(x8, sx, w8, sw)
+        return torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16, use_fast_accum=True)
+
+    @staticmethod
+    def backward(ctx, g):
+        x8, sx, w8, sw = ctx.saved_tensors
+        g8, sg = _to8(g, E5)
+        dx = torch._scaled_mm(g8, w8.t().contiguous().t(), scale_a=sg, scale_b=sw, out_dtype=torch.bfloat16)
+        dw = torch._scaled_mm(g8.t().contiguous(), x8.t().contiguous().t(), scale_a=sg, scale_b=sx,
+                              out_dtype=torch.bfloat16)
+        return dx, dw
+
+
+def rounds(impls, reps, n_rounds=3):
+    times = {k: [] for k in impls}
+    names = list(impls)
+    for r in range(n_rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(bench_ms(impls[name], reps))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def saved_bytes(fn, params):
+    """Bytes of the tensors autograd keeps for backward, parameters excluded, each storage counted once."""
+    seen = {}
+    pids = {p.data_ptr() for p in params}
+
+    def pack(t):
+        if t.data_ptr() not in pids:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = fn()
+    del y
+    return sum(seen.values())
+
+
+def main():
+    if not fp8ext.cuda_available():
+        sys.exit("bench_linear: needs a CUDA device and fp8ext built with CUDA")
+    head = device_header()
+    print(f"# {head['device']} ({head['sms']} SMs), torch {head['torch']}, CUDA {head['cuda']}, {head['date']}")
+    torch.manual_seed(0)
+    recipe = fp8ext.DelayedScaling()
+    step_c = torch.compile(lambda x, w: TorchFP8.apply(x, w))
+    rows, mem_rows = [], []
+    for (m, k, n) in SHAPES:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        gy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        lin = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+        f8 = fp8ext.FP8Linear(k, n, bias=False, device="cuda", params_dtype=torch.bfloat16)
+        f8.load_state_dict(lin.state_dict())
+        w = lin.weight
+
+        def bf16_step():
+            lin(x).backward(gy)
+
+        def torch_fp8_step():
+            step_c(x, w).backward(gy)
+
+        def fp8ext_step():
+            f8._weight_cache = None  # the weight changes every training step: recast it, as a real step would
+            with fp8ext.fp8_autocast(fp8_recipe=recipe):
+                y = f8(x)
+            y.backward(gy)
+
+        impls = {"bf16": bf16_step, "torch FP8 (compiled)": torch_fp8_step, "fp8ext FP8Linear": fp8ext_step}
+        for fn in impls.values():
+            fn()
+        t = rounds(impls, reps=10 if m * n * k > 1e11 else 30)
+        row = {"M,K,N": f"{m},{k},{n}"} | {f"{k2} ms": v for k2, v in t.items()}
+        row["torch FP8 / bf16"] = t["bf16"] / t["torch FP8 (compiled)"]
+        row["fp8ext / bf16"] = t["bf16"] / t["fp8ext FP8Linear"]
+        rows.append(row)
+        print(f"  {row['M,K,N']:>16}: bf16 {t['bf16']:.3f} ms, torch FP8 {t['torch FP8 (compiled)']:.3f} ms, "
+              f"fp8ext {t['fp8ext FP8Linear']:.3f} ms -> {row['fp8ext / bf16']:.2f}x", flush=True)
+        with fp8ext.fp8_autocast(fp8_recipe=recipe):
+            b8 = saved_bytes(lambda: f8(x), [f8.weight])
+        b16 = saved_bytes(lambda: lin(x), [lin.weight])
+        mem_rows.append({"M,K,N": row["M,K,N"], "bf16 saved MiB": b16 / 2**20, "fp8ext saved MiB": b8 / 2**20,
+                         "saved": 1 - b8 / b16})
+        del x, gy, lin, f8, w
+        torch.cuda.empty_cache()
+
+    print(table(rows, list(rows[0]), {k: "{:.3f}" for k in rows[0] if k != "M,K,N"}))
+    print("activation memory kept for backward per layer (parameters excluded; fp8ext keeps x as FP8 x^T):")
+    print(table(mem_rows, list(mem_rows[0]), {"bf16 saved MiB": "{:.1f}", "fp8ext saved MiB": "{:.1f}",
+                                               "saved": "{:.0%}"}))
+    graphs = graph_small(recipe)
+    print(f"CUDA graphs at (4096,1024,1024): bf16 {graphs['bf16_ms']:.4f} ms, fp8ext {graphs['fp8ext_ms']:.4f} ms "
+          f"-> {graphs['ratio']:.2f}x of bf16's speed")
+    host = host_times(recipe)
+    print(f"host time per step (4096,1024,1024, no sync): bf16 {host['bf16_us']:.0f} us, fp8ext "
+          f"{host['fp8ext_us']:.0f} us")
+    save("bench_linear.json", {"header": head, "steps": rows, "memory": mem_rows, "graphs": graphs, "host": host})
+
+
+def graph_small(recipe):
+    m, k, n = 4096, 1024, 1024
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    lin = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    f8 = fp8ext.FP8Linear(k, n, bias=False, device="cuda", params_dtype=torch.bfloat16)
+
+    def bf16_step():
+        lin(x).backward(gy)
+
+    def fp8_step():
+        with fp8ext.fp8_autocast(fp8_recipe=recipe):
+            y = f8(x)
+        y.backward(gy)
+
+    out = {}
+    for name, fn in (("bf16", bf16_step), ("fp8ext", fp8_step)):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        out[name] = g
+    t = rounds({k2: g.replay for k2, g in out.items()}, reps=200, n_rounds=4)
+    return {"bf16_ms": t["bf16"], "fp8ext_ms": t["fp8ext"], "ratio": t["bf16"] / t["fp8ext"]}
+
+
+def host_times(recipe):
+    m, k, n = 4096, 1024, 1024
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    lin = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    f8 = fp8ext.FP8Linear(k, n, bias=False, device="cuda", params_dtype=torch.bfloat16)
+
+    def fp8_step():
+        f8._weight_cache = None
+        with fp8ext.fp8_autocast(fp8_recipe=recipe):
+            y = f8(x)
+        y.backward(gy)
+
+    res = {}
+    for name, fn in (("bf16_us", lambda: lin(x).backward(gy)), ("fp8ext_us", fp8_step)):
+        runs = []
+        for _ in range(5):
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(50):
+                fn()
+            runs.append((time.perf_counter() - t0) / 50 * 1e6)
+            torch.cuda.synchronize()
+        res[name] = sorted(runs)[2]
+    return res
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()

@@ -1,0 +1,103 @@
+"""fp8_autocast: the context in which FP8Linear layers compute in FP8.
+
+    with fp8ext.fp8_autocast(enabled=True, fp8_recipe=fp8ext.DelayedScaling()):
+        loss = model(x).float().pow(2).mean()
+    loss.backward()
+
+Contexts nest (the innermost decides; enabled=False inside switches FP8 off for its body) and are per
+thread (each thread has its own stack). With a DelayedScaling recipe, FP8Linear layers record their amaxes
+in the recipe's FP8ScalingManager (one per recipe and device); the scales are updated, for every tensor in
+one kernel, when the next outermost fp8_autocast is entered: that is after the previous step's backward
+pass has recorded the gradients' amaxes, so step t+1 scales with everything step t saw. calibrating=True
+computes in high precision while recording amaxes (to calibrate scales before FP8 inference, seed 004).
+fp8_group: a torch.distributed group across which amaxes are max-reduced before the update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple, Union
+
+import torch
+
+from .recipe import CurrentScaling, DelayedScaling
+from .scaling import FP8ScalingManager
+
+__all__ = ["fp8_autocast", "is_fp8_enabled", "get_fp8_recipe", "get_scaling_manager"]
+
+Recipe = Union[DelayedScaling, CurrentScaling]
+_DEFAULT_RECIPE = DelayedScaling()
+
+
+@dataclass(frozen=True)
+class _Context:
+    enabled: bool
+    recipe: Recipe
+    calibrating: bool
+    group: object
+
+
+class _ThreadState(threading.local):
+    def __init__(self):
+        self.stack = []
+
+
+_state = _ThreadState()
+_managers: Dict[Tuple[Recipe, str], FP8ScalingManager] = {}
+_managers_lock = threading.Lock()
+
+
+def current_context() -> Optional[_Context]:
+    """The innermost fp8_autocast of this thread, or None outside any."""
+    stack = _state.stack
+    return stack[-1] if stack else None
+
+
+def is_fp8_enabled() -> bool:
+    ctx = current_context()
+    return bool(ctx and ctx.enabled)
+
+
+def get_fp8_recipe() -> Optional[Recipe]:
+    ctx = current_context()
+    return ctx.recipe if ctx else None
+
+
+def get_scaling_manager(recipe: DelayedScaling, device: Union[str, torch.device]) -> FP8ScalingManager:
+    """The FP8ScalingManager that layers use for `recipe` on `device` (made on first use)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (recipe, str(device))
+    mgr = _managers.get(key)
+    if mgr is None:
+        with _managers_lock:
+            mgr = _managers.setdefault(key, FP8ScalingManager(recipe, device=device))
+    return mgr
+
+
+def _update_pending(recipe: Recipe, group) -> None:
+    """Runs the scale update of every manager of `recipe` that recorded amaxes since its last update."""
+    if not isinstance(recipe, DelayedScaling):
+        return
+    for (r, _), mgr in list(_managers.items()):
+        if r == recipe and mgr.dirty:
+            mgr.update(group)
+
+
+@contextlib.contextmanager
+def fp8_autocast(enabled: bool = True, fp8_recipe: Optional[Recipe] = None, calibrating: bool = False,
+                 fp8_group=None):
+    """Compute FP8Linear layers in FP8 inside this context (see the module docstring)."""
+    recipe = fp8_recipe if fp8_recipe is not None else _DEFAULT_RECIPE
+    if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
+        raise TypeError(f"fp8_autocast(): fp8_recipe must be DelayedScaling or CurrentScaling, got {type(recipe).__name__}")
+    if (enabled or calibrating) and not _state.stack:
+        _update_pending(recipe, fp8_group)
+    _state.stack.append(_Context(bool(enabled), recipe, bool(calibrating), fp8_group))
+    try:
+        yield
+    finally:
+        _state.stack.pop()

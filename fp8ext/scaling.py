@@ -1,0 +1,196 @@
+"""FP8ScalingManager: the scaling state of many FP8 tensors, in device memory, updated in one kernel.
+
+Layout (one manager per recipe and device; "slots" are the tensors it tracks, n of them):
+    amax_history  float32 [history_len, n]  row 0: this step's amax of each tensor (written by the casts,
+                                             as their fused amax_out), rows 1..: earlier steps
+    scale         float32 [n]               the multiplier each cast uses: q = fp8(x * scale)
+    scale_inv     float32 [n]               1 / scale, what the GEMMs take
+    fmt_max       float32 [n]               448 or 57344, from each slot's format
+`update()` runs fp8ext's scale_update kernel over all slots: new scales from the history, then the
+history moves down a row. No host synchronisation anywhere: nothing here reads a device value.
+
+The teaching API of the seeds is kept: update_amax(name, amax), get_scale(name), margin (as TE's
+exponent: seed 001's multiplicative margin 2.0 is margin=1), and the backoff of seed 002 (a step whose
+amax is NaN/Inf shrinks that tensor's scale by backoff_factor).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Dict, List, Optional, Union
+
+import torch
+
+from . import _C
+from ._boundary import stream_of
+from .formats import E4M3, FP8Format, format_of_code, resolve_format
+from .recipe import DelayedScaling
+
+__all__ = ["FP8ScalingManager"]
+
+_to_dl = torch._C._to_dlpack
+
+
+class FP8ScalingManager:
+    """Amax histories, scales and scale_invs of named FP8 tensors, kept on one device."""
+
+    def __init__(self, recipe: Optional[DelayedScaling] = None, *, device: Union[str, torch.device, None] = None,
+                 history_len: Optional[int] = None, margin: Optional[float] = None,
+                 amax_compute_algo: Optional[str] = None, interval: Optional[int] = None,
+                 backoff_factor: Optional[float] = None):
+        r = recipe or DelayedScaling()
+        if not isinstance(r, DelayedScaling):
+            raise TypeError(f"FP8ScalingManager: recipe must be a DelayedScaling, got {type(r).__name__}")
+        self.recipe = DelayedScaling(
+            margin=r.margin if margin is None else margin, interval=r.interval if interval is None else interval,
+            fp8_format=r.fp8_format, amax_history_len=r.amax_history_len if history_len is None else history_len,
+            amax_compute_algo=r.amax_compute_algo if amax_compute_algo is None else amax_compute_algo,
+            reduce_amax=r.reduce_amax, backoff_factor=r.backoff_factor if backoff_factor is None else backoff_factor)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self._names: List[str] = []
+        self._formats: List[FP8Format] = []
+        self._index: Dict[str, int] = {}
+        self.amax_history = torch.zeros((self.recipe.amax_history_len, 0), dtype=torch.float32, device=self.device)
+        self.scale = torch.ones(0, dtype=torch.float32, device=self.device)
+        self.scale_inv = torch.ones(0, dtype=torch.float32, device=self.device)
+        self._fmt_max = torch.ones(0, dtype=torch.float32, device=self.device)
+        self.generation = 0  # bumped when the buffers are reallocated (views taken before are stale)
+        self.steps = 0  # updates run so far
+        self.dirty = False  # something recorded an amax since the last update
+        self._lock = threading.RLock()
+        self._views: Dict[int, tuple] = {}
+
+    # ---- slots ----------------------------------------------------------------------------------
+    @property
+    def history_len(self) -> int:
+        return self.recipe.amax_history_len
+
+    @property
+    def margin(self) -> float:
+        return self.recipe.margin
+
+    @property
+    def names(self) -> List[str]:
+        return list(self._names)
+
+    def register(self, name: str, fmt=E4M3) -> int:
+        """The slot of tensor `name`, made on first use (all scales start at 1, histories at 0)."""
+        f = resolve_format(fmt, "FP8ScalingManager.register")
+        with self._lock:
+            slot = self._index.get(name)
+            if slot is not None:
+                if self._formats[slot] is not f:
+                    raise ValueError(f"FP8ScalingManager.register(): {name!r} is {self._formats[slot].name}, "
+                                     f"not {f.name}")
+                return slot
+            if len(self._names) == self.amax_history.shape[1]:
+                self._grow(max(64, 2 * len(self._names)))  # capacity doubles: views stay valid for long
+            slot = len(self._names)
+            self._names.append(name)
+            self._formats.append(f)
+            self._index[name] = slot
+            self._fmt_max[slot] = f.max
+            return slot
+
+    def _grow(self, n: int) -> None:
+        """Reallocates the buffers for n slots, keeping the values; unused slots hold scale 1, amax 0."""
+        old = self.amax_history.shape[1]
+        hist = torch.zeros((self.history_len, n), dtype=torch.float32, device=self.device)
+        scale = torch.ones(n, dtype=torch.float32, device=self.device)
+        scale_inv = torch.ones(n, dtype=torch.float32, device=self.device)
+        fmt_max = torch.ones(n, dtype=torch.float32, device=self.device)
+        hist[:, :old] = self.amax_history
+        scale[:old], scale_inv[:old], fmt_max[:old] = self.scale, self.scale_inv, self._fmt_max
+        self.amax_history, self.scale, self.scale_inv, self._fmt_max = hist, scale, scale_inv, fmt_max
+        self.generation += 1
+        self._views = {}
+
+    def slot(self, name: str) -> int:
+        try:
+            return self._index[name]
+        except KeyError:
+            raise KeyError(f"FP8ScalingManager: no tensor named {name!r}; known: {self._names}") from None
+
+    def views(self, slot: int):
+        """(scale, scale_inv, amax) of a slot as 0-d device tensors aliasing the manager's buffers; the casts
+        read scale and write their fused amax into amax (this step's history entry)."""
+        v = self._views.get(slot)
+        if v is None:
+            v = self._views[slot] = (self.scale[slot], self.scale_inv[slot], self.amax_history[0, slot])
+        return v
+
+    # ---- the seeds' teaching API ----------------------------------------------------------------
+    def update_amax(self, name: str, amax: Union[float, torch.Tensor], fmt=E4M3) -> None:
+        """Records an amax for `name` this step: its history entry becomes max(entry, amax)."""
+        slot = self.register(name, fmt) if name not in self._index else self._index[name]
+        entry = self.views(slot)[2]
+        value = amax.to(device=self.device, dtype=torch.float32) if isinstance(amax, torch.Tensor) else \
+            torch.tensor(float(amax), device=self.device)
+        torch.maximum(entry, value.reshape(()), out=entry)
+        self.dirty = True
+
+    def get_scale(self, name: str) -> torch.Tensor:
+        """The scale of `name` (a 0-d device tensor: reading it with .item() synchronises)."""
+        return self.views(self.slot(name))[0]
+
+    def get_scale_inv(self, name: str) -> torch.Tensor:
+        return self.views(self.slot(name))[1]
+
+    def format_of(self, name: str) -> FP8Format:
+        return self._formats[self.slot(name)]
+
+    # ---- the update -----------------------------------------------------------------------------
+    def update(self, group=None) -> None:
+        """One step: (optionally) max-reduce this step's amaxes across `group`, then recompute every scale
+        (every `interval` steps) and move the histories down a row. One kernel; no host synchronisation."""
+        with self._lock:
+            if not self._names:
+                return
+            if group is not None and self.recipe.reduce_amax:
+                import torch.distributed as dist
+                if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+                    dist.all_reduce(self.amax_history[0], op=dist.ReduceOp.MAX, group=group)
+            self.steps += 1
+            r = self.recipe
+            _C.scale_update(_to_dl(self.amax_history), _to_dl(self.scale), _to_dl(self.scale_inv),
+                            _to_dl(self._fmt_max), 0 if r.amax_compute_algo == "max" else 1, float(r.margin),
+                            self.steps % r.interval == 0, float(r.backoff_factor), stream=stream_of(self.device))
+            self.dirty = False
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        n = len(self._names)
+        return {"names": list(self._names), "formats": [f.code for f in self._formats], "steps": self.steps,
+                "amax_history": self.amax_history[:, :n].detach().cpu().clone(),
+                "scale": self.scale[:n].detach().cpu().clone(), "scale_inv": self.scale_inv[:n].detach().cpu().clone(),
+                "history_len": self.history_len}
+
+    def load_state_dict(self, state: dict) -> None:
+        names, formats = state["names"], state["formats"]
+        for name, code in zip(names, formats):
+            self.register(name, format_of_code(code))
+        self.load_slots(names, state["amax_history"], state["scale"], state["scale_inv"])
+        self.steps = int(state.get("steps", 0))
+
+    def load_slots(self, names: List[str], history: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor):
+        """Writes saved values into the named slots (histories of another length are cut or zero-padded)."""
+        idx = torch.tensor([self.slot(n) for n in names], dtype=torch.long, device=self.device)
+        rows = min(self.history_len, history.shape[0])
+        h = torch.zeros((self.history_len, len(names)), dtype=torch.float32)
+        h[:rows] = history[:rows].float()
+        self.amax_history.index_copy_(1, idx, h.to(self.device))
+        self.scale.index_copy_(0, idx, scale.float().to(self.device))
+        self.scale_inv.index_copy_(0, idx, scale_inv.float().to(self.device))
+
+    @property
+    def num_slots(self) -> int:
+        return len(self._names)
+
+    def slots_state(self, names: List[str]) -> dict:
+        idx = torch.tensor([self.slot(n) for n in names], dtype=torch.long, device=self.device)
+        return {"names": list(names), "amax_history": self.amax_history.index_select(1, idx).cpu(),
+                "scale": self.scale.index_select(0, idx).cpu(), "scale_inv": self.scale_inv.index_select(0, idx).cpu()}
+
+    def __repr__(self) -> str:
+        return (f"FP8ScalingManager({len(self._names)} tensors on {self.device}, history {self.history_len}, "
+                f"algo {self.recipe.amax_compute_algo}, margin {self.margin}, steps {self.steps})")
