@@ -114,8 +114,9 @@ class FP8Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         dtype = params_dtype or torch.get_default_dtype()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
-        if not bias:
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
+        else:
             self.register_parameter("bias", None)
         self.reset_parameters()
         self._weight_cache = None  # (key, w8, w8t, scale_inv) of the last weight cast

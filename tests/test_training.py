@@ -185,6 +185,7 @@ def test_calibrating_records_amax_and_computes_in_high_precision(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_outside_autocast_it_is_nn_linear(device):
+    assert fp8ext.FP8Linear(32, 16, bias=False).bias is None
     torch.manual_seed(0)
     lin = nn.Linear(48, 32, device=device)
     f = fp8ext.FP8Linear(48, 32, device=device)
@@ -437,9 +438,11 @@ def test_training_step_captured_in_a_cuda_graph_replays_correctly():
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(2):
-            step(model, x)  # warm-up: slots, plans, workspaces
+            step(model, x)  # warm-up: slots, plans, workspaces, and scales past their initial 1.0
     torch.cuda.current_stream().wait_stream(s)
-    for p in model.parameters():
+    for _ in range(2):
+        step(eager, x)  # the same scaling history for the eager twin
+    for p in list(model.parameters()) + list(eager.parameters()):
         p.grad = None
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
