@@ -100,21 +100,20 @@ static int finite(float v) { return (fp8_f32_bits(v) & 0x7F800000u) != 0x7F80000
 
 void fp8ext_cpu_scale_update(const fp8ext_scale_update_args *a) {
     for (int64_t i = 0; i < a->n; ++i) {
-        const float recent = a->history[i];
+        float *h = a->history + i * a->len;
+        const float recent = h[0];
         float amax = finite(recent) ? recent : 0.0f;
         if (a->algo == 0)
-            for (int64_t h = 1; h < a->len; ++h) {
-                const float v = a->history[h * a->n + i];
-                if (finite(v) && v > amax) amax = v;
-            }
+            for (int64_t j = 1; j < a->len; ++j)
+                if (finite(h[j]) && h[j] > amax) amax = h[j];
         if (a->update) {
             const float old = a->scale[i];
             const float s = !finite(recent) ? old * a->backoff : fp8_scale_rule(amax, a->fmt_max[i], a->margin_factor, old);
             a->scale[i] = s;
             a->scale_inv[i] = 1.0f / s;
         }
-        for (int64_t h = a->len - 1; h > 0; --h) a->history[h * a->n + i] = a->history[(h - 1) * a->n + i];
-        a->history[i] = 0.0f;
+        for (int64_t j = a->len - 1; j > 0; --j) h[j] = h[j - 1];
+        h[0] = 0.0f;
     }
 }
 

@@ -74,14 +74,17 @@ typedef struct {
     int saturate;
 } fp8ext_cast_transpose_args;
 
-/* Delayed scaling, all tensors at once. history is [len, n] (row 0: the amax each tensor recorded
- * this step), scale / scale_inv / fmt_max are [n]. For each tensor i:
- *   amax = the largest finite entry of its history column (algo 0, "max") or row 0 (algo 1,
+/* Delayed scaling, all tensors at once. history is [n, len], one row per tensor, entry 0 the amax it
+ * recorded this step (slot-major so that each tensor's history is contiguous); scale / scale_inv /
+ * fmt_max are [n]. For each tensor i:
+ *   amax = the largest finite entry of its history (algo 0, "max") or entry 0 (algo 1,
  *          "most_recent"; a non-finite one counts as 0);
  *   if update: row 0 non-finite -> scale *= backoff (the step overflowed);
  *              else amax > 0    -> scale = fp8_scale_for_amax-style fmt_max / amax / 2^margin;
  *              else             -> scale kept;  scale_inv = 1 / scale;
- *   then the history moves down one row and row 0 is zeroed for the next step. */
+ *   then the history moves along by one entry and entry 0 is zeroed for the next step. */
+#define FP8EXT_MAX_HISTORY 16384 /* the GPU kernel holds one history in shared memory */
+
 typedef struct {
     float *history;
     float *scale;

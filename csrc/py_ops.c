@@ -337,7 +337,12 @@ static PyObject *py_scale_update(PyObject *module, PyObject *args, PyObject *kwa
         fp8ext_check_contiguous(&h, fn, "history") < 0 || fp8ext_check_writable(&h, fn, "history") < 0)
         goto done;
     if (h.ndim != 2) {
-        PyErr_Format(PyExc_ValueError, "%s(): history must be 2-D [len, n], got %d dimensions", fn, h.ndim);
+        PyErr_Format(PyExc_ValueError, "%s(): history must be 2-D [n, len], got %d dimensions", fn, h.ndim);
+        goto done;
+    }
+    if (h.shape[1] < 1 || h.shape[1] > FP8EXT_MAX_HISTORY) {
+        PyErr_Format(PyExc_ValueError, "%s(): the history length must be in [1, %d], got %lld", fn, FP8EXT_MAX_HISTORY,
+                     (long long)h.shape[1]);
         goto done;
     }
     if (algo != 0 && algo != 1) {
@@ -348,7 +353,7 @@ static PyObject *py_scale_update(PyObject *module, PyObject *args, PyObject *kwa
         PyErr_Format(PyExc_ValueError, "%s(): backoff must be in (0, 1] and margin in [0, 64)", fn);
         goto done;
     }
-    a.len = h.shape[0], a.n = h.shape[1];
+    a.n = h.shape[0], a.len = h.shape[1];
     if (get_f32_vector(s_o, a.n, &h, stream, fn, "scale", 1, &sc) < 0 ||
         get_f32_vector(si_o, a.n, &h, stream, fn, "scale_inv", 1, &si) < 0 ||
         get_f32_vector(m_o, a.n, &h, stream, fn, "fmt_max", 0, &fm) < 0)

@@ -50,8 +50,9 @@ class DelayedScaling:
         if self.scaling_factor_compute_algo is not None:
             raise ValueError("DelayedScaling: a custom scaling_factor_compute_algo is not supported; scales follow "
                              "scale = fmt.max / amax / 2**margin")
-        if not (isinstance(self.amax_history_len, int) and self.amax_history_len >= 1):
-            raise ValueError(f"DelayedScaling: amax_history_len must be a positive int, got {self.amax_history_len!r}")
+        if not (isinstance(self.amax_history_len, int) and 1 <= self.amax_history_len <= 16384):
+            raise ValueError(f"DelayedScaling: amax_history_len must be an int in [1, 16384], got "
+                             f"{self.amax_history_len!r}")
         if not (isinstance(self.interval, int) and self.interval >= 1):
             raise ValueError(f"DelayedScaling: interval must be a positive int, got {self.interval!r}")
         if not (0 <= self.margin < 64):

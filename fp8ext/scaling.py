@@ -1,13 +1,15 @@
 """FP8ScalingManager: the scaling state of many FP8 tensors, in device memory, updated in one kernel.
 
-Layout (one manager per recipe and device; "slots" are the tensors it tracks, n of them):
-    amax_history  float32 [history_len, n]  row 0: this step's amax of each tensor (written by the casts,
-                                             as their fused amax_out), rows 1..: earlier steps
+Layout (one manager per recipe and device; "slots" are the tensors it tracks, n of them; the buffers
+have room for more, unused slots hold amax 0 and scale 1):
+    amax_history  float32 [n, history_len]  a row per tensor, contiguous: entry 0 is this step's amax
+                                             (written by the casts, as their fused amax_out), entries
+                                             1.. earlier steps (Transformer Engine stores the transpose)
     scale         float32 [n]               the multiplier each cast uses: q = fp8(x * scale)
     scale_inv     float32 [n]               1 / scale, what the GEMMs take
     fmt_max       float32 [n]               448 or 57344, from each slot's format
-`update()` runs fp8ext's scale_update kernel over all slots: new scales from the history, then the
-history moves down a row. No host synchronisation anywhere: nothing here reads a device value.
+`update()` runs fp8ext's scale_update kernel over all slots: new scales from the histories, then each
+history moves along one entry. No host synchronisation anywhere: nothing here reads a device value.
 
 The teaching API of the seeds is kept: update_amax(name, amax), get_scale(name), margin (as TE's
 exponent: seed 001's multiplicative margin 2.0 is margin=1), and the backoff of seed 002 (a step whose
@@ -50,7 +52,7 @@ class FP8ScalingManager:
         self._names: List[str] = []
         self._formats: List[FP8Format] = []
         self._index: Dict[str, int] = {}
-        self.amax_history = torch.zeros((self.recipe.amax_history_len, 0), dtype=torch.float32, device=self.device)
+        self.amax_history = torch.zeros((0, self.recipe.amax_history_len), dtype=torch.float32, device=self.device)
         self.scale = torch.ones(0, dtype=torch.float32, device=self.device)
         self.scale_inv = torch.ones(0, dtype=torch.float32, device=self.device)
         self._fmt_max = torch.ones(0, dtype=torch.float32, device=self.device)
@@ -83,7 +85,7 @@ class FP8ScalingManager:
                     raise ValueError(f"FP8ScalingManager.register(): {name!r} is {self._formats[slot].name}, "
                                      f"not {f.name}")
                 return slot
-            if len(self._names) == self.amax_history.shape[1]:
+            if len(self._names) == self.amax_history.shape[0]:
                 self._grow(max(64, 2 * len(self._names)))  # capacity doubles: views stay valid for long
             slot = len(self._names)
             self._names.append(name)
@@ -94,12 +96,12 @@ class FP8ScalingManager:
 
     def _grow(self, n: int) -> None:
         """Reallocates the buffers for n slots, keeping the values; unused slots hold scale 1, amax 0."""
-        old = self.amax_history.shape[1]
-        hist = torch.zeros((self.history_len, n), dtype=torch.float32, device=self.device)
+        old = self.amax_history.shape[0]
+        hist = torch.zeros((n, self.history_len), dtype=torch.float32, device=self.device)
         scale = torch.ones(n, dtype=torch.float32, device=self.device)
         scale_inv = torch.ones(n, dtype=torch.float32, device=self.device)
         fmt_max = torch.ones(n, dtype=torch.float32, device=self.device)
-        hist[:, :old] = self.amax_history
+        hist[:old] = self.amax_history
         scale[:old], scale_inv[:old], fmt_max[:old] = self.scale, self.scale_inv, self._fmt_max
         self.amax_history, self.scale, self.scale_inv, self._fmt_max = hist, scale, scale_inv, fmt_max
         self.generation += 1
@@ -116,7 +118,7 @@ class FP8ScalingManager:
         read scale and write their fused amax into amax (this step's history entry)."""
         v = self._views.get(slot)
         if v is None:
-            v = self._views[slot] = (self.scale[slot], self.scale_inv[slot], self.amax_history[0, slot])
+            v = self._views[slot] = (self.scale[slot], self.scale_inv[slot], self.amax_history[slot, 0])
         return v
 
     # ---- the seeds' teaching API ----------------------------------------------------------------
@@ -149,7 +151,9 @@ class FP8ScalingManager:
             if group is not None and self.recipe.reduce_amax:
                 import torch.distributed as dist
                 if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-                    dist.all_reduce(self.amax_history[0], op=dist.ReduceOp.MAX, group=group)
+                    recent = self.amax_history[:, 0].contiguous()  # entry 0 of every row: one collective
+                    dist.all_reduce(recent, op=dist.ReduceOp.MAX, group=group)
+                    self.amax_history[:, 0].copy_(recent)
             self.steps += 1
             r = self.recipe
             _C.scale_update(_to_dl(self.amax_history), _to_dl(self.scale), _to_dl(self.scale_inv),
@@ -161,7 +165,7 @@ class FP8ScalingManager:
     def state_dict(self) -> dict:
         n = len(self._names)
         return {"names": list(self._names), "formats": [f.code for f in self._formats], "steps": self.steps,
-                "amax_history": self.amax_history[:, :n].detach().cpu().clone(),
+                "amax_history": self.amax_history[:n].detach().cpu().clone(),
                 "scale": self.scale[:n].detach().cpu().clone(), "scale_inv": self.scale_inv[:n].detach().cpu().clone(),
                 "history_len": self.history_len}
 
@@ -173,12 +177,13 @@ class FP8ScalingManager:
         self.steps = int(state.get("steps", 0))
 
     def load_slots(self, names: List[str], history: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor):
-        """Writes saved values into the named slots (histories of another length are cut or zero-padded)."""
+        """Writes saved values into the named slots; history is [len(names), saved_len] (a history of another
+        length is cut or zero-padded)."""
         idx = torch.tensor([self.slot(n) for n in names], dtype=torch.long, device=self.device)
-        rows = min(self.history_len, history.shape[0])
-        h = torch.zeros((self.history_len, len(names)), dtype=torch.float32)
-        h[:rows] = history[:rows].float()
-        self.amax_history.index_copy_(1, idx, h.to(self.device))
+        cols = min(self.history_len, history.shape[1])
+        h = torch.zeros((len(names), self.history_len), dtype=torch.float32)
+        h[:, :cols] = history[:, :cols].float()
+        self.amax_history.index_copy_(0, idx, h.to(self.device))
         self.scale.index_copy_(0, idx, scale.float().to(self.device))
         self.scale_inv.index_copy_(0, idx, scale_inv.float().to(self.device))
 
@@ -188,7 +193,7 @@ class FP8ScalingManager:
 
     def slots_state(self, names: List[str]) -> dict:
         idx = torch.tensor([self.slot(n) for n in names], dtype=torch.long, device=self.device)
-        return {"names": list(names), "amax_history": self.amax_history.index_select(1, idx).cpu(),
+        return {"names": list(names), "amax_history": self.amax_history.index_select(0, idx).cpu(),
                 "scale": self.scale.index_select(0, idx).cpu(), "scale_inv": self.scale_inv.index_select(0, idx).cpu()}
 
     def __repr__(self) -> str:
