@@ -30,7 +30,7 @@ from .autocast import current_context, get_scaling_manager
 from .formats import FP8Format, format_of_code
 from .ops import amax as _amax
 from .ops import cast_transpose, scale_from_amax
-from ._gemm import gemm
+from ._gemm import gemm_eager
 from .recipe import DelayedScaling
 
 __all__ = ["FP8Linear"]
@@ -47,6 +47,14 @@ def _cast(t2d: torch.Tensor, fmt: FP8Format, scale: Optional[torch.Tensor], amax
     scale_inv = torch.empty((), dtype=torch.float32, device=t2d.device)
     q, qt = cast_transpose(t2d, fmt, scale, amax_out=amax_slot, scale_inv_out=scale_inv)
     return q, qt, scale_inv
+
+
+def _gemm(a, b, a_sinv, b_sinv, out_dtype, bias=None, fast=False):
+    """fp8ext.gemm without the public wrapper's argument checks (C checks everything anyway), or the torch op
+    under torch.compile."""
+    if torch.compiler.is_compiling():
+        return torch.ops.fp8ext.gemm(a, b, a_sinv, b_sinv, out_dtype, bias, fast, None, None, False)[0]
+    return gemm_eager(a, b, a_sinv, b_sinv, out_dtype, bias, fast, None, False, None, None)
 
 
 def _pad_rows(t: torch.Tensor, multiple: int = 16) -> torch.Tensor:
@@ -70,8 +78,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         # cuBLASLt's FP8 bias epilogue wants a bfloat16 bias (float16 for a float16 output); otherwise add it after.
         fuse_bias = (bias is not None and x.dtype != torch.float32
                      and bias.dtype == (torch.float16 if x.dtype == torch.float16 else torch.bfloat16))
-        y = gemm(x8, w8, a_scale_inv=x_sinv, b_scale_inv=w_sinv, out_dtype=x.dtype,
-                 bias=bias if fuse_bias else None, use_fast_accum=True)[:m]
+        y = _gemm(x8, w8, x_sinv, w_sinv, x.dtype, bias if fuse_bias else None, fast=True)[:m]
         if bias is not None and not fuse_bias:
             y = y + bias.to(y.dtype)
         ctx.save_for_backward(x8t, x_sinv, w8t, w_sinv, g_scale, g_amax)
@@ -90,10 +97,10 @@ class _FP8LinearFunction(torch.autograd.Function):
         g8, g8t, g_sinv = _cast(_pad_rows(dy2), ctx.bwd, g_scale, g_amax, ctx.margin)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = gemm(g8, w8t, a_scale_inv=g_sinv, b_scale_inv=w_sinv, out_dtype=ctx.x_dtype)[: ctx.m]
+            dx = _gemm(g8, w8t, g_sinv, w_sinv, ctx.x_dtype)[: ctx.m]
             dx = dx.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            dw = gemm(g8t, x8t, a_scale_inv=g_sinv, b_scale_inv=x_sinv, out_dtype=ctx.w_dtype)
+            dw = _gemm(g8t, x8t, g_sinv, x_sinv, ctx.w_dtype)
         if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2.sum(0, dtype=torch.float32).to(ctx.b_dtype)
         return dx, dw, db, None, None, None, None, None, None, None, None, None, None

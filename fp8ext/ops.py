@@ -15,7 +15,7 @@ from typing import Any, Optional, Tuple, Union
 import torch
 
 from . import _C
-from ._boundary import describe, dl, dl_opt, scale_arg, stream_of
+from ._boundary import FP8_DLPACK, describe, dl, dl_fp8, dl_opt, scale_arg, stream_of
 from .formats import E4M3, FP8Format, format_of_dtype, resolve_format
 
 __all__ = ["quantize", "dequantize", "amax", "cast_transpose", "quantize_rowwise", "quantize_blockwise",
@@ -76,10 +76,10 @@ def _write_back(amax_out, new_amax, scale_inv_out, scale) -> None:
 def quantize_eager(x: Any, f: FP8Format, scale: Any, saturate: bool, stochastic: bool, seed: int,
                    amax_out: Optional[torch.Tensor], scale_inv_out: Optional[torch.Tensor] = None) -> torch.Tensor:
     shape, device = describe(x, "quantize")
-    out = torch.empty(shape, dtype=torch.uint8, device=device)
-    _C.quantize(dl(x), _to_dl(out), f.code, scale_arg(scale), amax_out=dl_opt(amax_out), saturate=saturate,
+    out = _fp8_empty(shape, f, device)
+    _C.quantize(dl(x), dl_fp8(out), f.code, scale_arg(scale), amax_out=dl_opt(amax_out), saturate=saturate,
                 stochastic=stochastic, seed=seed, stream=stream_of(device), scale_inv_out=dl_opt(scale_inv_out))
-    return out.view(f.torch_dtype)
+    return out
 
 
 def dequantize(q: Any, scale_inv: Scale = 1.0, dtype: torch.dtype = torch.float32, *,
@@ -143,11 +143,19 @@ def cast_transpose_eager(x: Any, f: FP8Format, scale: Any, saturate: bool, amax_
     shape, device = describe(x, "cast_transpose")
     if len(shape) != 2:
         raise ValueError(f"cast_transpose(): x must be 2-D, got shape {list(shape)}")
-    q = torch.empty(shape, dtype=torch.uint8, device=device)
-    qt = torch.empty((shape[1], shape[0]), dtype=torch.uint8, device=device)
-    _C.cast_transpose(dl(x), _to_dl(q), _to_dl(qt), f.code, scale_arg(scale), amax_out=dl_opt(amax_out),
+    q = _fp8_empty(shape, f, device)
+    qt = _fp8_empty((shape[1], shape[0]), f, device)
+    _C.cast_transpose(dl(x), dl_fp8(q), dl_fp8(qt), f.code, scale_arg(scale), amax_out=dl_opt(amax_out),
                       saturate=saturate, stream=stream_of(device), scale_inv_out=dl_opt(scale_inv_out))
-    return q.view(f.torch_dtype), qt.view(f.torch_dtype)
+    return q, qt
+
+
+def _fp8_empty(shape, f: FP8Format, device) -> torch.Tensor:
+    """An uninitialised FP8 tensor: allocated in its float8 dtype where torch exports float8 over DLPack (no view
+    needed to hand it to C), else as uint8 viewed as float8."""
+    if FP8_DLPACK:
+        return torch.empty(shape, dtype=f.torch_dtype, device=device)
+    return torch.empty(shape, dtype=torch.uint8, device=device).view(f.torch_dtype)
 
 
 def _format_of_q(q: Any, fmt: Any, fn: str) -> FP8Format:
