@@ -8,6 +8,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from typing import Callable, List, Optional
 
 import torch
@@ -27,6 +28,33 @@ def bench_ms(fn: Callable[[], object], reps: int = 30, warmup: int = 5) -> float
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def rounds(impls: dict, reps: int, n_rounds: int = 3) -> dict:
+    """Times every implementation n_rounds times, rotating the order each round so that none always runs
+    first or last (the GPU's clock drifts under sustained load); returns name -> (median, min, max) ms."""
+    times = {k: [] for k in impls}
+    names = list(impls)
+    for r in range(n_rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(bench_ms(impls[name], reps))
+    return {k: (statistics.median(v), min(v), max(v)) for k, v in times.items()}
+
+
+def host_us(fn: Callable[[], object], calls: int = 400, repeats: int = 5) -> float:
+    """Microseconds of host time per call: `calls` calls issued between synchronisations (fewer than the
+    launch queue holds for small work, so the host does not wait on the GPU), median of `repeats` runs."""
+    runs = []
+    for _ in range(repeats):
+        for _ in range(min(calls, 20)):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        runs.append((time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(runs)
 
 
 def spread(fn: Callable[[], object], reps: int = 30) -> tuple:

@@ -15,14 +15,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 import fp8ext
-from _harness import bench_ms, device_header, save, table
+from _harness import device_header, host_us, rounds, save, table
 
 E4 = torch.float8_e4m3fn
 
@@ -41,17 +39,6 @@ def operands(m, k, n):
     sw = torch.tensor(448.0 / w.abs().max().item(), device="cuda")
     x8, w8 = fp8ext.quantize(x, fp8ext.E4M3, sx), fp8ext.quantize(w, fp8ext.E4M3, sw)
     return x.bfloat16(), w.bfloat16(), x8, w8, sx.reciprocal(), sw.reciprocal()
-
-
-def rounds(impls: dict, reps: int, n_rounds: int = 3) -> dict:
-    """Times every implementation n_rounds times, rotating the order each round so that none always runs
-    first or last (the GPU's clock drifts under sustained load); returns name -> (median, min, max) ms."""
-    times = {k: [] for k in impls}
-    names = list(impls)
-    for r in range(n_rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            times[name].append(bench_ms(impls[name], reps))
-    return {k: (statistics.median(v), min(v), max(v)) for k, v in times.items()}
 
 
 def sweep(quick):
@@ -128,8 +115,7 @@ def block_scaled(quick):
 
 
 def host_time():
-    """Microseconds of host time per call for a tiny GEMM: issue 400 calls (fewer than the launch queue
-    holds, so the host never waits for the GPU), timed with the host clock, median of 5 such runs."""
+    """Microseconds of host time per call for a tiny GEMM (64 x 64 x 64), next to torch._scaled_mm's."""
     m = k = n = 64
     x8 = fp8ext.quantize(torch.randn(m, k, device="cuda"))
     w8 = fp8ext.quantize(torch.randn(n, k, device="cuda"))
@@ -141,20 +127,7 @@ def host_time():
         "torch._scaled_mm": lambda: torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
         "fp8ext.quantize": lambda: fp8ext.quantize(out, fp8ext.E4M3, one),
     }
-    res = {}
-    for name, fn in cases.items():
-        runs = []
-        for _ in range(5):
-            for _ in range(50):
-                fn()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(400):
-                fn()
-            runs.append((time.perf_counter() - t0) / 400 * 1e6)
-            torch.cuda.synchronize()
-        res[name] = sorted(runs)[2]
-    return res
+    return {name: host_us(fn) for name, fn in cases.items()}
 
 
 def plot(rows, path):

@@ -22,13 +22,12 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import time
 
 import torch
 from torch import nn
 
 import fp8ext
-from _harness import bench_ms, device_header, save, table
+from _harness import device_header, host_us, rounds, save, table
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 SHAPES = [(8192, 4096, 4096), (8192, 4096, 16384), (16384, 8192, 8192), (4096, 1024, 1024)]
@@ -76,15 +75,6 @@ def steady_ms(fn, steps=20, repeats=5):
         end.synchronize()
         times.append(start.elapsed_time(end) / steps)
     return statistics.median(times)
-
-
-def rounds(impls, reps, n_rounds=3):
-    times = {k: [] for k in impls}
-    names = list(impls)
-    for r in range(n_rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            times[name].append(bench_ms(impls[name], reps))
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def saved_bytes(fn, weight_numel):
@@ -136,7 +126,7 @@ def main():
         impls = {"bf16": bf16_step, "torch FP8 (compiled)": torch_fp8_step, "fp8ext FP8Linear": fp8ext_step}
         for fn in impls.values():
             fn()
-        t = rounds(impls, reps=10 if m * n * k > 1e11 else 30)
+        t = {name: v[0] for name, v in rounds(impls, reps=10 if m * n * k > 1e11 else 30).items()}
         row = {"M,K,N": f"{m},{k},{n}"} | {f"{k2} ms": v for k2, v in t.items()}
         row["torch FP8 / bf16"] = t["bf16"] / t["torch FP8 (compiled)"]
         row["fp8ext / bf16"] = t["bf16"] / t["fp8ext FP8Linear"]
@@ -170,7 +160,8 @@ def main():
     save("bench_linear.json", {"header": head, "steps": rows, "memory": mem_rows, "graphs": graphs, "host": host})
 
 
-def graph_small(recipe):
+def small_layer(recipe):
+    """The (4096, 1024, 1024) layer of the launch-overhead measurements: (bf16 step, fp8ext step)."""
     m, k, n = 4096, 1024, 1024
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     gy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
@@ -181,12 +172,18 @@ def graph_small(recipe):
         lin(x).backward(gy)
 
     def fp8_step():
+        f8._weight_cache = None  # a new weight every step, as in training (graphs never reuse the cast)
         with fp8ext.fp8_autocast(fp8_recipe=recipe):
             y = f8(x)
         y.backward(gy)
 
+    return bf16_step, fp8_step
+
+
+def graph_small(recipe):
+    """Both steps captured as CUDA graphs and replayed."""
     out = {}
-    for name, fn in (("bf16", bf16_step), ("fp8ext", fp8_step)):
+    for name, fn in zip(("bf16", "fp8ext"), small_layer(recipe)):
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -197,37 +194,13 @@ def graph_small(recipe):
         with torch.cuda.graph(g):
             fn()
         out[name] = g
-    t = rounds({k2: g.replay for k2, g in out.items()}, reps=200, n_rounds=4)
+    t = {name: v[0] for name, v in rounds({k2: g.replay for k2, g in out.items()}, reps=200, n_rounds=4).items()}
     return {"bf16_ms": t["bf16"], "fp8ext_ms": t["fp8ext"], "ratio": t["bf16"] / t["fp8ext"]}
 
 
 def host_times(recipe):
-    m, k, n = 4096, 1024, 1024
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    gy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    lin = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-    f8 = fp8ext.FP8Linear(k, n, bias=False, device="cuda", params_dtype=torch.bfloat16)
-
-    def fp8_step():
-        f8._weight_cache = None
-        with fp8ext.fp8_autocast(fp8_recipe=recipe):
-            y = f8(x)
-        y.backward(gy)
-
-    res = {}
-    for name, fn in (("bf16_us", lambda: lin(x).backward(gy)), ("fp8ext_us", fp8_step)):
-        runs = []
-        for _ in range(5):
-            for _ in range(5):
-                fn()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(50):
-                fn()
-            runs.append((time.perf_counter() - t0) / 50 * 1e6)
-            torch.cuda.synchronize()
-        res[name] = sorted(runs)[2]
-    return res
+    bf16_step, fp8_step = small_layer(recipe)
+    return {"bf16_us": host_us(bf16_step, calls=50), "fp8ext_us": host_us(fp8_step, calls=50)}
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
 Each figure: microseconds per call, issuing 400 calls between synchronisations (fewer than the launch
 queue holds), median of 5 runs. The pieces are what fp8ext.gemm does; the last rows are the whole calls.
 """
-import time
+import os
+import sys
 
 import torch
 
@@ -14,19 +15,8 @@ from fp8ext import _C
 from fp8ext._boundary import dl_fp8
 from fp8ext._gemm import _workspace
 
-
-def per_call_us(fn, n=400):
-    runs = []
-    for _ in range(5):
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        runs.append((time.perf_counter() - t0) / n * 1e6)
-        torch.cuda.synchronize()
-    return sorted(runs)[2]
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from _harness import host_us  # noqa: E402
 
 
 def main():
@@ -53,7 +43,7 @@ def main():
         "fp8ext.quantize(bf16 64x64, device scale)": lambda: fp8ext.quantize(out, fp8ext.E4M3, one),
     }
     for name, fn in rows.items():
-        print(f"{name:45s} {per_call_us(fn):7.2f} us")
+        print(f"{name:45s} {host_us(fn):7.2f} us")
 
 
 if __name__ == "__main__":
