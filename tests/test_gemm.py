@@ -251,6 +251,18 @@ def test_threads_with_their_own_streams():
 
 @requires_cuda
 @pytest.mark.cuda
+def test_mixed_devices_are_refused():
+    a, b, sa, sb, _, _ = make(32, 64, 48, fp8ext.E4M3, fp8ext.E4M3, "tensor", "cuda")
+    with pytest.raises(ValueError, match=r"gemm\(\): b is on cpu but a is on cuda:0"):
+        fp8ext.gemm(a, b.cpu(), a_scale_inv=sa, b_scale_inv=sb)
+    with pytest.raises(ValueError, match=r"gemm\(\): b_scale_inv is on cpu but a is on cuda:0"):
+        fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb.cpu())
+    with pytest.raises(ValueError, match=r"gemm\(\): bias is on cpu but a is on cuda:0"):
+        fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, bias=torch.zeros(48, dtype=torch.bfloat16))
+
+
+@requires_cuda
+@pytest.mark.cuda
 def test_no_host_sync_in_gemm():
     a, b, sa, sb, _, _ = make(128, 256, 128, fp8ext.E4M3, fp8ext.E4M3, "tensor", "cuda")
     fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb)  # plan made

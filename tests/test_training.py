@@ -475,3 +475,37 @@ def test_torch_compile_of_a_model_with_fp8linear_has_no_graph_breaks(device):
         y.float().square().mean().backward()
     assert cos(y, ref) > 0.999
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+# ---- amax reduction across a process group (gloo on the CPU: two processes) ------------------------
+
+def _reduce_worker(rank, world, port, results):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        group = dist.new_group([0, 1])
+        recipe = fp8ext.DelayedScaling(amax_history_len=4)
+        torch.manual_seed(0)
+        layer = fp8ext.FP8Linear(32, 16)  # the same weights in both processes
+        x = torch.randn(8, 32) * (1.0 if rank == 0 else 50.0)  # rank 1 sees a 50x larger input
+        with fp8ext.fp8_autocast(fp8_recipe=recipe, fp8_group=group):
+            layer(x).sum().backward()
+        with fp8ext.fp8_autocast(fp8_recipe=recipe, fp8_group=group):  # the update max-reduces across the group
+            mgr = layer._manager
+            results[rank] = (mgr.get_scale(layer._slot_names()[0]).item(), x.abs().max().item())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_amax_is_max_reduced_across_the_fp8_group():
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_reduce_worker, args=(2, port, results), nprocs=2, join=True)
+    global_amax = max(results[0][1], results[1][1])
+    for rank in (0, 1):
+        assert results[rank][0] == pytest.approx(448.0 / global_amax, rel=1e-6), "every rank scales by the group's amax"
