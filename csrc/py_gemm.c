@@ -153,9 +153,10 @@ static PyObject *py_gemm(PyObject *module, PyObject *args, PyObject *kwargs) {
         goto done;
     /* A one-element scale is also a whole row (M == 1) or a whole 128x128 block grid (N, K <= 128): read it
      * the way its partner asks for, when its shape says so. */
-    if (g.a_scale_mode == FP8EXT_SCALE_TENSOR && g.b_scale_mode == FP8EXT_SCALE_ROW && sa.ndim == 1)
+    if (g.a_scale_mode == FP8EXT_SCALE_TENSOR && g.b_scale_mode == FP8EXT_SCALE_ROW && sa.ndim == 1 && g.m == 1)
         g.a_scale_mode = FP8EXT_SCALE_ROW;
-    if (g.b_scale_mode == FP8EXT_SCALE_TENSOR && g.a_scale_mode == FP8EXT_SCALE_BLOCK_1x128 && sb.ndim == 2)
+    if (g.b_scale_mode == FP8EXT_SCALE_TENSOR && g.a_scale_mode == FP8EXT_SCALE_BLOCK_1x128 && sb.ndim == 2 &&
+        g.n <= 128 && g.k <= 128)
         g.b_scale_mode = FP8EXT_SCALE_BLOCK_128x128;
     if (check_mode_pair(g.a_scale_mode, g.b_scale_mode, fast_accum) < 0) goto done;
     if ((g.a_scale_mode >= FP8EXT_SCALE_BLOCK_1x128) && (!is_aligned(sa.data, 16) || !is_aligned(sb.data, 16))) {

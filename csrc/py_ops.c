@@ -274,6 +274,10 @@ static PyObject *py_quantize_blocks(PyObject *module, PyObject *args, PyObject *
         goto done;
     }
     a.rows = x.shape[0], a.cols = x.shape[1];
+    if (a.cols == 0) {
+        PyErr_Format(PyExc_ValueError, "%s(): x must have at least one column", fn);
+        goto done;
+    }
     if (!((br == 1 && bc == 128) || (br == 128 && bc == 128) || (br == 1 && bc == a.cols))) {
         PyErr_Format(PyExc_ValueError, "%s(): blocks of %lld x %lld are not supported: 1 x 128, 128 x 128 or 1 x cols",
                      fn, br, bc);
@@ -288,11 +292,20 @@ static PyObject *py_quantize_blocks(PyObject *module, PyObject *args, PyObject *
         fp8ext_check_same_shape(&out, &x, fn, "out", "x") < 0 ||
         get_output(s_o, FP8EXT_KIND_F32, &x, "x", stream, fn, "scale_inv", &sv) < 0)
         goto done;
-    const int64_t nrb = (a.rows + br - 1) / br, ncb = (a.cols + bc - 1) / bc;
-    if (sr < 0 || sc < 0 || (a.rows && ((nrb - 1) * sr + (ncb - 1) * sc >= sv.numel))) {
-        PyErr_Format(PyExc_ValueError, "%s(): scale_inv (%lld floats) is too small for %lld x %lld blocks with strides "
-                     "(%lld, %lld)", fn, (long long)sv.numel, (long long)nrb, (long long)ncb, sr, sc);
-        goto done;
+    {
+        /* Every block's scale_inv index, (nrb - 1) * sr + (ncb - 1) * sc, must be inside scale_inv; the test
+         * is written so that no product or sum can overflow. */
+        const int64_t nrb = (a.rows + br - 1) / br, ncb = (a.cols + bc - 1) / bc, cap = sv.numel;
+        const int64_t rmax = nrb > 0 ? nrb - 1 : 0, cmax = ncb - 1;
+        int ok = sr >= 0 && sc >= 0 && cap > 0;
+        ok = ok && (rmax == 0 || sr <= (cap - 1) / rmax);
+        const int64_t used_r = ok ? rmax * sr : 0;
+        ok = ok && (cmax == 0 || sc <= (cap - 1 - used_r) / cmax);
+        if (a.rows > 0 && !ok) {
+            PyErr_Format(PyExc_ValueError, "%s(): scale_inv (%lld floats) is too small for %lld x %lld blocks with "
+                         "strides (%lld, %lld)", fn, (long long)cap, (long long)nrb, (long long)ncb, sr, sc);
+            goto done;
+        }
     }
     a.x = x.data, a.x_dtype = hp_dtype(&x), a.block_rows = br, a.block_cols = bc, a.q = out.data;
     a.scale_inv = sv.data, a.stride_r = sr, a.stride_c = sc, a.fmt = fmt;

@@ -165,3 +165,17 @@ def test_cuda_tensor_without_a_usable_gpu_is_an_error_not_a_fallback():
         _C.quantize(c_x, c_out, 0, 1.0)
     raises(ValueError, r"quantize\(\): out is on cpu but x is on cuda:0", _C.quantize, dlpack_craft.capsule(x, device_type=2),
            np.zeros(4, dtype=np.uint8), 0, 1.0)
+
+
+def test_quantize_blocks_rejects_bad_geometry_at_the_c_boundary():
+    x = torch.randn(9, 128)
+    out = torch.empty(9, 128, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"quantize_blocks\(\): scale_inv \(1 floats\) is too small"):
+        _C.quantize_blocks(cap(x), cap(out), cap(torch.zeros(1)), 0, 1, 128, 2**61, 0)
+    with pytest.raises(ValueError, match=r"quantize_blocks\(\): scale_inv \(8 floats\) is too small"):
+        _C.quantize_blocks(cap(x), cap(out), cap(torch.zeros(8)), 0, 1, 128, 1, 0)
+    with pytest.raises(ValueError, match=r"x must have at least one column"):
+        _C.quantize_blocks(cap(torch.zeros(4, 0)), cap(torch.zeros(4, 0, dtype=torch.uint8)), cap(torch.zeros(4)),
+                           0, 1, 0, 1, 0)
+    with pytest.raises(ValueError, match=r"blocks of 2 x 64 are not supported"):
+        _C.quantize_blocks(cap(x), cap(out), cap(torch.zeros(64)), 0, 2, 64, 1, 0)

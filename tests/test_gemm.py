@@ -273,3 +273,15 @@ def test_no_host_sync_in_gemm():
             fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def test_one_element_scales_are_not_stretched_over_larger_operands():
+    """A one-element scale reads as per-row only when M == 1, as a 128x128 grid only when N, K <= 128:
+    otherwise cuBLASLt would read past its end."""
+    a = fp8ext.quantize(torch.randn(64, 256))
+    b = fp8ext.quantize(torch.randn(256, 256))
+    with pytest.raises(ValueError, match="per-tensor but b_scale_inv is per-row"):
+        fp8ext.gemm(a, b, a_scale_inv=torch.ones(1), b_scale_inv=torch.ones(256))
+    xa, sxa = fp8ext.quantize_blockwise(torch.randn(64, 256), block=(1, 128))
+    with pytest.raises(ValueError, match="1x128-block but b_scale_inv is per-tensor"):
+        fp8ext.gemm(xa, b, a_scale_inv=sxa, b_scale_inv=torch.ones(1, 1))
