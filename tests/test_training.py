@@ -479,15 +479,18 @@ def test_torch_compile_of_a_model_with_fp8linear_has_no_graph_breaks(device):
 
 # ---- amax reduction across a process group (gloo on the CPU: two processes) ------------------------
 
-def _reduce_worker(rank, world, port, results):
+def _reduce_worker(rank, world, port, results, backend="gloo"):
     import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    device = f"cuda:{rank}" if backend == "nccl" else "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         group = dist.new_group([0, 1])
         recipe = fp8ext.DelayedScaling(amax_history_len=4)
         torch.manual_seed(0)
-        layer = fp8ext.FP8Linear(32, 16)  # the same weights in both processes
-        x = torch.randn(8, 32) * (1.0 if rank == 0 else 50.0)  # rank 1 sees a 50x larger input
+        layer = fp8ext.FP8Linear(32, 16, device=device)  # the same weights in both processes
+        x = torch.randn(8, 32, device=device) * (1.0 if rank == 0 else 50.0)  # rank 1 sees a 50x larger input
         with fp8ext.fp8_autocast(fp8_recipe=recipe, fp8_group=group):
             layer(x).sum().backward()
         with fp8ext.fp8_autocast(fp8_recipe=recipe, fp8_group=group):  # the update max-reduces across the group
@@ -497,7 +500,12 @@ def _reduce_worker(rank, world, port, results):
         dist.destroy_process_group()
 
 
-def test_amax_is_max_reduced_across_the_fp8_group():
+@pytest.mark.parametrize("backend", [
+    "gloo",
+    pytest.param("nccl", marks=[pytest.mark.cuda, pytest.mark.skipif(
+        not (fp8ext.cuda_available() and torch.cuda.device_count() >= 2), reason="needs 2 CUDA devices")]),
+])
+def test_amax_is_max_reduced_across_the_fp8_group(backend):
     import socket
 
     import torch.multiprocessing as mp
@@ -505,7 +513,7 @@ def test_amax_is_max_reduced_across_the_fp8_group():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     results = mp.Manager().dict()
-    mp.spawn(_reduce_worker, args=(2, port, results), nprocs=2, join=True)
+    mp.spawn(_reduce_worker, args=(2, port, results, backend), nprocs=2, join=True)
     global_amax = max(results[0][1], results[1][1])
     for rank in (0, 1):
         assert results[rank][0] == pytest.approx(448.0 / global_amax, rel=1e-6), "every rank scales by the group's amax"
