@@ -102,6 +102,7 @@ static PyMethodDef module_methods[] = {
 static int module_exec(PyObject *module) {
     if (PyModule_AddFunctions(module, module_methods) < 0) return -1;
     if (PyModule_AddFunctions(module, fp8ext_op_methods) < 0) return -1;
+    if (PyModule_AddFunctions(module, fp8ext_scaling_methods) < 0) return -1;
     if (PyModule_AddFunctions(module, fp8ext_gemm_methods) < 0) return -1;
     if (PyModule_AddIntConstant(module, "E4M3", FP8EXT_E4M3) < 0) return -1;
     if (PyModule_AddIntConstant(module, "E5M2", FP8EXT_E5M2) < 0) return -1;

@@ -31,8 +31,24 @@ typedef int (*fp8ext_cuda_fn)(const void *args, void *stream, int num_sms);
 int fp8ext_run_op(PyObject *module, const fp8ext_view *where, Py_ssize_t stream, const char *fn, fp8ext_cpu_fn cpu,
                   fp8ext_cuda_fn cuda, const void *args);
 
-/* Method tables of py_ops.c and py_gemm.c, joined into the module's by module.c. */
+/* Method tables of py_ops.c, py_scaling.c and py_gemm.c, joined into the module's by module.c. */
 extern PyMethodDef fp8ext_op_methods[];
+extern PyMethodDef fp8ext_scaling_methods[];
 extern PyMethodDef fp8ext_gemm_methods[];
+
+/* An FP8 format code argument: FP8EXT_E4M3 or FP8EXT_E5M2, else ValueError. */
+static inline int fp8ext_check_fmt(int fmt, const char *fn) {
+    if (fmt == 0 || fmt == 1) return 0;
+    PyErr_Format(PyExc_ValueError, "%s(): fmt must be 0 (E4M3) or 1 (E5M2), got %d", fn, fmt);
+    return -1;
+}
+
+/* Releases every view listed (the bindings' single exit path). */
+#define FP8EXT_RELEASE_ALL(...)                                                  \
+    do {                                                                         \
+        fp8ext_view *views_[] = {__VA_ARGS__};                                   \
+        for (size_t i_ = 0; i_ < sizeof views_ / sizeof views_[0]; ++i_)         \
+            fp8ext_view_release(views_[i_]);                                     \
+    } while (0)
 
 #endif /* FP8EXT_MODULE_STATE_H */

@@ -12,13 +12,6 @@
 #include "fp8ext.h"
 #include "module_state.h"
 
-static int check_fmt(int fmt, const char *fn) {
-    if (fmt == FP8EXT_E4M3 || fmt == FP8EXT_E5M2) return 0;
-    PyErr_Format(PyExc_ValueError, "%s(): fmt must be %d (E4M3) or %d (E5M2), got %d", fn, FP8EXT_E4M3, FP8EXT_E5M2,
-                 fmt);
-    return -1;
-}
-
 static int hp_dtype(const fp8ext_view *v) {
     return v->kind == FP8EXT_KIND_BF16 ? FP8EXT_BF16 : v->kind == FP8EXT_KIND_F16 ? FP8EXT_F16 : FP8EXT_F32;
 }
@@ -84,32 +77,22 @@ static void cpu_dequantize(const void *a) { fp8ext_cpu_dequantize(a); }
 static void cpu_amax(const void *a) { fp8ext_cpu_amax(a); }
 static void cpu_cast_transpose(const void *a) { fp8ext_cpu_cast_transpose(a); }
 static void cpu_quantize_blocks(const void *a) { fp8ext_cpu_quantize_blocks(a); }
-static void cpu_scale_update(const void *a) { fp8ext_cpu_scale_update(a); }
-static void cpu_scale_from_amax(const void *a) { fp8ext_cpu_scale_from_amax(a); }
+
 #ifdef FP8EXT_WITH_CUDA
 static int cuda_quantize(const void *a, void *s, int n) { return fp8ext_cuda_quantize(a, s, n); }
 static int cuda_dequantize(const void *a, void *s, int n) { return fp8ext_cuda_dequantize(a, s, n); }
 static int cuda_amax(const void *a, void *s, int n) { return fp8ext_cuda_amax(a, s, n); }
 static int cuda_cast_transpose(const void *a, void *s, int n) { return fp8ext_cuda_cast_transpose(a, s, n); }
 static int cuda_quantize_blocks(const void *a, void *s, int n) { return fp8ext_cuda_quantize_blocks(a, s, n); }
-static int cuda_scale_update(const void *a, void *s, int n) { return fp8ext_cuda_scale_update(a, s, n); }
-static int cuda_scale_from_amax(const void *a, void *s, int n) { return fp8ext_cuda_scale_from_amax(a, s, n); }
+
 #else
 #define cuda_quantize NULL
 #define cuda_dequantize NULL
 #define cuda_amax NULL
 #define cuda_cast_transpose NULL
 #define cuda_quantize_blocks NULL
-#define cuda_scale_update NULL
-#define cuda_scale_from_amax NULL
-#endif
 
-#define RELEASE_ALL(...)                                                         \
-    do {                                                                         \
-        fp8ext_view *views_[] = {__VA_ARGS__};                                   \
-        for (size_t i_ = 0; i_ < sizeof views_ / sizeof views_[0]; ++i_)         \
-            fp8ext_view_release(views_[i_]);                                     \
-    } while (0)
+#endif
 
 /* quantize(x, out, fmt, scale, amax_out=None, saturate=True, stochastic=False, seed=0, stream=0,
  *          scale_inv_out=None) */
@@ -127,7 +110,7 @@ static PyObject *py_quantize(PyObject *module, PyObject *args, PyObject *kwargs)
     fp8ext_view x = {0}, out = {0}, scale = {0}, amax = {0}, sinv = {0};
     PyObject *ret = NULL;
     fp8ext_quantize_args a = {0};
-    if (check_fmt(fmt, fn) < 0 || get_input(x_o, stream, fn, "x", &x) < 0 ||
+    if (fp8ext_check_fmt(fmt, fn) < 0 || get_input(x_o, stream, fn, "x", &x) < 0 ||
         get_output(out_o, FP8EXT_KIND_U8, &x, "x", stream, fn, "out", &out) < 0 ||
         fp8ext_check_fp8(&out, fmt, fn, "out") < 0 || fp8ext_check_same_shape(&out, &x, fn, "out", "x") < 0 ||
         get_scale(scale_o, &x, "x", stream, fn, "scale", &scale, &a.scale_ptr, &a.scale) < 0 ||
@@ -145,7 +128,7 @@ static PyObject *py_quantize(PyObject *module, PyObject *args, PyObject *kwargs)
     if (fp8ext_run_op(module, &x, stream, fn, cpu_quantize, cuda_quantize, &a) < 0) goto done;
     ret = Py_NewRef(Py_None);
 done:
-    RELEASE_ALL(&x, &out, &scale, &amax, &sinv);
+    FP8EXT_RELEASE_ALL(&x, &out, &scale, &amax, &sinv);
     return ret;
 }
 
@@ -161,7 +144,7 @@ static PyObject *py_dequantize(PyObject *module, PyObject *args, PyObject *kwarg
     fp8ext_view q = {0}, out = {0}, scale = {0};
     PyObject *ret = NULL;
     fp8ext_dequantize_args a = {0};
-    if (check_fmt(fmt, fn) < 0 || fp8ext_view_get(q_o, stream, fn, "q", &q) < 0 ||
+    if (fp8ext_check_fmt(fmt, fn) < 0 || fp8ext_view_get(q_o, stream, fn, "q", &q) < 0 ||
         fp8ext_check_fp8(&q, fmt, fn, "q") < 0 || fp8ext_check_contiguous(&q, fn, "q") < 0 ||
         get_output(out_o, -1, &q, "q", stream, fn, "out", &out) < 0 ||
         fp8ext_check_same_shape(&out, &q, fn, "out", "q") < 0 ||
@@ -175,7 +158,7 @@ static PyObject *py_dequantize(PyObject *module, PyObject *args, PyObject *kwarg
     if (fp8ext_run_op(module, &q, stream, fn, cpu_dequantize, cuda_dequantize, &a) < 0) goto done;
     ret = Py_NewRef(Py_None);
 done:
-    RELEASE_ALL(&q, &out, &scale);
+    FP8EXT_RELEASE_ALL(&q, &out, &scale);
     return ret;
 }
 
@@ -201,7 +184,7 @@ static PyObject *py_amax(PyObject *module, PyObject *args, PyObject *kwargs) {
     if (fp8ext_run_op(module, &x, stream, fn, cpu_amax, cuda_amax, &a) < 0) goto done;
     ret = Py_NewRef(Py_None);
 done:
-    RELEASE_ALL(&x, &out);
+    FP8EXT_RELEASE_ALL(&x, &out);
     return ret;
 }
 
@@ -219,7 +202,7 @@ static PyObject *py_cast_transpose(PyObject *module, PyObject *args, PyObject *k
     fp8ext_view x = {0}, out = {0}, outt = {0}, scale = {0}, amax = {0}, sinv = {0};
     PyObject *ret = NULL;
     fp8ext_cast_transpose_args a = {0};
-    if (check_fmt(fmt, fn) < 0 || get_input(x_o, stream, fn, "x", &x) < 0) goto done;
+    if (fp8ext_check_fmt(fmt, fn) < 0 || get_input(x_o, stream, fn, "x", &x) < 0) goto done;
     if (x.ndim != 2) {
         PyErr_Format(PyExc_ValueError, "%s(): x must be 2-D, got %d dimensions", fn, x.ndim);
         goto done;
@@ -248,7 +231,7 @@ static PyObject *py_cast_transpose(PyObject *module, PyObject *args, PyObject *k
     if (fp8ext_run_op(module, &x, stream, fn, cpu_cast_transpose, cuda_cast_transpose, &a) < 0) goto done;
     ret = Py_NewRef(Py_None);
 done:
-    RELEASE_ALL(&x, &out, &outt, &scale, &amax, &sinv);
+    FP8EXT_RELEASE_ALL(&x, &out, &outt, &scale, &amax, &sinv);
     return ret;
 }
 
@@ -268,7 +251,7 @@ static PyObject *py_quantize_blocks(PyObject *module, PyObject *args, PyObject *
     fp8ext_view x = {0}, out = {0}, sv = {0};
     PyObject *ret = NULL;
     fp8ext_quantize_blocks_args a = {0};
-    if (check_fmt(fmt, fn) < 0 || get_input(x_o, stream, fn, "x", &x) < 0) goto done;
+    if (fp8ext_check_fmt(fmt, fn) < 0 || get_input(x_o, stream, fn, "x", &x) < 0) goto done;
     if (x.ndim != 2) {
         PyErr_Format(PyExc_ValueError, "%s(): x must be 2-D, got %d dimensions", fn, x.ndim);
         goto done;
@@ -312,103 +295,7 @@ static PyObject *py_quantize_blocks(PyObject *module, PyObject *args, PyObject *
     if (fp8ext_run_op(module, &x, stream, fn, cpu_quantize_blocks, cuda_quantize_blocks, &a) < 0) goto done;
     ret = Py_NewRef(Py_None);
 done:
-    RELEASE_ALL(&x, &out, &sv);
-    return ret;
-}
-
-/* A float32 vector of n elements on ref's device (for the scaling state). */
-static int get_f32_vector(PyObject *o, int64_t n, const fp8ext_view *ref, Py_ssize_t stream, const char *fn,
-                          const char *arg, int writable, fp8ext_view *v) {
-    if (fp8ext_view_get(o, stream, fn, arg, v) < 0 || fp8ext_check_kind(v, FP8EXT_KIND_F32, fn, arg) < 0 ||
-        fp8ext_check_contiguous(v, fn, arg) < 0 || fp8ext_check_same_device(v, ref, fn, arg, "history") < 0 ||
-        (writable && fp8ext_check_writable(v, fn, arg) < 0))
-        return -1;
-    if (v->numel != n) {
-        PyErr_Format(PyExc_ValueError, "%s(): %s must hold %lld float32 values (one per tensor), got %lld", fn, arg,
-                     (long long)n, (long long)v->numel);
-        return -1;
-    }
-    return 0;
-}
-
-/* scale_update(history, scale, scale_inv, fmt_max, algo, margin, update, backoff, stream=0): see fp8ext.h. */
-static PyObject *py_scale_update(PyObject *module, PyObject *args, PyObject *kwargs) {
-    static const char *fn = "scale_update";
-    static char *kwlist[] = {"history", "scale", "scale_inv", "fmt_max", "algo", "margin", "update", "backoff",
-                             "stream", NULL};
-    PyObject *h_o, *s_o, *si_o, *m_o;
-    int algo, update;
-    double margin, backoff;
-    Py_ssize_t stream = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOidpd|n:scale_update", kwlist, &h_o, &s_o, &si_o, &m_o, &algo,
-                                     &margin, &update, &backoff, &stream))
-        return NULL;
-    fp8ext_view h = {0}, sc = {0}, si = {0}, fm = {0};
-    PyObject *ret = NULL;
-    fp8ext_scale_update_args a = {0};
-    if (fp8ext_view_get(h_o, stream, fn, "history", &h) < 0 || fp8ext_check_kind(&h, FP8EXT_KIND_F32, fn, "history") < 0 ||
-        fp8ext_check_contiguous(&h, fn, "history") < 0 || fp8ext_check_writable(&h, fn, "history") < 0)
-        goto done;
-    if (h.ndim != 2) {
-        PyErr_Format(PyExc_ValueError, "%s(): history must be 2-D [n, len], got %d dimensions", fn, h.ndim);
-        goto done;
-    }
-    if (h.shape[1] < 1 || h.shape[1] > FP8EXT_MAX_HISTORY) {
-        PyErr_Format(PyExc_ValueError, "%s(): the history length must be in [1, %d], got %lld", fn, FP8EXT_MAX_HISTORY,
-                     (long long)h.shape[1]);
-        goto done;
-    }
-    if (algo != 0 && algo != 1) {
-        PyErr_Format(PyExc_ValueError, "%s(): algo must be 0 (max) or 1 (most_recent), got %d", fn, algo);
-        goto done;
-    }
-    if (!(backoff > 0.0 && backoff <= 1.0) || !(margin >= 0.0 && margin < 64.0)) {
-        PyErr_Format(PyExc_ValueError, "%s(): backoff must be in (0, 1] and margin in [0, 64)", fn);
-        goto done;
-    }
-    a.n = h.shape[0], a.len = h.shape[1];
-    if (get_f32_vector(s_o, a.n, &h, stream, fn, "scale", 1, &sc) < 0 ||
-        get_f32_vector(si_o, a.n, &h, stream, fn, "scale_inv", 1, &si) < 0 ||
-        get_f32_vector(m_o, a.n, &h, stream, fn, "fmt_max", 0, &fm) < 0)
-        goto done;
-    a.history = h.data, a.scale = sc.data, a.scale_inv = si.data, a.fmt_max = fm.data;
-    a.algo = algo, a.margin_factor = (float)pow(2.0, margin), a.backoff = (float)backoff;
-    a.update = update;
-    if (fp8ext_run_op(module, &h, stream, fn, cpu_scale_update, cuda_scale_update, &a) < 0) goto done;
-    ret = Py_NewRef(Py_None);
-done:
-    RELEASE_ALL(&h, &sc, &si, &fm);
-    return ret;
-}
-
-/* scale_from_amax(amax, scale, scale_inv, fmt, margin=0, stream=0): current scaling of one tensor. */
-static PyObject *py_scale_from_amax(PyObject *module, PyObject *args, PyObject *kwargs) {
-    static const char *fn = "scale_from_amax";
-    static char *kwlist[] = {"amax", "scale", "scale_inv", "fmt", "margin", "stream", NULL};
-    PyObject *a_o, *s_o, *si_o;
-    int fmt;
-    double margin = 0.0;
-    Py_ssize_t stream = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOi|dn:scale_from_amax", kwlist, &a_o, &s_o, &si_o, &fmt, &margin,
-                                     &stream))
-        return NULL;
-    fp8ext_view am = {0}, sc = {0}, si = {0};
-    PyObject *ret = NULL;
-    fp8ext_scale_from_amax_args a = {0};
-    if (check_fmt(fmt, fn) < 0 || fp8ext_view_get(a_o, stream, fn, "amax", &am) < 0 ||
-        fp8ext_check_scalar_f32(&am, fn, "amax") < 0 || get_f32_vector(s_o, 1, &am, stream, fn, "scale", 1, &sc) < 0 ||
-        get_f32_vector(si_o, 1, &am, stream, fn, "scale_inv", 1, &si) < 0)
-        goto done;
-    if (!(margin >= 0.0 && margin < 64.0)) {
-        PyErr_Format(PyExc_ValueError, "%s(): margin must be in [0, 64)", fn);
-        goto done;
-    }
-    a.amax = am.data, a.scale = sc.data, a.scale_inv = si.data;
-    a.fmt_max = fp8_decode((uint8_t)fp8_max_code(fmt), fmt), a.margin_factor = (float)pow(2.0, margin);
-    if (fp8ext_run_op(module, &am, stream, fn, cpu_scale_from_amax, cuda_scale_from_amax, &a) < 0) goto done;
-    ret = Py_NewRef(Py_None);
-done:
-    RELEASE_ALL(&am, &sc, &si);
+    FP8EXT_RELEASE_ALL(&x, &out, &sv);
     return ret;
 }
 
@@ -426,10 +313,5 @@ PyMethodDef fp8ext_op_methods[] = {
     {"quantize_blocks", (PyCFunction)(void (*)(void))py_quantize_blocks, METH_VARARGS | METH_KEYWORDS,
      "quantize_blocks(x, out, scale_inv, fmt, block_rows, block_cols, stride_r, stride_c, stream=0)\n"
      "Block scaling: per block scale = fmt.max / amax, out = fp8(x * scale), scale_inv = 1 / scale."},
-    {"scale_update", (PyCFunction)(void (*)(void))py_scale_update, METH_VARARGS | METH_KEYWORDS,
-     "scale_update(history, scale, scale_inv, fmt_max, algo, margin, update, backoff, stream=0)\n"
-     "Delayed scaling of every tensor in one launch (see fp8ext.h)."},
-    {"scale_from_amax", (PyCFunction)(void (*)(void))py_scale_from_amax, METH_VARARGS | METH_KEYWORDS,
-     "scale_from_amax(amax, scale, scale_inv, fmt, margin=0, stream=0)\nCurrent scaling of one tensor."},
     {NULL, NULL, 0, NULL},
 };
