@@ -13,10 +13,13 @@ import torch  # noqa: F401  (loads torch's CUDA libraries before the extension's
 from . import _C
 from . import _library  # noqa: F401  (registers torch.ops.fp8ext.*)
 from ._gemm import gemm, gemm_cache_info, set_gemm_autotune
-from .autocast import fp8_autocast, get_fp8_recipe, get_scaling_manager, is_fp8_enabled
+from . import recipe
+from .context import autocast, fp8_autocast, get_fp8_recipe, get_scaling_manager, is_fp8_enabled
 from .convert import FP8ConversionWarning, convert_to_fp8, prepare_fp8
 from .formats import E4M3, E5M2, FP8Format, Format
-from .linear import FP8Linear
+from .debug import debug_checks_enabled, set_debug_checks
+from .linear import FP8Linear, Linear
+from .normalization import LayerNorm, RMSNorm
 from .ops import amax, cast_transpose, dequantize, quantize, quantize_blockwise, quantize_rowwise, scale_from_amax
 from .recipe import CurrentScaling, DelayedScaling, Float8CurrentScaling
 from .scaling import FP8ScalingManager
@@ -43,13 +46,19 @@ __all__ = [
     "Float8CurrentScaling",
     "FP8ScalingManager",
     "fp8_autocast",
+    "autocast",
     "is_fp8_enabled",
     "get_fp8_recipe",
     "get_scaling_manager",
     "FP8Linear",
+    "Linear",
+    "RMSNorm",
+    "LayerNorm",
     "convert_to_fp8",
     "prepare_fp8",
     "FP8ConversionWarning",
+    "set_debug_checks",
+    "debug_checks_enabled",
     "cuda_available",
     "build_info",
 ]

@@ -16,7 +16,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from . import _C
+from . import _C, debug
 from ._boundary import dl_fp8, stream_of
 from .formats import E4M3, E5M2, FP8Format
 from .ops import amax as _amax
@@ -111,6 +111,9 @@ def gemm_eager(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, use_fast_accum, 
                tune: bool = False) -> torch.Tensor:
     fa, fb, fo = _FP8[a.dtype], _FP8[b.dtype], _FP8.get(out_dtype)
     device = a.device
+    if debug.enabled():
+        for s, arg in ((a_scale_inv, "a_scale_inv"), (b_scale_inv, "b_scale_inv"), (out_scale, "out_scale")):
+            debug.check_scale(s, "gemm", arg)
     if out is None:
         out = torch.empty((a.shape[0], b.shape[0]), dtype=out_dtype, device=device)
     on_gpu = device.type == "cuda"

@@ -64,7 +64,7 @@ def prepare_fp8(module: nn.Module, fp8_recipe=None) -> nn.Module:
     """Gives every FP8Linear in `module` its slots in the recipe's scaling manager now (each layer on its
     weight's device), instead of on its first forward. Needed before torch.compile with a DelayedScaling
     recipe: compiled code reads the slots but cannot trace their creation."""
-    from .autocast import _DEFAULT_RECIPE
+    from .context import _DEFAULT_RECIPE
     from .recipe import DelayedScaling
     recipe = fp8_recipe if fp8_recipe is not None else _DEFAULT_RECIPE
     if isinstance(recipe, DelayedScaling):

@@ -13,27 +13,34 @@ made by the casts rather than by the GEMM. The weight-gradient GEMM contracts ov
 count is padded with zero rows to a multiple of 16 when it is not one (zeros add nothing).
 Outside fp8_autocast the layer is exactly nn.Linear (F.linear in high precision). Parameters are named
 `weight` and `bias` as in nn.Linear, so state dicts move between the two (see load_state_dict notes).
+
+The scaling state (scales and amax slots in the recipe's FP8ScalingManager) is not saved for backward with
+save_for_backward: it is state that the manager updates in place between steps, not an input whose value
+autograd must freeze. Backward finds the gradient's slot through the context, and again in the manager when
+the manager's buffers grew after the forward.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import weakref
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _C
+from . import _C, debug
 from ._boundary import stream_of
-from .autocast import current_context, get_scaling_manager
+from .context import current_context, get_scaling_manager
 from .formats import FP8Format, format_of_code
 from .ops import amax as _amax
 from .ops import cast_transpose, scale_from_amax
 from ._gemm import gemm_eager
 from .recipe import DelayedScaling
 
-__all__ = ["FP8Linear"]
+__all__ = ["FP8Linear", "Linear"]
 
 _to_dl = torch._C._to_dlpack
 
@@ -63,12 +70,14 @@ def _pad_rows(t: torch.Tensor, multiple: int = 16) -> torch.Tensor:
 
 
 class _FP8LinearFunction(torch.autograd.Function):
-    """The three FP8 GEMMs of a linear layer (see the module docstring). Tensor arguments only, so that
-    torch.compile can trace it: the weight's cast (w8, w8t, w_sinv) comes from FP8Linear, the scales and
-    amax slots from the scaling manager (None for current scaling)."""
+    """The three FP8 GEMMs of a linear layer (see the module docstring). Tensor arguments only (and constants),
+    so that torch.compile can trace it: the weight's cast (w8, w8t, w_sinv) comes from FP8Linear, the scales and
+    amax slots from the scaling manager (None for current scaling). grad_slot: (manager, slot, generation) of
+    the gradient's slot in eager mode, so that backward can find it again if the manager grew."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, w8, w8t, w_sinv, x_scale, x_amax, g_scale, g_amax, fwd_code, bwd_code, margin):
+    def forward(ctx, x, weight, bias, w8, w8t, w_sinv, x_scale, x_amax, g_scale, g_amax, fwd_code, bwd_code, margin,
+                out_dtype, grad_slot):
         in_features = weight.shape[1]
         x2 = x.reshape(-1, in_features)
         if not x2.is_contiguous():
@@ -76,12 +85,13 @@ class _FP8LinearFunction(torch.autograd.Function):
         m = x2.shape[0]
         x8, x8t, x_sinv = _cast(_pad_rows(x2), format_of_code(fwd_code), x_scale, x_amax, margin)
         # cuBLASLt's FP8 bias epilogue wants a bfloat16 bias (float16 for a float16 output); otherwise add it after.
-        fuse_bias = (bias is not None and x.dtype != torch.float32
-                     and bias.dtype == (torch.float16 if x.dtype == torch.float16 else torch.bfloat16))
-        y = _gemm(x8, w8, x_sinv, w_sinv, x.dtype, bias if fuse_bias else None, fast=True)[:m]
+        fuse_bias = (bias is not None and out_dtype != torch.float32
+                     and bias.dtype == (torch.float16 if out_dtype == torch.float16 else torch.bfloat16))
+        y = _gemm(x8, w8, x_sinv, w_sinv, out_dtype, bias if fuse_bias else None, fast=True)[:m]
         if bias is not None and not fuse_bias:
             y = y + bias.to(y.dtype)
-        ctx.save_for_backward(x8t, x_sinv, w8t, w_sinv, g_scale, g_amax)
+        ctx.save_for_backward(x8t, x_sinv, w8t, w_sinv)
+        ctx.g_state, ctx.grad_slot = (g_scale, g_amax), grad_slot
         ctx.m, ctx.x_shape, ctx.x_dtype = m, x.shape, x.dtype
         ctx.bwd, ctx.margin = format_of_code(bwd_code), margin
         ctx.w_dtype, ctx.b_dtype = weight.dtype, (bias.dtype if bias is not None else None)
@@ -89,11 +99,19 @@ class _FP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x8t, x_sinv, w8t, w_sinv, g_scale, g_amax = ctx.saved_tensors
+        x8t, x_sinv, w8t, w_sinv = ctx.saved_tensors
+        g_scale, g_amax = ctx.g_state
+        if ctx.grad_slot is not None:
+            mgr, slot, generation = ctx.grad_slot
+            if mgr.generation != generation:  # the buffers were reallocated after this forward
+                g_scale, _, g_amax = mgr.views(slot)
         n = w8t.shape[1]
         dy2 = dy.reshape(-1, n)
         if not dy2.is_contiguous():
             dy2 = dy2.contiguous()
+        if debug.enabled():
+            debug.check_finite(dy2, "FP8Linear backward", "grad_output")
+            debug.check_scale(g_scale, "FP8Linear backward", "the gradient's scale")
         g8, g8t, g_sinv = _cast(_pad_rows(dy2), ctx.bwd, g_scale, g_amax, ctx.margin)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
@@ -103,35 +121,94 @@ class _FP8LinearFunction(torch.autograd.Function):
             dw = _gemm(g8t, x8t, g_sinv, x_sinv, ctx.w_dtype)
         if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2.sum(0, dtype=torch.float32).to(ctx.b_dtype)
-        return dx, dw, db, None, None, None, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None, None, None, None
+
+
+_ids = itertools.count()  # FP8Linear slot names are unique for the life of the process (id() is reused)
+
+# Transformer Engine's te.Linear arguments that fp8ext takes only at their defaults (no tensor or sequence
+# parallelism, no userbuffers overlap, no fused fp32 weight-gradient accumulation yet): what each would need.
+_TE_DEFAULTS = {
+    "sequence_parallel": (False, "sequence parallelism"),
+    "tp_group": (None, "tensor parallelism"),
+    "tp_size": (1, "tensor parallelism"),
+    "parallel_mode": (None, "tensor parallelism (column/row parallel layers)"),
+    "get_rng_state_tracker": (None, "tensor-parallel RNG tracking"),
+    "rng_tracker_name": (None, "tensor-parallel RNG tracking"),
+    "fuse_wgrad_accumulation": (False, "weight-gradient accumulation into main_grad"),
+    "skip_weight_param_allocation": (False, "externally allocated weights"),
+    "parameters_split": (None, "split parameters"),
+    "ub_overlap_ag": (False, "userbuffers communication overlap"),
+    "ub_overlap_rs": (False, "userbuffers communication overlap"),
+    "ub_overlap_rs_dgrad": (False, "userbuffers communication overlap"),
+    "ub_bulk_dgrad": (False, "userbuffers communication overlap"),
+    "ub_bulk_wgrad": (False, "userbuffers communication overlap"),
+    "ub_name": (None, "userbuffers communication overlap"),
+    "delay_wgrad_compute": (False, "delayed weight-gradient computation"),
+    "symmetric_ar_type": (None, "symmetric all-reduce"),
+}
+
+
+def _check_te_kwargs(kwargs: dict) -> None:
+    for key, value in kwargs.items():
+        if key not in _TE_DEFAULTS:
+            raise TypeError(f"FP8Linear() got an unexpected keyword argument {key!r}")
+        default, what = _TE_DEFAULTS[key]
+        if value != default:
+            raise NotImplementedError(f"FP8Linear: {key}={value!r} asks for {what}, which fp8ext does not have; "
+                                      f"leave {key} at its default ({default!r})")
 
 
 class FP8Linear(nn.Module):
     """y = x W^T + b like torch.nn.Linear (same parameters, same initialisation), in FP8 inside fp8_autocast.
 
+    Also available as fp8ext.Linear, with Transformer Engine's te.Linear arguments: params_dtype (or dtype) is
+    the parameters' dtype (default torch.get_default_dtype()); device defaults to torch's default device (TE's
+    to "cuda"); init_method(weight), when given, initialises the weight and the bias starts at zero (as in
+    TE; without it, nn.Linear's initialisation); return_bias=True returns (x W^T, b) with the bias not added.
+    TE's parallelism and communication-overlap arguments are accepted only at their defaults.
+
     in_features and out_features must be multiples of 16 for FP8 (cuBLASLt's rule; convert_to_fp8 skips
-    layers that are not). params_dtype: the parameters' dtype (default torch.get_default_dtype()). The FP8
+    layers that are not). Inside torch.autocast the output has the autocast dtype. An empty batch gives an
+    empty output and zero gradients without running a GEMM; meta tensors give the output's shape. The FP8
     scaling state (amax histories, scales) is saved as extra state; see load_state_dict for how checkpoints
     move to and from nn.Linear.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
-                 params_dtype: Optional[torch.dtype] = None):
+                 params_dtype: Optional[torch.dtype] = None, *, dtype: Optional[torch.dtype] = None,
+                 init_method=None, return_bias: bool = False, name: Optional[str] = None, **te_kwargs):
         super().__init__()
+        _check_te_kwargs(te_kwargs)
+        if dtype is not None and params_dtype is not None and dtype != params_dtype:
+            raise TypeError(f"FP8Linear: dtype={dtype} and params_dtype={params_dtype} disagree; give one")
         self.in_features, self.out_features = in_features, out_features
-        dtype = params_dtype or torch.get_default_dtype()
+        self.init_method, self.return_bias, self.name = init_method, bool(return_bias), name
+        dtype = params_dtype or dtype or torch.get_default_dtype()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
         else:
             self.register_parameter("bias", None)
         self.reset_parameters()
-        self._weight_cache = None  # (key, w8, w8t, scale_inv) of the last weight cast
+        self._init_fp8_runtime(None)
+
+    def _init_fp8_runtime(self, pending) -> None:
+        self._fp8_id = next(_ids)
+        self._weight_cache = None  # (key, w8, w8t, scale_inv) of the last weight cast kept for reuse
         self._fp8_views = {}  # recipe -> (manager, slot views, manager generation)
-        self._pending_fp8_state = None  # loaded extra state, applied when the layer gets its slots
+        self._leases = {}  # id(manager) -> the finalizer that releases this layer's slots there
+        self._manager = None  # the manager of the last recipe used (for get_extra_state)
+        self._pending_fp8_state = pending  # loaded extra state, applied when the layer gets its slots
 
     def reset_parameters(self) -> None:
-        """nn.Linear's initialisation."""
+        """nn.Linear's initialisation, or init_method(weight) and a zero bias when init_method was given."""
+        if self.init_method is not None:
+            with torch.no_grad():
+                self.init_method(self.weight)
+            if self.bias is not None:
+                nn.init.zeros_(self.bias)
+            return
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         if self.bias is not None:
             bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
@@ -140,9 +217,22 @@ class FP8Linear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
+    # ---- copies: a copy (deepcopy, pickle) is a new layer with its own slots and the same FP8 state ----------
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        for key in ("_weight_cache", "_fp8_views", "_leases", "_manager", "_fp8_id"):
+            state.pop(key, None)
+        state["_pending_fp8_state"] = self.get_extra_state() or None
+        return state
+
+    def __setstate__(self, state):
+        pending = state.pop("_pending_fp8_state", None)
+        super().__setstate__(state)
+        self._init_fp8_runtime(pending)
+
     # ---- FP8 state --------------------------------------------------------------------------------
     def _slot_names(self):
-        base = f"fp8linear.{id(self)}"
+        base = f"fp8linear.{self._fp8_id}"
         return [base + ".input", base + ".weight", base + ".grad_output"]
 
     def _manager_views(self, recipe: DelayedScaling):
@@ -151,26 +241,34 @@ class FP8Linear(nn.Module):
         st = self._fp8_views.get(recipe)
         if st is None or st[0].generation != st[2]:
             st = self.init_fp8(recipe)
+        self._manager = st[0]
         return st[0], st[1]
 
+    @torch.compiler.disable  # registration changes the manager: done eagerly, never traced
     def init_fp8(self, recipe: DelayedScaling, device=None):
         """Registers the layer's three tensors with the recipe's FP8ScalingManager (made on first use) on
-        `device` (the weight's by default). forward does this on first use; fp8ext.prepare_fp8(model) does it
-        ahead of time, e.g. before torch.compile, which cannot trace the registration."""
+        `device` (the weight's by default); the slots are released when the layer is garbage-collected.
+        forward does this on first use; fp8ext.prepare_fp8(model) does it ahead of time (optional: it saves
+        torch.compile a graph break on the first step)."""
         mgr = get_scaling_manager(recipe, device if device is not None else self.weight.device)
         names = self._slot_names()
         fmt = recipe.fp8_format
         slots = [mgr.register(names[0], fmt.fwd), mgr.register(names[1], fmt.fwd), mgr.register(names[2], fmt.bwd)]
+        if id(mgr) not in self._leases:
+            fin = weakref.finalize(self, mgr.release, names)
+            fin.atexit = False
+            self._leases[id(mgr)] = fin
         if self._pending_fp8_state is not None:
-            pending = self._pending_fp8_state
-            self._pending_fp8_state = None
-            mgr.load_slots(names, pending["amax_history"], pending["scale"], pending["scale_inv"])
+            pending, self._pending_fp8_state = self._pending_fp8_state, None
+            mgr.load_slots(names, pending["amax_history"], pending["scale"], pending["scale_inv"], pending.get("steps"))
         self._manager = mgr
         st = self._fp8_views[recipe] = (mgr, [mgr.views(s) for s in slots], mgr.generation)
         return st
 
     def get_extra_state(self):
-        mgr = getattr(self, "_manager", None)
+        """The layer's FP8 scaling state ({} before its first FP8 step), on the CPU, as its next step will use it
+        (see FP8ScalingManager.slots_state): a run resumed from it scales exactly as the one that saved it."""
+        mgr = self._manager
         if mgr is None:
             return self._pending_fp8_state or {}
         st = mgr.slots_state(self._slot_names())
@@ -180,41 +278,55 @@ class FP8Linear(nn.Module):
     def set_extra_state(self, state) -> None:
         if not state:
             return
-        self._pending_fp8_state = {k: state[k] for k in ("amax_history", "scale", "scale_inv")}
-        mgr = getattr(self, "_manager", None)
-        if mgr is not None:
-            st = self._pending_fp8_state
-            self._pending_fp8_state = None
-            mgr.load_slots(self._slot_names(), st["amax_history"], st["scale"], st["scale_inv"])
+        pending = {k: state[k] for k in ("amax_history", "scale", "scale_inv")}
+        pending["steps"] = state.get("steps")
+        if self._manager is None:
+            self._pending_fp8_state = pending
+        else:
+            self._manager.load_slots(self._slot_names(), pending["amax_history"], pending["scale"],
+                                     pending["scale_inv"], pending["steps"])
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         """A plain nn.Linear checkpoint (no FP8 state) loads strictly: the FP8 state then starts fresh."""
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+        self._weight_cache = None
         key = prefix + "_extra_state"
         if key in missing_keys:
             missing_keys.remove(key)
 
     # ---- forward ----------------------------------------------------------------------------------
     def _weight_fp8(self, fmt: FP8Format, scale, amax_slot, margin, is_first_microbatch):
+        """The weight's FP8 cast. As in Transformer Engine: recast on every forward by default (so a weight
+        changed in any way, `.data` writes included, is never served stale); is_first_microbatch=True casts and
+        keeps the cast, False reuses the kept one across the micro-batches of a step. A kept cast is still
+        recast when the weight provably changed (another tensor, an in-place update such as an optimizer step
+        or load_state_dict, another format or scale slot, inference mode)."""
         w = self.weight
-        reuse_ok = not torch.compiler.is_compiling() and not (
+        keep = is_first_microbatch is not None and not torch.compiler.is_compiling() and not (
             w.is_cuda and torch.cuda.is_current_stream_capturing())
-        key = (w._version, w.data_ptr(), fmt.code, id(scale)) if reuse_ok else None
+        if not keep:
+            self._weight_cache = None
+            return _cast(w.detach(), fmt, scale, amax_slot, margin)
+        key = (id(w), w.data_ptr(), w._version, fmt.code, id(scale), torch.is_inference_mode_enabled())
         c = self._weight_cache
-        if c is not None and reuse_ok and (is_first_microbatch is False or (is_first_microbatch is None and c[0] == key)):
+        if is_first_microbatch is False and c is not None and c[0] == key:
             return c[1], c[2], c[3]
         w8, w8t, sinv = _cast(w.detach(), fmt, scale, amax_slot, margin)
-        self._weight_cache = (key, w8, w8t, sinv) if reuse_ok else None
+        self._weight_cache = (key, w8, w8t, sinv)
         return w8, w8t, sinv
 
-    def forward(self, input: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
-        """is_first_microbatch (Transformer Engine's argument): True recasts the weight, False reuses the last
-        cast; None (default) reuses it while the weight is unchanged (same tensor, same version)."""
+    def forward(self, input: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+        """y = input W^T + b (a tuple (input W^T, b) with return_bias=True). is_first_microbatch (Transformer
+        Engine's argument): None (default) casts the weight on every call; True casts it and keeps the cast;
+        False reuses the kept cast for the next micro-batches of the same step."""
         ctx = current_context()
+        bias = None if self.return_bias else self.bias
         if ctx is None or not (ctx.enabled or ctx.calibrating):
-            return F.linear(input, self.weight, self.bias)
+            return self._output(F.linear(input, self.weight, bias))
+        if input.dim() == 0 or input.numel() == 0 or input.is_meta or self.weight.is_meta:
+            return self._output(self._no_gemm(input, bias))
         if input.shape[-1] != self.in_features:
             raise ValueError(f"FP8Linear: input has {input.shape[-1]} features, the layer takes {self.in_features}")
         if self.in_features % 16 or self.out_features % 16:
@@ -229,13 +341,48 @@ class FP8Linear(nn.Module):
                 _C.amax(_to_dl(x2.contiguous()), _to_dl(views[0][2]), stream=stream_of(x2.device))
                 _C.amax(_to_dl(self.weight.detach()), _to_dl(views[1][2]), stream=stream_of(x2.device))
                 mgr.dirty = True
-            return F.linear(input, self.weight, self.bias)
+            return self._output(F.linear(input, self.weight, bias))
         fwd, bwd = recipe.fp8_format.fwd, recipe.fp8_format.bwd
+        grad_slot = None
         if delayed:
             mgr, ((xs, _, xa), (ws, _, wa), (gs, _, ga)) = self._manager_views(recipe)
             mgr.dirty = True
+            if not torch.compiler.is_compiling():
+                grad_slot = (mgr, mgr.slot(self._slot_names()[2]), mgr.generation)
         else:
             xs = xa = ws = wa = gs = ga = None
+        if debug.enabled():
+            self._debug_checks(input, xs, ws, gs)
         w8, w8t, w_sinv = self._weight_fp8(fwd, ws, wa, recipe.margin, is_first_microbatch)
-        return _FP8LinearFunction.apply(input, self.weight, self.bias, w8, w8t, w_sinv, xs, xa, gs, ga, fwd.code,
-                                        bwd.code, float(recipe.margin))
+        y = _FP8LinearFunction.apply(input, self.weight, bias, w8, w8t, w_sinv, xs, xa, gs, ga, fwd.code, bwd.code,
+                                     float(recipe.margin), _output_dtype(input), grad_slot)
+        return self._output(y)
+
+    def _output(self, y):
+        return (y, self.bias) if self.return_bias else y
+
+    def _no_gemm(self, input: torch.Tensor, bias):
+        """An empty batch, a 0-d input or meta tensors: nothing to compute in FP8. F.linear gives the output's
+        shape (and nn.Linear's error for a 0-d input); gradients of an empty batch are zero."""
+        dtype = _output_dtype(input)
+        w = self.weight.to(dtype)
+        return F.linear(input.to(dtype), w, bias.to(dtype) if bias is not None else None)
+
+    def _debug_checks(self, input, xs, ws, gs) -> None:
+        fn = "FP8Linear"
+        debug.check_finite(input, fn, "input")
+        debug.check_finite(self.weight, fn, "weight")
+        for scale, what in ((xs, "the input's scale"), (ws, "the weight's scale"), (gs, "the gradient's scale")):
+            if scale is not None:
+                debug.check_scale(scale, fn, what)
+
+
+def _output_dtype(x: torch.Tensor) -> torch.dtype:
+    """x's dtype, or the autocast dtype inside torch.autocast (as te.Linear and nn.Linear do)."""
+    dev = x.device.type
+    if dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return x.dtype
+
+
+Linear = FP8Linear  # Transformer Engine's name

@@ -14,7 +14,7 @@ from typing import Any, Optional, Tuple, Union
 
 import torch
 
-from . import _C
+from . import _C, debug
 from ._boundary import FP8_DLPACK, describe, dl, dl_fp8, dl_opt, scale_arg, stream_of
 from .formats import E4M3, FP8Format, format_of_dtype, resolve_format
 
@@ -76,6 +76,8 @@ def _write_back(amax_out, new_amax, scale_inv_out, scale) -> None:
 def quantize_eager(x: Any, f: FP8Format, scale: Any, saturate: bool, stochastic: bool, seed: int,
                    amax_out: Optional[torch.Tensor], scale_inv_out: Optional[torch.Tensor] = None) -> torch.Tensor:
     shape, device = describe(x, "quantize")
+    if debug.enabled():
+        _debug_check("quantize", x, scale, "scale")
     out = _fp8_empty(shape, f, device)
     _C.quantize(dl(x), dl_fp8(out), f.code, scale_arg(scale), amax_out=dl_opt(amax_out), saturate=saturate,
                 stochastic=stochastic, seed=seed, stream=stream_of(device), scale_inv_out=dl_opt(scale_inv_out))
@@ -101,6 +103,8 @@ def dequantize(q: Any, scale_inv: Scale = 1.0, dtype: torch.dtype = torch.float3
 
 def dequantize_eager(q: Any, f: FP8Format, scale_inv: Any, dtype: torch.dtype) -> torch.Tensor:
     shape, device = describe(q, "dequantize", "q")
+    if debug.enabled():
+        _debug_check("dequantize", None, scale_inv, "scale_inv")
     out = torch.empty(shape, dtype=dtype, device=device)
     _C.dequantize(dl(q), _to_dl(out), f.code, scale_arg(scale_inv), stream=stream_of(device))
     return out
@@ -143,11 +147,19 @@ def cast_transpose_eager(x: Any, f: FP8Format, scale: Any, saturate: bool, amax_
     shape, device = describe(x, "cast_transpose")
     if len(shape) != 2:
         raise ValueError(f"cast_transpose(): x must be 2-D, got shape {list(shape)}")
+    if debug.enabled():
+        _debug_check("cast_transpose", x, scale, "scale")
     q = _fp8_empty(shape, f, device)
     qt = _fp8_empty((shape[1], shape[0]), f, device)
     _C.cast_transpose(dl(x), dl_fp8(q), dl_fp8(qt), f.code, scale_arg(scale), amax_out=dl_opt(amax_out),
                       saturate=saturate, stream=stream_of(device), scale_inv_out=dl_opt(scale_inv_out))
     return q, qt
+
+
+def _debug_check(fn: str, x: Any, scale: Any, arg: str) -> None:
+    """fp8ext.debug's checks of an input and a device scale (the C layer checks numbers and CPU tensors)."""
+    debug.check_finite(x, fn, "x")
+    debug.check_scale(scale, fn, arg)
 
 
 def _fp8_empty(shape, f: FP8Format, device) -> torch.Tensor:

@@ -11,7 +11,15 @@ from typing import Any, Optional
 
 from .formats import Format
 
-__all__ = ["DelayedScaling", "CurrentScaling", "Float8CurrentScaling"]
+__all__ = ["Format", "DelayedScaling", "CurrentScaling", "Float8CurrentScaling"]
+
+
+def _refuse_fp8_attention(recipe) -> None:
+    """Transformer Engine's fp8_dpa / fp8_mha switch attention itself to FP8, which fp8ext does not have."""
+    for field in ("fp8_dpa", "fp8_mha"):
+        if getattr(recipe, field):
+            raise NotImplementedError(f"{type(recipe).__name__}: {field}=True (FP8 attention) is not supported by "
+                                      f"fp8ext; leave it False (attention then runs in high precision)")
 
 
 @dataclass(frozen=True)
@@ -25,6 +33,7 @@ class DelayedScaling:
     Scales are recomputed every `interval` steps, for all tensors in one fused kernel. reduce_amax: with
     an fp8_group, the amaxes are max-reduced across it before the update. fp8_format: Format.HYBRID (E4M3
     forward, E5M2 gradients, the default) or Format.E4M3; pure E5M2 training is refused, as TE does.
+    fp8_dpa / fp8_mha (TE's FP8 attention) are accepted only as False.
     Note on margin: seed 001's multiplicative "margin 2.0" is margin=1 here (2**1).
     """
 
@@ -36,8 +45,11 @@ class DelayedScaling:
     scaling_factor_compute_algo: Optional[Any] = None
     reduce_amax: bool = True
     backoff_factor: float = 0.5
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
 
     def __post_init__(self):
+        _refuse_fp8_attention(self)
         if not isinstance(self.fp8_format, Format):
             raise TypeError(f"DelayedScaling: fp8_format must be a fp8ext.Format, got {self.fp8_format!r}")
         if self.fp8_format is Format.E5M2:
@@ -68,8 +80,11 @@ class CurrentScaling:
 
     fp8_format: Format = Format.HYBRID
     margin: int = 0
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
 
     def __post_init__(self):
+        _refuse_fp8_attention(self)
         if self.fp8_format is Format.E5M2:
             raise ValueError("CurrentScaling: pure E5M2 training is not supported; use Format.HYBRID or Format.E4M3")
         if not (0 <= self.margin < 64):

@@ -19,7 +19,8 @@ amax is NaN/Inf shrinks that tensor's scale by backoff_factor).
 from __future__ import annotations
 
 import threading
-from typing import Dict, List, Optional, Union
+from collections import deque
+from typing import Deque, Dict, List, Optional, Union
 
 import torch
 
@@ -33,8 +34,20 @@ __all__ = ["FP8ScalingManager"]
 _to_dl = torch._C._to_dlpack
 
 
+def _state_mode():
+    """Scaling state is made and written outside inference mode: an inference tensor could never be saved for
+    backward or updated in place by a later training step."""
+    return torch.inference_mode(False)
+
+
 class FP8ScalingManager:
-    """Amax histories, scales and scale_invs of named FP8 tensors, kept on one device."""
+    """Amax histories, scales and scale_invs of named FP8 tensors, kept on one device.
+
+    Slots have a lifetime: `release(names)` frees them (FP8Linear does so when it is garbage-collected) and
+    `register` hands a freed slot, reset to scale 1 and an empty history, to the next tensor, so the buffers
+    hold at most as many slots as were ever alive at once. All state is made outside inference mode, so a
+    manager first used under torch.inference_mode() serves training later.
+    """
 
     def __init__(self, recipe: Optional[DelayedScaling] = None, *, device: Union[str, torch.device, None] = None,
                  history_len: Optional[int] = None, margin: Optional[float] = None,
@@ -49,13 +62,16 @@ class FP8ScalingManager:
             amax_compute_algo=r.amax_compute_algo if amax_compute_algo is None else amax_compute_algo,
             reduce_amax=r.reduce_amax, backoff_factor=r.backoff_factor if backoff_factor is None else backoff_factor)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self._names: List[str] = []
-        self._formats: List[FP8Format] = []
+        self._names: List[Optional[str]] = []  # by slot; None for a free slot
+        self._formats: List[Optional[FP8Format]] = []
         self._index: Dict[str, int] = {}
-        self.amax_history = torch.zeros((0, self.recipe.amax_history_len), dtype=torch.float32, device=self.device)
-        self.scale = torch.ones(0, dtype=torch.float32, device=self.device)
-        self.scale_inv = torch.ones(0, dtype=torch.float32, device=self.device)
-        self._fmt_max = torch.ones(0, dtype=torch.float32, device=self.device)
+        self._free: List[int] = []  # released slots, reused (after a reset) by register
+        self._released: Deque[List[str]] = deque()  # names released by finalizers, applied under the lock
+        with _state_mode():
+            self.amax_history = torch.zeros((0, self.recipe.amax_history_len), dtype=torch.float32, device=self.device)
+            self.scale = torch.ones(0, dtype=torch.float32, device=self.device)
+            self.scale_inv = torch.ones(0, dtype=torch.float32, device=self.device)
+            self._fmt_max = torch.ones(0, dtype=torch.float32, device=self.device)
         self.generation = 0  # bumped when the buffers are reallocated (views taken before are stale)
         self.steps = 0  # updates run so far
         self.dirty = False  # something recorded an amax since the last update
@@ -73,62 +89,106 @@ class FP8ScalingManager:
 
     @property
     def names(self) -> List[str]:
-        return list(self._names)
+        """The names of the live slots, in slot order."""
+        with self._lock:
+            self._apply_releases()
+            return [n for n in self._names if n is not None]
+
+    @property
+    def num_slots(self) -> int:
+        """How many tensors the manager tracks now (released slots not counted)."""
+        return len(self.names)
+
+    @property
+    def capacity(self) -> int:
+        """How many slots the buffers have room for."""
+        return self.amax_history.shape[0]
 
     def register(self, name: str, fmt=E4M3) -> int:
-        """The slot of tensor `name`, made on first use (all scales start at 1, histories at 0)."""
+        """The slot of tensor `name`, made on first use (scale 1, an empty history)."""
         f = resolve_format(fmt, "FP8ScalingManager.register")
         with self._lock:
+            self._apply_releases()
             slot = self._index.get(name)
             if slot is not None:
                 if self._formats[slot] is not f:
                     raise ValueError(f"FP8ScalingManager.register(): {name!r} is {self._formats[slot].name}, "
                                      f"not {f.name}")
                 return slot
-            if len(self._names) == self.amax_history.shape[0]:
-                self._grow(max(64, 2 * len(self._names)))  # capacity doubles: views stay valid for long
-            slot = len(self._names)
-            self._names.append(name)
-            self._formats.append(f)
+            with _state_mode():
+                if self._free:
+                    slot = self._free.pop()
+                    self.amax_history[slot].zero_()
+                    self.scale[slot] = 1.0
+                    self.scale_inv[slot] = 1.0
+                    self._names[slot], self._formats[slot] = name, f
+                else:
+                    if len(self._names) == self.capacity:
+                        self._grow(max(64, 2 * len(self._names)))  # capacity doubles: growth is rare
+                    slot = len(self._names)
+                    self._names.append(name)
+                    self._formats.append(f)
+                self._fmt_max[slot] = f.max
             self._index[name] = slot
-            self._fmt_max[slot] = f.max
             return slot
+
+    def release(self, names: List[str]) -> None:
+        """Frees the slots of `names` (unknown names are ignored); their values stay until a new tensor takes
+        the slot. Safe to call from a finalizer: the release is queued and applied under the lock."""
+        self._released.append(list(names))
+
+    def _apply_releases(self) -> None:
+        while self._released:
+            for name in self._released.popleft():
+                slot = self._index.pop(name, None)
+                if slot is not None:
+                    self._names[slot] = self._formats[slot] = None
+                    self._free.append(slot)
 
     def _grow(self, n: int) -> None:
         """Reallocates the buffers for n slots, keeping the values; unused slots hold scale 1, amax 0."""
-        old = self.amax_history.shape[0]
-        hist = torch.zeros((n, self.history_len), dtype=torch.float32, device=self.device)
-        scale = torch.ones(n, dtype=torch.float32, device=self.device)
-        scale_inv = torch.ones(n, dtype=torch.float32, device=self.device)
-        fmt_max = torch.ones(n, dtype=torch.float32, device=self.device)
-        hist[:old] = self.amax_history
-        scale[:old], scale_inv[:old], fmt_max[:old] = self.scale, self.scale_inv, self._fmt_max
+        old = self.capacity
+        with _state_mode():
+            hist = torch.zeros((n, self.history_len), dtype=torch.float32, device=self.device)
+            scale = torch.ones(n, dtype=torch.float32, device=self.device)
+            scale_inv = torch.ones(n, dtype=torch.float32, device=self.device)
+            fmt_max = torch.ones(n, dtype=torch.float32, device=self.device)
+            hist[:old] = self.amax_history
+            scale[:old], scale_inv[:old], fmt_max[:old] = self.scale, self.scale_inv, self._fmt_max
         self.amax_history, self.scale, self.scale_inv, self._fmt_max = hist, scale, scale_inv, fmt_max
         self.generation += 1
         self._views = {}
 
     def slot(self, name: str) -> int:
-        try:
-            return self._index[name]
-        except KeyError:
-            raise KeyError(f"FP8ScalingManager: no tensor named {name!r}; known: {self._names}") from None
+        with self._lock:
+            self._apply_releases()
+            try:
+                return self._index[name]
+            except KeyError:
+                raise KeyError(f"FP8ScalingManager: no tensor named {name!r}; known: {self.names}") from None
 
     def views(self, slot: int):
         """(scale, scale_inv, amax) of a slot as 0-d device tensors aliasing the manager's buffers; the casts
-        read scale and write their fused amax into amax (this step's history entry)."""
+        read scale and write their fused amax into amax (this step's history entry). They stay valid until the
+        buffers grow (`generation` changes)."""
         v = self._views.get(slot)
         if v is None:
-            v = self._views[slot] = (self.scale[slot], self.scale_inv[slot], self.amax_history[slot, 0])
+            with _state_mode():
+                v = self._views[slot] = (self.scale[slot], self.scale_inv[slot], self.amax_history[slot, 0])
         return v
 
-    # ---- the seeds' teaching API ----------------------------------------------------------------
+    # ---- the teaching API (update_amax / get_scale) ------------------------------------------------
     def update_amax(self, name: str, amax: Union[float, torch.Tensor], fmt=E4M3) -> None:
-        """Records an amax for `name` this step: its history entry becomes max(entry, amax)."""
-        slot = self.register(name, fmt) if name not in self._index else self._index[name]
-        entry = self.views(slot)[2]
-        value = amax.to(device=self.device, dtype=torch.float32) if isinstance(amax, torch.Tensor) else \
-            torch.tensor(float(amax), device=self.device)
-        torch.maximum(entry, value.reshape(()), out=entry)
+        """Records an amax for `name` this step: its history entry becomes max(entry, amax). A new name is
+        registered with format `fmt`."""
+        with self._lock:
+            self._apply_releases()
+            slot = self._index.get(name)
+        entry = self.views(self.register(name, fmt) if slot is None else slot)[2]
+        with _state_mode():
+            value = amax.to(device=self.device, dtype=torch.float32) if isinstance(amax, torch.Tensor) else \
+                torch.tensor(float(amax), device=self.device)
+            torch.maximum(entry, value.reshape(()), out=entry)
         self.dirty = True
 
     def get_scale(self, name: str) -> torch.Tensor:
@@ -155,47 +215,61 @@ class FP8ScalingManager:
                     dist.all_reduce(recent, op=dist.ReduceOp.MAX, group=group)
                     self.amax_history[:, 0].copy_(recent)
             self.steps += 1
-            r = self.recipe
-            _C.scale_update(_to_dl(self.amax_history), _to_dl(self.scale), _to_dl(self.scale_inv),
-                            _to_dl(self._fmt_max), 0 if r.amax_compute_algo == "max" else 1, float(r.margin),
-                            self.steps % r.interval == 0, float(r.backoff_factor), stream=stream_of(self.device))
+            self._scale_update(self.amax_history, self.scale, self.scale_inv, self._fmt_max, self.steps)
             self.dirty = False
+
+    def _scale_update(self, history, scale, scale_inv, fmt_max, step: int) -> None:
+        r = self.recipe
+        _C.scale_update(_to_dl(history), _to_dl(scale), _to_dl(scale_inv), _to_dl(fmt_max),
+                        0 if r.amax_compute_algo == "max" else 1, float(r.margin), step % r.interval == 0,
+                        float(r.backoff_factor), stream=stream_of(history.device))
 
     # ---- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        n = len(self._names)
-        return {"names": list(self._names), "formats": [f.code for f in self._formats], "steps": self.steps,
-                "amax_history": self.amax_history[:n].detach().cpu().clone(),
-                "scale": self.scale[:n].detach().cpu().clone(), "scale_inv": self.scale_inv[:n].detach().cpu().clone(),
-                "history_len": self.history_len}
+        """The live slots' state as the next step will use it (see slots_state), with names and formats."""
+        names = self.names
+        st = self.slots_state(names)
+        st.update(formats=[self.format_of(n).code for n in names], history_len=self.history_len)
+        return st
 
     def load_state_dict(self, state: dict) -> None:
         names, formats = state["names"], state["formats"]
         for name, code in zip(names, formats):
             self.register(name, format_of_code(code))
-        self.load_slots(names, state["amax_history"], state["scale"], state["scale_inv"])
-        self.steps = int(state.get("steps", 0))
+        self.load_slots(names, state["amax_history"], state["scale"], state["scale_inv"], state.get("steps"))
 
-    def load_slots(self, names: List[str], history: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor):
+    def load_slots(self, names: List[str], history: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor,
+                   steps: Optional[int] = None) -> None:
         """Writes saved values into the named slots; history is [len(names), saved_len] (a history of another
-        length is cut or zero-padded)."""
-        idx = torch.tensor([self.slot(n) for n in names], dtype=torch.long, device=self.device)
-        cols = min(self.history_len, history.shape[1])
-        h = torch.zeros((len(names), self.history_len), dtype=torch.float32)
-        h[:, :cols] = history[:, :cols].float()
-        self.amax_history.index_copy_(0, idx, h.to(self.device))
-        self.scale.index_copy_(0, idx, scale.float().to(self.device))
-        self.scale_inv.index_copy_(0, idx, scale_inv.float().to(self.device))
-
-    @property
-    def num_slots(self) -> int:
-        return len(self._names)
+        length is cut or zero-padded). `steps` (the saved update count, which decides where an `interval`
+        falls) is adopted by a manager that has not updated yet."""
+        with self._lock, _state_mode():
+            idx = torch.tensor([self.slot(n) for n in names], dtype=torch.long, device=self.device)
+            cols = min(self.history_len, history.shape[1])
+            h = torch.zeros((len(names), self.history_len), dtype=torch.float32)
+            h[:, :cols] = history[:, :cols].float()
+            self.amax_history.index_copy_(0, idx, h.to(self.device))
+            self.scale.index_copy_(0, idx, scale.float().to(self.device))
+            self.scale_inv.index_copy_(0, idx, scale_inv.float().to(self.device))
+            if steps is not None and self.steps == 0:
+                self.steps = int(steps)
 
     def slots_state(self, names: List[str]) -> dict:
-        idx = torch.tensor([self.slot(n) for n in names], dtype=torch.long, device=self.device)
-        return {"names": list(names), "amax_history": self.amax_history.index_select(0, idx).cpu(),
-                "scale": self.scale.index_select(0, idx).cpu(), "scale_inv": self.scale_inv.index_select(0, idx).cpu()}
+        """{'names', 'amax_history', 'scale', 'scale_inv', 'steps'} of the named slots, on the CPU, as the next
+        step will use them: when amaxes were recorded since the last update (the update runs when the next
+        step's fp8_autocast is entered), that update is applied to the copy, so a run resumed from it scales
+        exactly as the run that never stopped. (With an fp8_group, the copy's update uses this process's
+        amaxes.) Reads the device: this synchronises."""
+        with self._lock, _state_mode():
+            idx = torch.tensor([self.slot(n) for n in names], dtype=torch.long, device=self.device)
+            hist, scale, scale_inv, fmt_max = (t.index_select(0, idx).cpu() for t in
+                                               (self.amax_history, self.scale, self.scale_inv, self._fmt_max))
+            steps = self.steps
+            if self.dirty:
+                steps += 1
+                self._scale_update(hist, scale, scale_inv, fmt_max, steps)
+        return {"names": list(names), "amax_history": hist, "scale": scale, "scale_inv": scale_inv, "steps": steps}
 
     def __repr__(self) -> str:
-        return (f"FP8ScalingManager({len(self._names)} tensors on {self.device}, history {self.history_len}, "
+        return (f"FP8ScalingManager({self.num_slots} tensors on {self.device}, history {self.history_len}, "
                 f"algo {self.recipe.amax_compute_algo}, margin {self.margin}, steps {self.steps})")

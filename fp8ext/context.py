@@ -1,4 +1,5 @@
-"""fp8_autocast: the context in which FP8Linear layers compute in FP8.
+"""fp8_autocast (and autocast, Transformer Engine 2.x's newer name): the context in which FP8Linear layers
+compute in FP8.
 
     with fp8ext.fp8_autocast(enabled=True, fp8_recipe=fp8ext.DelayedScaling()):
         loss = model(x).float().pow(2).mean()
@@ -25,7 +26,7 @@ import torch
 from .recipe import CurrentScaling, DelayedScaling
 from .scaling import FP8ScalingManager
 
-__all__ = ["fp8_autocast", "is_fp8_enabled", "get_fp8_recipe", "get_scaling_manager"]
+__all__ = ["fp8_autocast", "autocast", "is_fp8_enabled", "get_fp8_recipe", "get_scaling_manager"]
 
 Recipe = Union[DelayedScaling, CurrentScaling]
 _DEFAULT_RECIPE = DelayedScaling()
@@ -88,9 +89,14 @@ def _update_pending(recipe: Recipe, group) -> None:
 
 
 @contextlib.contextmanager
-def fp8_autocast(enabled: bool = True, fp8_recipe: Optional[Recipe] = None, calibrating: bool = False,
-                 fp8_group=None):
-    """Compute FP8Linear layers in FP8 inside this context (see the module docstring)."""
+def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: Optional[Recipe] = None,
+                 fp8_group=None, _graph: bool = False):
+    """Compute FP8Linear layers in FP8 inside this context (see the module docstring). Transformer Engine's
+    arguments; `_graph` (TE's internal switch for its graphed callables) only at its default."""
+    if _graph:
+        raise NotImplementedError("fp8_autocast(): _graph=True is Transformer Engine's internal switch for "
+                                  "make_graphed_callables, which fp8ext does not have; capture steps with "
+                                  "torch.cuda.graph instead")
     recipe = fp8_recipe if fp8_recipe is not None else _DEFAULT_RECIPE
     if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
         raise TypeError(f"fp8_autocast(): fp8_recipe must be DelayedScaling or CurrentScaling, got {type(recipe).__name__}")
@@ -101,3 +107,11 @@ def fp8_autocast(enabled: bool = True, fp8_recipe: Optional[Recipe] = None, cali
         yield
     finally:
         _state.stack.pop()
+
+
+def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[Recipe] = None,
+             amax_reduction_group=None, _graph: bool = False):
+    """Transformer Engine 2.x's name for fp8_autocast: `recipe` is fp8_recipe, `amax_reduction_group` is
+    fp8_group."""
+    return fp8_autocast(enabled=enabled, calibrating=calibrating, fp8_recipe=recipe, fp8_group=amax_reduction_group,
+                        _graph=_graph)
