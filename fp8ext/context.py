@@ -10,7 +10,7 @@ thread (each thread has its own stack). With a DelayedScaling recipe, FP8Linear 
 in the recipe's FP8ScalingManager (one per recipe and device); the scales are updated, for every tensor in
 one kernel, when the next outermost fp8_autocast is entered: that is after the previous step's backward
 pass has recorded the gradients' amaxes, so step t+1 scales with everything step t saw. calibrating=True
-computes in high precision while recording amaxes (to calibrate scales before FP8 inference, seed 004).
+computes in high precision while recording amaxes (to calibrate scales before FP8 inference).
 fp8_group: a torch.distributed group across which amaxes are max-reduced before the update.
 """
 

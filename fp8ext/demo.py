@@ -5,7 +5,7 @@
    package, no download). Its weights, activations and gradients are quantized with per-tensor scaling
    (scale = fmt.max / amax) to E4M3 and to E5M2, and the relative error of each is printed: E4M3's extra
    mantissa bit wins where the scale fits the range; E5M2's range is what gradients need without one.
-3. Correct FP8 rounding next to the seed lab's fixed-grid simulation, which rounds every value to a
+3. Correct FP8 rounding next to the teaching lab's fixed-grid simulation, which rounds every value to a
    multiple of 2^-mant_bits: wrong for small values (they collapse to 0) and for large ones (too fine).
 Writes a plot of parts 2 and 3 when matplotlib is installed.
 """
@@ -45,7 +45,7 @@ def rel_error(x: torch.Tensor, fmt: fp8ext.FP8Format, scaled: bool = True) -> fl
 
 
 def lab_simulate_fp8(x: torch.Tensor, fmt: fp8ext.FP8Format) -> torch.Tensor:
-    """The seed lab's simulate_fp8: clamp, then round to a fixed grid of 2^-mant_bits (not FP8)."""
+    """The teaching lab's simulate_fp8: clamp, then round to a fixed grid of 2^-mant_bits (not FP8)."""
     m = 2 ** fmt.mant_bits
     return torch.round(x.clamp(-fmt.max, fmt.max) * m) / m
 
@@ -99,7 +99,7 @@ def main(argv=None):
               "".join(f"{v:15.2%}" for v in e[2:]))
     print("  (relative Frobenius error; scaled: scale = fmt.max / amax, the delayed-scaling rule with a fresh amax)\n")
 
-    print("3. Correct FP8 rounding vs the seed lab's fixed-grid simulate_fp8 (relative error of one value)")
+    print("3. Correct FP8 rounding vs the teaching lab's fixed-grid simulate_fp8 (relative error of one value)")
     values = torch.logspace(-3, 2, 11)
     print(f"  {'value':>10}{'E4M3 fp8ext':>14}{'E4M3 lab grid':>15}{'E5M2 fp8ext':>14}{'E5M2 lab grid':>15}")
     for v in values.tolist():

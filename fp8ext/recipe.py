@@ -29,12 +29,12 @@ class DelayedScaling:
     scale = fmt.max / amax / 2**margin, with amax the largest value in the tensor's history of the last
     `amax_history_len` steps ("max") or the last step's ("most_recent"). When amax is 0 the previous scale
     is kept; when a step's amax is NaN or Inf (an overflow) the scale shrinks by `backoff_factor` (the
-    loss-scaling rule of seed 002; TE keeps the scale instead) and that entry never counts as a maximum.
+    loss-scaling rule; TE keeps the scale instead) and that entry never counts as a maximum.
     Scales are recomputed every `interval` steps, for all tensors in one fused kernel. reduce_amax: with
     an fp8_group, the amaxes are max-reduced across it before the update. fp8_format: Format.HYBRID (E4M3
     forward, E5M2 gradients, the default) or Format.E4M3; pure E5M2 training is refused, as TE does.
     fp8_dpa / fp8_mha (TE's FP8 attention) are accepted only as False.
-    Note on margin: seed 001's multiplicative "margin 2.0" is margin=1 here (2**1).
+    Note on margin: a multiplicative "margin 2.0" is margin=1 here (2**1).
     """
 
     margin: int = 0

@@ -9,10 +9,11 @@ have room for more, unused slots hold amax 0 and scale 1):
     scale_inv     float32 [n]               1 / scale, what the GEMMs take
     fmt_max       float32 [n]               448 or 57344, from each slot's format
 `update()` runs fp8ext's scale_update kernel over all slots: new scales from the histories, then each
-history moves along one entry. No host synchronisation anywhere: nothing here reads a device value.
+history moves along one entry. No host synchronisation in a step: only checkpointing (slots_state) reads
+the device.
 
-The teaching API of the seeds is kept: update_amax(name, amax), get_scale(name), margin (as TE's
-exponent: seed 001's multiplicative margin 2.0 is margin=1), and the backoff of seed 002 (a step whose
+The teaching API of FP8 training notes is kept: update_amax(name, amax), get_scale(name), margin (as TE's
+exponent: a multiplicative margin 2.0 is margin=1), and a loss-scaling style backoff (a step whose
 amax is NaN/Inf shrinks that tensor's scale by backoff_factor).
 """
 
