@@ -62,8 +62,9 @@ def convert_to_fp8(module: nn.Module, filter_fn: Optional[Callable[[nn.Module, s
 
 def prepare_fp8(module: nn.Module, fp8_recipe=None) -> nn.Module:
     """Gives every FP8Linear in `module` its slots in the recipe's scaling manager now (each layer on its
-    weight's device), instead of on its first forward. Needed before torch.compile with a DelayedScaling
-    recipe: compiled code reads the slots but cannot trace their creation."""
+    weight's device), instead of on its first forward. Optional: under torch.compile the layers register
+    eagerly on their first step (a graph break there); after prepare_fp8 even the first step compiles as one
+    graph (fullgraph=True works)."""
     from .context import _DEFAULT_RECIPE
     from .recipe import DelayedScaling
     recipe = fp8_recipe if fp8_recipe is not None else _DEFAULT_RECIPE

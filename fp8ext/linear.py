@@ -196,7 +196,7 @@ class FP8Linear(nn.Module):
     def _init_fp8_runtime(self, pending) -> None:
         self._fp8_id = next(_ids)
         self._weight_cache = None  # (key, w8, w8t, scale_inv) of the last weight cast kept for reuse
-        self._fp8_views = {}  # recipe -> (manager, slot views, manager generation)
+        self._fp8_views = {}  # recipe -> (manager, slot views, manager generation, slots)
         self._leases = {}  # id(manager) -> the finalizer that releases this layer's slots there
         self._manager = None  # the manager of the last recipe used (for get_extra_state)
         self._pending_fp8_state = pending  # loaded extra state, applied when the layer gets its slots
@@ -244,6 +244,11 @@ class FP8Linear(nn.Module):
         self._manager = st[0]
         return st[0], st[1]
 
+    def _grad_slot(self, recipe: DelayedScaling):
+        """(manager, slot, generation) of the gradient's slot, for backward to find it again."""
+        mgr, _, generation, slots = self._fp8_views[recipe]
+        return mgr, slots[2], generation
+
     @torch.compiler.disable  # registration changes the manager: done eagerly, never traced
     def init_fp8(self, recipe: DelayedScaling, device=None):
         """Registers the layer's three tensors with the recipe's FP8ScalingManager (made on first use) on
@@ -262,7 +267,7 @@ class FP8Linear(nn.Module):
             pending, self._pending_fp8_state = self._pending_fp8_state, None
             mgr.load_slots(names, pending["amax_history"], pending["scale"], pending["scale_inv"], pending.get("steps"))
         self._manager = mgr
-        st = self._fp8_views[recipe] = (mgr, [mgr.views(s) for s in slots], mgr.generation)
+        st = self._fp8_views[recipe] = (mgr, [mgr.views(s) for s in slots], mgr.generation, slots)
         return st
 
     def get_extra_state(self):
@@ -348,7 +353,7 @@ class FP8Linear(nn.Module):
             mgr, ((xs, _, xa), (ws, _, wa), (gs, _, ga)) = self._manager_views(recipe)
             mgr.dirty = True
             if not torch.compiler.is_compiling():
-                grad_slot = (mgr, mgr.slot(self._slot_names()[2]), mgr.generation)
+                grad_slot = self._grad_slot(recipe)
         else:
             xs = xa = ws = wa = gs = ga = None
         if debug.enabled():
