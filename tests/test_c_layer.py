@@ -98,3 +98,186 @@ def test_cpu_scale_inv_tensor_of_dequantize_must_be_finite_and_positive(bad):
     q = fp8ext.quantize(torch.ones(8))
     with pytest.raises(ValueError, match=rf"dequantize\(\): scale_inv must be finite and positive, got {bad:g}"):
         fp8ext.dequantize(q, torch.tensor(bad))
+
+
+def gemm_operands(m=32, k=256, n=48):
+    a = fp8ext.quantize(torch.randn(m, k, generator=torch.Generator().manual_seed(0)))
+    b = fp8ext.quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(1)))
+    return a, b
+
+
+@pytest.mark.parametrize("bad", BAD_SCALES, ids=str)
+@pytest.mark.parametrize("kind", ["tensor", "row", "block"])
+@pytest.mark.parametrize("which", ["a_scale_inv", "b_scale_inv"])
+def test_cpu_gemm_scale_invs_are_checked_element_by_element(kind, which, bad):
+    a, b = gemm_operands()
+    if kind == "block":
+        sa = fp8ext.quantize_blockwise(a.float(), block=(1, 128))[1]  # [32, 2], stored R-fastest
+        sb = fp8ext.quantize_blockwise(b.float(), block=(128, 128))[1]  # [1, 2], rows padded to 4 floats
+    else:
+        sa, sb = (torch.ones(()), torch.ones(())) if kind == "tensor" else (torch.ones(32), torch.ones(48))
+    scales = {"a_scale_inv": sa, "b_scale_inv": sb}
+    index = {"tensor": (), "row": (5,), "block": (0, 1)}[kind]
+    scales[which][index] = bad
+    where = rf" at \[{', '.join(map(str, index))}\]" if index else ""
+    with pytest.raises(ValueError, match=rf"gemm\(\): {which} must be finite and positive, got {bad:g}{where}"):
+        fp8ext.gemm(a, b, **scales, out_dtype=torch.float32)
+
+
+def test_cpu_gemm_out_scale_is_checked():
+    a, b = gemm_operands()
+    with pytest.raises(ValueError, match=r"gemm\(\): out_scale must be finite and positive, got 0"):
+        fp8ext.gemm(a, b, a_scale_inv=torch.ones(()), b_scale_inv=torch.ones(()), out_dtype=torch.float8_e4m3fn,
+                    out_scale=torch.zeros(()))
+
+
+def test_padding_of_block_scales_is_not_read():
+    """128x128 scale_inv rows are padded to 4 floats; the padding holds zeros and is not a scale."""
+    a, b = gemm_operands(k=256, n=48)
+    qa, sa = fp8ext.quantize_blockwise(a.float(), block=(1, 128))
+    qb, sb = fp8ext.quantize_blockwise(b.float(), block=(128, 128))
+    assert sb.shape == (1, 2) and sb.stride() == (4, 1)
+    fp8ext.gemm(qa, qb, a_scale_inv=sa, b_scale_inv=sb, out_dtype=torch.float32)
+
+
+# ---- empty inputs ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(0,), (0, 16), (5, 0)], ids=str)
+def test_casts_of_empty_tensors(device, shape):
+    x = torch.empty(shape, device=device)
+    amax, sinv = torch.full((1,), 7.0, device=device), torch.zeros(1, device=device)
+    q = fp8ext.quantize(x, fp8ext.E4M3, 2.0, amax_out=amax, scale_inv_out=sinv)
+    assert q.shape == shape and q.dtype == torch.float8_e4m3fn
+    assert fp8ext.dequantize(q, 0.5).shape == shape
+    assert fp8ext.amax(x).item() == 0.0
+    assert amax.item() == 7.0 and sinv.item() == 0.5, "an empty x leaves amax_out, still sets scale_inv_out"
+    if len(shape) == 2:
+        q, qt = fp8ext.cast_transpose(x, fp8ext.E5M2, 2.0, amax_out=amax)
+        assert q.shape == shape and qt.shape == shape[::-1] and amax.item() == 7.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_gemm_with_no_rows(device, out_dtype):
+    a = torch.empty(0, 64, dtype=torch.float8_e4m3fn, device=device)
+    b = fp8ext.quantize(torch.randn(32, 64, device=device))
+    one = torch.ones((), device=device)
+    kwargs = {}
+    if out_dtype == torch.float8_e4m3fn:
+        kwargs = {"out_scale": one, "amax_out": torch.full((), 5.0, device=device)}
+    out = fp8ext.gemm(a, b, a_scale_inv=one, b_scale_inv=one, out_dtype=out_dtype, **kwargs)
+    assert out.shape == (0, 32) and out.dtype == out_dtype
+    if kwargs:
+        assert kwargs["amax_out"].item() == 0.0, "amax of an empty product"
+    acc = torch.empty(0, 32, device=device)
+    assert fp8ext.gemm(a, b, a_scale_inv=one, b_scale_inv=one, out=acc, accumulate=True) is acc
+    rows = fp8ext.gemm(a, b, a_scale_inv=torch.ones(0, device=device), b_scale_inv=torch.ones(32, device=device))
+    assert rows.shape == (0, 32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("k, n", [(0, 32), (64, 0)])
+def test_gemm_still_refuses_empty_k_and_n(device, k, n):
+    a = torch.empty(8, k, dtype=torch.float8_e4m3fn, device=device)
+    b = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=device)
+    one = torch.ones((), device=device)
+    with pytest.raises(ValueError, match=r"gemm\(\): cuBLASLt's FP8 GEMM needs K and N to be nonzero multiples of 16"):
+        fp8ext.gemm(a, b, a_scale_inv=one, b_scale_inv=one)
+
+
+# ---- GPU: the plan cache is bounded, autotune uses torch's memory and releases the GIL ---------------
+
+@requires_cuda
+@pytest.mark.cuda
+def test_gpu_plan_cache_is_bounded_and_evicts_least_recently_used():
+    _C.gemm_cache_clear()
+    info = fp8ext.gemm_cache_info()
+    bound = info["max_plans"]
+    assert bound == 1024
+    b = fp8ext.quantize(torch.randn(16, 32, device="cuda"))
+    one = torch.ones((), device="cuda")
+    a_all = fp8ext.quantize(torch.randn(bound + 40, 32, device="cuda"))
+    first = a_all[:1].clone()  # M = 1
+    for m in range(1, bound + 41):  # one plan per M
+        if m > 1:
+            fp8ext.gemm(first, b, a_scale_inv=one, b_scale_inv=one)  # keeps M = 1 the most recently used
+        fp8ext.gemm(a_all[:m], b, a_scale_inv=one, b_scale_inv=one)
+    after = fp8ext.gemm_cache_info()
+    assert after["plans"] == bound and after["evictions"] - info["evictions"] == 40
+    hits = after["hits"]
+    fp8ext.gemm(first, b, a_scale_inv=one, b_scale_inv=one)
+    assert fp8ext.gemm_cache_info()["hits"] == hits + 1, "the plan used most recently survived"
+    misses = fp8ext.gemm_cache_info()["misses"]
+    out = fp8ext.gemm(a_all[:2], b, a_scale_inv=one, b_scale_inv=one, out_dtype=torch.float32)
+    assert fp8ext.gemm_cache_info()["misses"] == misses + 1, "M = 2 was evicted, and is made again"
+    want = a_all[:2].double() @ b.double().t()
+    assert torch.allclose(out.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_gpu_autotune_times_into_torch_memory_once():
+    m = k = n = 1024
+    a = fp8ext.quantize(torch.randn(m, k, device="cuda"))
+    b = fp8ext.quantize(torch.randn(n, k, device="cuda"))
+    one = torch.ones((), device="cuda")
+    _C.gemm_cache_clear()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    before = fp8ext.gemm_cache_info()
+    out = fp8ext.gemm(a, b, a_scale_inv=one, b_scale_inv=one, out_dtype=torch.float32, autotune=True)
+    info = fp8ext.gemm_cache_info()
+    assert info["tuned"] - before["tuned"] == 1
+    assert torch.cuda.max_memory_allocated() >= base + 2 * m * n * 4, "out and autotune's scratch, both from torch"
+    fp8ext.gemm(a, b, a_scale_inv=one, b_scale_inv=one, out_dtype=torch.float32, autotune=True)
+    assert fp8ext.gemm_cache_info()["tuned"] == info["tuned"], "tuned once per plan"
+    want = a.double() @ b.double().t()
+    assert torch.allclose(out.double(), want, rtol=1e-5, atol=1e-4)
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_gpu_autotune_waits_for_the_gpu_without_the_gil():
+    a = fp8ext.quantize(torch.randn(8192, 8192, device="cuda"))
+    b = fp8ext.quantize(torch.randn(8192, 8192, device="cuda"))
+    one = torch.ones((), device="cuda")
+    _C.gemm_cache_clear()
+    fp8ext.gemm(a, b, a_scale_inv=one, b_scale_inv=one)  # warm: handle, heuristic plan, allocator
+    torch.cuda.synchronize()
+    ticks, stop = [], threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    t = threading.Thread(target=tick)
+    t.start()
+    time.sleep(0.02)
+    start = time.perf_counter()
+    fp8ext.gemm(a, b, a_scale_inv=one, b_scale_inv=one, autotune=True)
+    took = time.perf_counter() - start
+    stop.set()
+    t.join()
+    during = [y - x for x, y in zip(ticks, ticks[1:]) if y > start]
+    assert took > 0.1, f"tuning 8192^3 should take a while, took {took:.3f} s"
+    assert max(during) < 0.05, f"a Python thread waited {max(during):.3f} s of {took:.3f} s: the GIL was held"
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_gpu_process_exits_cleanly_after_cublaslt_use():
+    """The cuBLASLt handles are left to the process's exit (not destroyed after CUDA may be gone)."""
+    code = textwrap.dedent("""
+        import torch, fp8ext
+        a = fp8ext.quantize(torch.randn(64, 64, device="cuda"))
+        one = torch.ones((), device="cuda")
+        fp8ext.gemm(a, a, a_scale_inv=one, b_scale_inv=one, autotune=True)
+        torch.cuda.synchronize()
+        print("done")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "done", r.stderr
+    assert "error" not in r.stderr.lower(), r.stderr
