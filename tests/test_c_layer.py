@@ -186,6 +186,77 @@ def test_gemm_still_refuses_empty_k_and_n(device, k, n):
         fp8ext.gemm(a, b, a_scale_inv=one, b_scale_inv=one)
 
 
+# ---- delayed scaling with negative history entries --------------------------------------------------
+
+def reference_scale_update(hist, scale, fmt_max, algo, margin, backoff):
+    """fp8ext.h's rule in float64: the max of the finite, positive entries (0 if none); entry 0 non-finite ->
+    backoff; negative entries count as 0. Returns float32 (scale, scale_inv) as the C code rounds them."""
+    new = []
+    for row, old, fmax in zip(hist.tolist(), scale.tolist(), fmt_max.tolist()):
+        usable = [v for v in (row if algo == 0 else row[:1]) if math.isfinite(v) and v > 0]
+        amax = max(usable, default=0.0)
+        if not math.isfinite(row[0]):
+            s = float(np.float32(old * backoff))
+        elif amax > 0:
+            s = min(float(np.float32(fmax / amax / 2.0**margin)), float(np.finfo(np.float32).max))
+        else:
+            s = old
+        new.append(s)
+    s = torch.tensor(new, dtype=torch.float32)
+    return s, (1.0 / s.double()).float()
+
+
+NEGATIVE_HISTORIES = torch.tensor([
+    [-5.0, 2.0, 1.0, 0.0],          # a negative recent entry larger in magnitude than the rest
+    [-1e30, -2.0, -0.0, -3.0],      # nothing positive: scale kept
+    [4.0, -8.0, float("nan"), 1.0],  # a negative older entry beside a NaN one
+    [-0.0, 0.0, 0.5, -0.25],
+    [float("-inf"), -1.0, 2.0, 3.0],  # -Inf is an overflow (non-finite), a negative number is not
+    [-7.0, float("inf"), 1.0, 2.0],
+    [3.0, 2.0, 1.0, 0.5],
+], dtype=torch.float32)
+
+
+def run_scale_update(device, hist, algo, margin, backoff=0.5):
+    n = hist.shape[0]
+    h = hist.clone().to(device)
+    scale = torch.linspace(1.0, 4.0, n).to(device)
+    scale_inv = torch.zeros(n, device=device)
+    fmt_max = torch.tensor([448.0, 57344.0] * (n // 2) + [448.0] * (n % 2), device=device)
+    before = scale.clone()
+    _C.scale_update(torch._C._to_dlpack(h), torch._C._to_dlpack(scale), torch._C._to_dlpack(scale_inv),
+                    torch._C._to_dlpack(fmt_max), algo, float(margin), True, backoff,
+                    stream=torch.cuda.current_stream().cuda_stream if device == "cuda" else 0)
+    return h.cpu(), scale.cpu(), scale_inv.cpu(), before.cpu(), fmt_max.cpu()
+
+
+@pytest.mark.parametrize("algo", [0, 1], ids=["max", "most_recent"])
+@pytest.mark.parametrize("margin", [0, 2])
+def test_cpu_scale_update_with_negative_entries_matches_float64_reference(algo, margin):
+    h, scale, scale_inv, before, fmt_max = run_scale_update("cpu", NEGATIVE_HISTORIES, algo, margin)
+    want, want_inv = reference_scale_update(NEGATIVE_HISTORIES, before, fmt_max, algo, margin, 0.5)
+    assert torch.equal(scale, want), (scale, want)
+    assert torch.equal(scale_inv, want_inv)
+    moved = torch.equal(h[:, 1:].view(torch.int32), NEGATIVE_HISTORIES[:, :-1].view(torch.int32))
+    assert moved and not h[:, 0].any(), "the history moved along by one, entry 0 zeroed"
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("algo", [0, 1], ids=["max", "most_recent"])
+@pytest.mark.parametrize("margin", [0, 2])
+def test_gpu_scale_update_equals_cpu_on_negative_entries(algo, margin):
+    g = torch.Generator().manual_seed(algo * 10 + margin)
+    rand = torch.randn(64, 200, generator=g) * torch.exp2(torch.randint(-20, 20, (64, 200), generator=g).float())
+    rand[::7, 0] = float("nan")
+    rand[::11, 3] = float("-inf")
+    hist = torch.cat([NEGATIVE_HISTORIES.repeat(1, 50), rand])
+    cpu = run_scale_update("cpu", hist, algo, margin)
+    gpu = run_scale_update("cuda", hist, algo, margin)
+    for what, c, d in zip(["history", "scale", "scale_inv"], cpu[:3], gpu[:3]):
+        assert torch.equal(c.view(torch.int32), d.view(torch.int32)), f"{what}: GPU differs from the CPU reference"
+
+
 # ---- GPU: the plan cache is bounded, autotune uses torch's memory and releases the GIL ---------------
 
 @requires_cuda
