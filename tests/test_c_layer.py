@@ -257,6 +257,44 @@ def test_gpu_scale_update_equals_cpu_on_negative_entries(algo, margin):
         assert torch.equal(c.view(torch.int32), d.view(torch.int32)), f"{what}: GPU differs from the CPU reference"
 
 
+# ---- GPU: cast_transpose's vector path when rows % 8 != 0 -------------------------------------------
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rows", [65, 129, 131, 135, 263, 199], ids=lambda r: f"rows{r}")
+@pytest.mark.parametrize("cols", [64, 128, 200, 72, 1032, 30], ids=lambda c: f"cols{c}")
+def test_gpu_cast_transpose_with_odd_rows_is_bit_exact(dtype, rows, cols):
+    assert rows % 8 in (1, 3, 7)
+    g = torch.Generator().manual_seed(rows * 7 + cols)
+    x = (torch.randn(rows, cols, generator=g) * 300).to(dtype)
+    x[rows // 2, cols // 3] = float("nan") if cols == 200 else -1e6
+    for fmt in (fp8ext.E4M3, fp8ext.E5M2):
+        amax_c, amax_g = torch.zeros(1), torch.zeros(1, device="cuda")
+        qc, qtc = fp8ext.cast_transpose(x, fmt, 0.75, amax_out=amax_c, saturate=fmt is fp8ext.E4M3)
+        qg, qtg = fp8ext.cast_transpose(x.cuda(), fmt, 0.75, amax_out=amax_g, saturate=fmt is fp8ext.E4M3)
+        assert_same_bytes(qg, qc, f"q {rows}x{cols} {fmt.name}")
+        assert_same_bytes(qtg, qtc, f"q_t {rows}x{cols} {fmt.name}")
+        assert torch.equal(amax_g.cpu().view(torch.int32), amax_c.view(torch.int32))
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows, offset", [(131, 0), (136, 1), (136, 2), (136, 4), (132, 8)])
+def test_gpu_cast_transpose_into_a_narrowly_aligned_out_t(rows, offset):
+    """q_t whose rows are only 1-, 2- or 4-byte aligned (by its start or its row length) gets narrower stores:
+    the same bytes."""
+    x = torch.randn(rows, 128, device="cuda") * 100
+    raw = torch.empty(rows * 128 + offset, dtype=torch.uint8, device="cuda")
+    qt = raw[offset:].view(128, rows)
+    q = torch.empty(rows, 128, dtype=torch.uint8, device="cuda")
+    _C.cast_transpose(torch._C._to_dlpack(x), torch._C._to_dlpack(q), torch._C._to_dlpack(qt), fp8ext.E4M3.code,
+                      2.0, stream=torch.cuda.current_stream().cuda_stream)
+    qc, qtc = fp8ext.cast_transpose(x.cpu(), fp8ext.E4M3, 2.0)
+    assert_same_bytes(q, qc, "q")
+    assert_same_bytes(qt, qtc, "q_t")
+
+
 # ---- GPU: the plan cache is bounded, autotune uses torch's memory and releases the GIL ---------------
 
 @requires_cuda
