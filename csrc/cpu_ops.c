@@ -98,14 +98,17 @@ void fp8ext_cpu_quantize_blocks(const fp8ext_quantize_blocks_args *a) {
 
 static int finite(float v) { return (fp8_f32_bits(v) & 0x7F800000u) != 0x7F800000u; }
 
+/* What a history entry adds to the max (fp8ext.h): itself when finite and positive, else 0. */
+static float usable_amax(float v) { return finite(v) && v > 0.0f ? v : 0.0f; }
+
 void fp8ext_cpu_scale_update(const fp8ext_scale_update_args *a) {
     for (int64_t i = 0; i < a->n; ++i) {
         float *h = a->history + i * a->len;
         const float recent = h[0];
-        float amax = finite(recent) ? recent : 0.0f;
+        float amax = usable_amax(recent);
         if (a->algo == 0)
             for (int64_t j = 1; j < a->len; ++j)
-                if (finite(h[j]) && h[j] > amax) amax = h[j];
+                if (usable_amax(h[j]) > amax) amax = h[j];
         if (a->update) {
             const float old = a->scale[i];
             const float s = !finite(recent) ? old * a->backoff : fp8_scale_rule(amax, a->fmt_max[i], a->margin_factor, old);

@@ -77,12 +77,16 @@ typedef struct {
 /* Delayed scaling, all tensors at once. history is [n, len], one row per tensor, entry 0 the amax it
  * recorded this step (slot-major so that each tensor's history is contiguous); scale / scale_inv /
  * fmt_max are [n]. For each tensor i:
- *   amax = the largest finite entry of its history (algo 0, "max") or entry 0 (algo 1,
- *          "most_recent"; a non-finite one counts as 0);
- *   if update: row 0 non-finite -> scale *= backoff (the step overflowed);
+ *   amax = the largest entry of its history that is finite and positive (algo 0, "max"), or entry 0
+ *          if it is finite and positive (algo 1, "most_recent"); 0 when there is none;
+ *   if update: entry 0 non-finite (NaN or +-Inf) -> scale *= backoff (the step overflowed);
  *              else amax > 0    -> scale = fp8_scale_for_amax-style fmt_max / amax / 2^margin;
  *              else             -> scale kept;  scale_inv = 1 / scale;
- *   then the history moves along by one entry and entry 0 is zeroed for the next step. */
+ *   then the history moves along by one entry and entry 0 is zeroed for the next step.
+ * Negative entries: an amax is never negative, so one can only come from a corrupted or hand-written
+ * state (load_state_dict). A negative entry, -0 and finite ones alike, counts as 0: it adds nothing to the
+ * max and does not trigger the backoff (it is not an overflow); its magnitude is not read, since it
+ * measured nothing. The CPU reference and the kernel (scale_update.cu) both follow this rule. */
 #define FP8EXT_MAX_HISTORY 16384 /* the GPU kernel holds one history in shared memory */
 
 typedef struct {

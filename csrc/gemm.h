@@ -45,7 +45,19 @@ typedef struct {
     int fast_accum;
     void *workspace;
     size_t workspace_size;
+    void *tune_scratch;       /* autotune's output to time candidates into (torch's memory), or NULL */
+    size_t tune_scratch_size;
     int device;
 } fp8ext_gemm_args;
+
+/* Names for messages. */
+static inline const char *fp8ext_gemm_type_name(int out_type) {
+    static const char *names[] = {"float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"};
+    return out_type >= 0 && out_type <= FP8EXT_OUT_E5M2 ? names[out_type] : "?";
+}
+static inline const char *fp8ext_gemm_mode_name(int mode) {
+    static const char *names[] = {"per-tensor", "per-row", "1x128-block", "128x128-block"};
+    return mode >= 0 && mode <= FP8EXT_SCALE_BLOCK_128x128 ? names[mode] : "?";
+}
 
 #endif /* FP8EXT_GEMM_H */

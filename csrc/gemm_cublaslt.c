@@ -1,49 +1,13 @@
-/* gemm_cublaslt.c: FP8 GEMM plans on cuBLASLt (see gemm_cublaslt.h for ownership and threads,
- * gemm.h for the row-major <-> column-major mapping). */
-#include "gemm_cublaslt.h"
+/* gemm_cublaslt.c: FP8 GEMM plans on cuBLASLt: making a plan, running a call with it (see
+ * gemm_cublaslt.h for ownership and threads, gemm.h for the row-major <-> column-major mapping). */
+#include "gemm_plan.h"
 
-#include <cublasLt.h>
-#include <cuda_runtime_api.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "cuda_runtime_state.h"
 #include "fp8_numerics.h"
 #include "fp8ext.h"
-
-#define FP8EXT_GEMM_CANDIDATES 16 /* heuristic results kept for autotune: 8 at full workspace + 8 smaller */
-
-/* What identifies a plan. Zero-filled before use so that it can be compared with memcmp. */
-typedef struct {
-    int device;
-    int64_t m, n, k;
-    int a_fmt, b_fmt, out_type, has_bias, bias_type, a_mode, b_mode, accumulate, fast_accum;
-    int has_out_scale, has_amax;
-    int autotuned; /* a tuned plan is kept apart from the heuristic one, so both can be used and compared */
-    uint32_t align_a, align_b, align_d, align_bias;
-    size_t workspace_size;
-} plan_key;
-
-struct fp8ext_gemm_plan {
-    plan_key key;
-    cublasLtMatmulDesc_t desc;
-    cublasLtMatrixLayout_t la, lb, lc, ld;
-    cublasLtMatmulHeuristicResult_t candidates[FP8EXT_GEMM_CANDIDATES];
-    int n_candidates;
-    int chosen; /* index into candidates */
-    int tuned;
-    fp8ext_gemm_plan *next;
-};
-
-static const char *type_name(int out_type) {
-    static const char *names[] = {"float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"};
-    return out_type >= 0 && out_type <= FP8EXT_OUT_E5M2 ? names[out_type] : "?";
-}
-static const char *fmt_name(int fmt) { return fmt == FP8EXT_E4M3 ? "E4M3" : "E5M2"; }
-static const char *mode_name(int mode) {
-    static const char *names[] = {"per-tensor", "per-row", "1x128-block", "128x128-block"};
-    return names[mode];
-}
 
 static cudaDataType_t fp8_type(int fmt) { return fmt == FP8EXT_E4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2; }
 static cudaDataType_t out_cuda_type(int t) {
@@ -71,39 +35,29 @@ static uint32_t alignment_of(const void *p) {
     return al;
 }
 
-/* "gemm(): <what> failed with CUBLAS_STATUS_X for M=.., N=.., K=.., a E4M3 (per-tensor), ..." */
-static int raise_cublas(const char *fn, const char *what, cublasStatus_t status, const fp8ext_gemm_args *a,
-                        PyObject *exc) {
-    PyErr_Format(exc,
-                 "%s(): %s returned %s for M=%lld, N=%lld, K=%lld, a %s (%s scales), b %s (%s scales), out %s%s%s "
-                 "(cuBLASLt %zu)",
-                 fn, what, cublasLtGetStatusName(status), (long long)a->m, (long long)a->n, (long long)a->k,
-                 fmt_name(a->a_fmt), mode_name(a->a_scale_mode), fmt_name(a->b_fmt), mode_name(a->b_scale_mode),
-                 type_name(a->out_type), a->bias ? ", bias" : "", a->accumulate ? ", accumulate" : "",
-                 cublasLtGetVersion());
-    return -1;
-}
-
 #define LT_CHECK(call, what)                                                              \
     do {                                                                                  \
-        cublasStatus_t s_ = (call);                                                       \
+        const cublasStatus_t s_ = (call);                                                 \
         if (s_ != CUBLAS_STATUS_SUCCESS) {                                                \
-            raise_cublas(fn, what, s_, a, PyExc_RuntimeError);                            \
+            st = fp8ext_gemm_fail(FP8EXT_GEMM_CUBLAS_ERROR, (int)s_, what);               \
             goto fail;                                                                    \
         }                                                                                 \
     } while (0)
 
-static void plan_free(fp8ext_gemm_plan *p) {
+void fp8ext_plan_free(fp8ext_gemm_plan *p) {
     if (!p) return;
-    if (p->desc) cublasLtMatmulDescDestroy(p->desc);
-    if (p->la) cublasLtMatrixLayoutDestroy(p->la);
-    if (p->lb) cublasLtMatrixLayoutDestroy(p->lb);
-    if (p->lc) cublasLtMatrixLayoutDestroy(p->lc);
-    if (p->ld) cublasLtMatrixLayoutDestroy(p->ld);
+    /* Destroy functions of host-side descriptors: their status can only say the pointer was bad, which
+     * it is not; there is nothing to do about a failure while freeing. */
+    if (p->desc) (void)cublasLtMatmulDescDestroy(p->desc);
+    if (p->la) (void)cublasLtMatrixLayoutDestroy(p->la);
+    if (p->lb) (void)cublasLtMatrixLayoutDestroy(p->lb);
+    if (p->lc) (void)cublasLtMatrixLayoutDestroy(p->lc);
+    if (p->ld) (void)cublasLtMatrixLayoutDestroy(p->ld);
+    (void)pthread_mutex_destroy(&p->use); /* unlocked: no call holds a plan that is freed */
     free(p);
 }
 
-static void make_key(const fp8ext_gemm_args *a, int tune, plan_key *k) {
+void fp8ext_plan_key_of(const fp8ext_gemm_args *a, int tune, fp8ext_plan_key *k) {
     memset(k, 0, sizeof *k);
     k->device = a->device;
     k->m = a->m, k->n = a->n, k->k = a->k;
@@ -118,20 +72,13 @@ static void make_key(const fp8ext_gemm_args *a, int tune, plan_key *k) {
     k->autotuned = tune != 0;
 }
 
-static size_t key_hash(const plan_key *k) {
-    const unsigned char *p = (const unsigned char *)k;
-    uint64_t h = 1469598103934665603ull; /* FNV-1a */
-    for (size_t i = 0; i < sizeof *k; ++i) h = (h ^ p[i]) * 1099511628211ull;
-    return (size_t)(h % FP8EXT_GEMM_BUCKETS);
-}
-
 /* The pointer attributes: set on every call, since the descriptor is shared by all calls of a plan. */
-static cublasStatus_t set_pointers(cublasLtMatmulDesc_t d, const fp8ext_gemm_args *a) {
+cublasStatus_t fp8ext_plan_set_pointers(fp8ext_gemm_plan *p, const fp8ext_gemm_args *a) {
     cublasStatus_t s;
-#define SET(attr, value)                                                                   \
-    do {                                                                                   \
-        const void *v_ = (value);                                                          \
-        if ((s = cublasLtMatmulDescSetAttribute(d, attr, &v_, sizeof v_)) != CUBLAS_STATUS_SUCCESS) return s; \
+#define SET(attr, value)                                                                                       \
+    do {                                                                                                       \
+        const void *v_ = (value);                                                                              \
+        if ((s = cublasLtMatmulDescSetAttribute(p->desc, attr, &v_, sizeof v_)) != CUBLAS_STATUS_SUCCESS) return s; \
     } while (0)
     SET(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, a->b_scale_inv); /* cuBLAS A is our b */
     SET(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, a->a_scale_inv);
@@ -142,31 +89,29 @@ static cublasStatus_t set_pointers(cublasLtMatmulDesc_t d, const fp8ext_gemm_arg
     return CUBLAS_STATUS_SUCCESS;
 }
 
-static int get_handle(fp8ext_gemm_state *st, int device, const char *fn, const fp8ext_gemm_args *a,
-                      cublasLtHandle_t *out) {
-    if (!st->handles[device]) {
-        cublasLtHandle_t h;
-        cublasStatus_t s = cublasLtCreate(&h);
-        if (s != CUBLAS_STATUS_SUCCESS) return raise_cublas(fn, "cublasLtCreate", s, a, PyExc_RuntimeError);
-        st->handles[device] = h;
+/* Autotune also times what the heuristic picks for a 1 MiB workspace (torch's cuBLASLt default), which is
+ * sometimes a different and faster kernel. Duplicates are dropped; a failed query just adds nothing. */
+static void add_small_workspace_candidates(cublasLtHandle_t h, fp8ext_gemm_plan *p, cublasLtMatmulPreference_t pref,
+                                           uint64_t ws) {
+    cublasLtMatmulHeuristicResult_t more[8];
+    int n_more = 0;
+    const uint64_t small = ws < (1u << 20) ? ws : (1u << 20);
+    if (cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &small, sizeof small) !=
+            CUBLAS_STATUS_SUCCESS ||
+        cublasLtMatmulAlgoGetHeuristic(h, p->desc, p->la, p->lb, p->lc, p->ld, pref, 8, more, &n_more) !=
+            CUBLAS_STATUS_SUCCESS)
+        return;
+    for (int i = 0; i < n_more && p->n_candidates < FP8EXT_GEMM_CANDIDATES; ++i) {
+        int dup = 0;
+        for (int j = 0; j < p->n_candidates && !dup; ++j)
+            dup = memcmp(&more[i].algo, &p->candidates[j].algo, sizeof more[i].algo) == 0;
+        if (!dup && more[i].state == CUBLAS_STATUS_SUCCESS) p->candidates[p->n_candidates++] = more[i];
     }
-    *out = (cublasLtHandle_t)st->handles[device];
-    return 0;
 }
 
-static fp8ext_gemm_plan *plan_create(cublasLtHandle_t handle, const fp8ext_gemm_args *a, const plan_key *key,
-                                     const char *fn) {
-    fp8ext_gemm_plan *p = calloc(1, sizeof *p);
-    cublasLtMatmulPreference_t pref = NULL;
-    if (!p) {
-        PyErr_NoMemory();
-        return NULL;
-    }
-    p->key = *key;
-    const int fp8_out = a->out_type >= FP8EXT_OUT_E4M3;
-    /* C is never FP8: with an FP8 D it takes the bias type (BF16 unless FP16), as TE does. */
-    const cudaDataType_t c_type = fp8_out ? (a->bias && a->bias_type == FP8EXT_F16 ? CUDA_R_16F : CUDA_R_16BF)
-                                          : out_cuda_type(a->out_type);
+/* The matmul descriptor: types, transposes, scale modes, epilogue, and this call's pointers. */
+static fp8ext_gemm_status describe_matmul(fp8ext_gemm_plan *p, const fp8ext_gemm_args *a) {
+    fp8ext_gemm_status st = fp8ext_gemm_ok();
     LT_CHECK(cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
     const int32_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
     LT_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof op_t), "set TRANSA");
@@ -190,7 +135,29 @@ static fp8ext_gemm_plan *plan_create(cublasLtHandle_t handle, const fp8ext_gemm_
                                                 sizeof bias_type),
                  "set BIAS_DATA_TYPE");
     }
-    LT_CHECK(set_pointers(p->desc, a), "set pointer attributes");
+    LT_CHECK(fp8ext_plan_set_pointers(p, a), "set pointer attributes");
+fail:
+    return st;
+}
+
+fp8ext_gemm_status fp8ext_plan_create(cublasLtHandle_t handle, const fp8ext_gemm_args *a, const fp8ext_plan_key *key,
+                                      fp8ext_gemm_plan **out) {
+    *out = NULL;
+    fp8ext_gemm_plan *p = calloc(1, sizeof *p);
+    if (!p) return fp8ext_gemm_fail(FP8EXT_GEMM_NO_MEMORY, 0, "calloc");
+    const int e = pthread_mutex_init(&p->use, NULL);
+    if (e) {
+        free(p);
+        return fp8ext_gemm_fail(FP8EXT_GEMM_OS_ERROR, e, "pthread_mutex_init");
+    }
+    cublasLtMatmulPreference_t pref = NULL;
+    p->key = *key;
+    const int fp8_out = a->out_type >= FP8EXT_OUT_E4M3;
+    /* C is never FP8: with an FP8 D it takes the bias type (BF16 unless FP16), as TE does. */
+    const cudaDataType_t c_type = fp8_out ? (a->bias && a->bias_type == FP8EXT_F16 ? CUDA_R_16F : CUDA_R_16BF)
+                                          : out_cuda_type(a->out_type);
+    fp8ext_gemm_status st = describe_matmul(p, a);
+    if (st.kind != FP8EXT_GEMM_OK) goto fail;
     /* Row-major [N, K] b is column-major K x N (op T gives N x K); [M, K] a is K x M; out is N x M. */
     LT_CHECK(cublasLtMatrixLayoutCreate(&p->la, fp8_type(a->b_fmt), (uint64_t)a->k, (uint64_t)a->n, a->k),
              "cublasLtMatrixLayoutCreate(A)");
@@ -212,40 +179,25 @@ static fp8ext_gemm_plan *plan_create(cublasLtHandle_t handle, const fp8ext_gemm_
         LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, al_attr[i], &al[i], sizeof al[i]), "set MIN_ALIGNMENT");
     const cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(handle, p->desc, p->la, p->lb, p->lc, p->ld, pref,
                                                              key->autotuned ? 8 : 1, p->candidates, &p->n_candidates);
-    if (hs == CUBLAS_STATUS_SUCCESS && key->autotuned && p->n_candidates > 0) {
-        /* Autotune also times what the heuristic picks for a 1 MiB workspace (torch's cuBLASLt default),
-         * which is sometimes a different and faster kernel. Duplicates are dropped. */
-        cublasLtMatmulHeuristicResult_t more[8];
-        int n_more = 0;
-        const uint64_t small = ws < (1u << 20) ? ws : (1u << 20);
-        if (cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &small,
-                                                 sizeof small) == CUBLAS_STATUS_SUCCESS &&
-            cublasLtMatmulAlgoGetHeuristic(handle, p->desc, p->la, p->lb, p->lc, p->ld, pref, 8, more, &n_more) ==
-                CUBLAS_STATUS_SUCCESS) {
-            for (int i = 0; i < n_more && p->n_candidates < FP8EXT_GEMM_CANDIDATES; ++i) {
-                int dup = 0;
-                for (int j = 0; j < p->n_candidates && !dup; ++j)
-                    dup = memcmp(&more[i].algo, &p->candidates[j].algo, sizeof more[i].algo) == 0;
-                if (!dup && more[i].state == CUBLAS_STATUS_SUCCESS) p->candidates[p->n_candidates++] = more[i];
-            }
-        }
-    }
+    if (hs == CUBLAS_STATUS_SUCCESS && key->autotuned && p->n_candidates > 0)
+        add_small_workspace_candidates(handle, p, pref, ws);
     if (hs != CUBLAS_STATUS_SUCCESS || p->n_candidates == 0) {
         /* cuBLASLt has no kernel for this combination on this GPU: say so, compute nothing. */
-        raise_cublas(fn, "cublasLtMatmulAlgoGetHeuristic (no kernel for this combination)",
-                     hs != CUBLAS_STATUS_SUCCESS ? hs : CUBLAS_STATUS_NOT_SUPPORTED, a, PyExc_ValueError);
+        st = fp8ext_gemm_fail(FP8EXT_GEMM_NO_KERNEL, hs != CUBLAS_STATUS_SUCCESS ? hs : CUBLAS_STATUS_NOT_SUPPORTED,
+                              "cublasLtMatmulAlgoGetHeuristic (no kernel for this combination)");
         goto fail;
     }
-    cublasLtMatmulPreferenceDestroy(pref);
-    return p;
+    LT_CHECK(cublasLtMatmulPreferenceDestroy(pref), "cublasLtMatmulPreferenceDestroy");
+    *out = p;
+    return st;
 fail:
-    if (pref) cublasLtMatmulPreferenceDestroy(pref);
-    plan_free(p);
-    return NULL;
+    if (pref) (void)cublasLtMatmulPreferenceDestroy(pref); /* already failing: the first error is the one to report */
+    fp8ext_plan_free(p);
+    return st;
 }
 
-static cublasStatus_t matmul(cublasLtHandle_t h, const fp8ext_gemm_plan *p, const fp8ext_gemm_args *a, void *out,
-                             const cublasLtMatmulAlgo_t *algo, cudaStream_t stream) {
+cublasStatus_t fp8ext_plan_matmul(cublasLtHandle_t h, const fp8ext_gemm_plan *p, const fp8ext_gemm_args *a, void *out,
+                                  const cublasLtMatmulAlgo_t *algo, cudaStream_t stream) {
     const float alpha = 1.0f, beta = a->accumulate ? 1.0f : 0.0f;
     /* C is read only with accumulate (then it is out itself); TE passes no C for an FP8 D. */
     const void *c = a->out_type >= FP8EXT_OUT_E4M3 ? NULL : out;
@@ -253,133 +205,83 @@ static cublasStatus_t matmul(cublasLtHandle_t h, const fp8ext_gemm_plan *p, cons
                           a->workspace, a->workspace_size, stream);
 }
 
-/* Times each candidate into a scratch output (so out and amax_out are untouched) and keeps the
- * fastest. Synchronises with the GPU: once per plan, never during graph capture. */
-static int autotune(cublasLtHandle_t h, fp8ext_gemm_plan *p, const fp8ext_gemm_args *a, cudaStream_t stream,
-                    const char *fn) {
-    const size_t elem = a->out_type == FP8EXT_OUT_F32 ? 4 : a->out_type >= FP8EXT_OUT_E4M3 ? 1 : 2;
-    const size_t bytes = (size_t)a->m * (size_t)a->n * elem;
-    void *scratch = NULL;
-    float *scratch_amax = NULL;
-    cudaEvent_t ev[2] = {NULL, NULL};
-    cudaError_t ce = cudaMallocAsync(&scratch, bytes + 256, stream);
-    if (ce == cudaSuccess) ce = cudaEventCreate(&ev[0]);
-    if (ce == cudaSuccess) ce = cudaEventCreate(&ev[1]);
-    if (ce != cudaSuccess) goto cuda_fail;
-    fp8ext_gemm_args t = *a;
-    if (a->amax_out) {
-        scratch_amax = (float *)((char *)scratch + ((bytes + 15) / 16) * 16);
-        t.amax_out = scratch_amax;
+/* Autotune for a plan not timed yet, unless the stream is being captured (timing waits for the GPU, which a
+ * capture cannot): then the heuristic's pick serves until a later call outside capture tunes it. */
+static fp8ext_gemm_status maybe_tune(cublasLtHandle_t h, fp8ext_gemm_plan *p, const fp8ext_gemm_args *a,
+                                     cudaStream_t stream, int *tuned_now) {
+    enum cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    const cudaError_t ce = cudaStreamIsCapturing(stream, &cap);
+    if (ce != cudaSuccess) {
+        (void)cudaGetLastError(); /* reported here: a later launch's check must not see it again */
+        return fp8ext_gemm_fail(FP8EXT_GEMM_CUDA_ERROR, ce, "cudaStreamIsCapturing");
     }
-    cublasStatus_t s = set_pointers(p->desc, &t);
-    /* Two rounds over the candidates, 10 timed runs each after a warm-up; a candidate's figure is the
-     * smaller of its two medians, so slow drift of the GPU's clock during tuning does not pick for us. */
-    float best_ms[FP8EXT_GEMM_CANDIDATES];
-    for (int i = 0; i < FP8EXT_GEMM_CANDIDATES; ++i) best_ms[i] = 1e30f;
-    for (int round = 0; round < 2 && s == CUBLAS_STATUS_SUCCESS; ++round) {
-        for (int i = 0; i < p->n_candidates; ++i) {
-            const cublasLtMatmulAlgo_t *algo = &p->candidates[i].algo;
-            float times[10];
-            int ok = matmul(h, p, &t, scratch, algo, stream) == CUBLAS_STATUS_SUCCESS; /* warm-up */
-            for (int r = 0; ok && r < 10; ++r) {
-                ok = cudaEventRecord(ev[0], stream) == cudaSuccess &&
-                     matmul(h, p, &t, scratch, algo, stream) == CUBLAS_STATUS_SUCCESS &&
-                     cudaEventRecord(ev[1], stream) == cudaSuccess && cudaEventSynchronize(ev[1]) == cudaSuccess &&
-                     cudaEventElapsedTime(&times[r], ev[0], ev[1]) == cudaSuccess;
-            }
-            (void)cudaGetLastError();
-            if (!ok) continue; /* a candidate that fails to run is never chosen */
-            for (int x = 1; x < 10; ++x)
-                for (int y = x; y > 0 && times[y] < times[y - 1]; --y) {
-                    const float tmp = times[y];
-                    times[y] = times[y - 1];
-                    times[y - 1] = tmp;
-                }
-            const float med = 0.5f * (times[4] + times[5]);
-            if (med < best_ms[i]) best_ms[i] = med;
-        }
+    if (cap != cudaStreamCaptureStatusNone) return fp8ext_gemm_ok();
+    const size_t need = fp8ext_plan_tune_scratch_bytes(a);
+    if (!a->tune_scratch || a->tune_scratch_size < need) {
+        fp8ext_gemm_status s = fp8ext_gemm_fail(FP8EXT_GEMM_NEEDS_SCRATCH, 0, "autotune");
+        s.scratch_bytes = need;
+        return s;
     }
-    /* The heuristic's own pick (candidate 0) stays unless another is at least 3% faster: run-to-run
-     * spread on an H100 is several percent, and a pick made on noise would be a coin toss. */
-    int best_i = 0;
-    for (int i = 1; i < p->n_candidates; ++i)
-        if (best_ms[i] < 0.97f * best_ms[0] && best_ms[i] < best_ms[best_i]) best_i = i;
-    p->chosen = best_i;
-    p->tuned = 1;
-    cudaEventDestroy(ev[0]);
-    cudaEventDestroy(ev[1]);
-    ce = cudaFreeAsync(scratch, stream);
-    if (ce != cudaSuccess) return fp8ext_cuda_raise(fn, ce);
-    return 0;
-cuda_fail:
-    if (ev[0]) cudaEventDestroy(ev[0]);
-    if (ev[1]) cudaEventDestroy(ev[1]);
-    if (scratch) (void)cudaFreeAsync(scratch, stream);
-    return fp8ext_cuda_raise(fn, ce);
+    const fp8ext_gemm_status s = fp8ext_plan_autotune(h, p, a, stream);
+    *tuned_now = s.kind == FP8EXT_GEMM_OK;
+    return s;
 }
 
-int fp8ext_gemm_run(fp8ext_gemm_state *st, const fp8ext_gemm_args *a, void *stream_p, int want_tune, const char *fn) {
+fp8ext_gemm_status fp8ext_gemm_run(fp8ext_gemm_state *st, const fp8ext_gemm_args *a, void *stream_p, int want_tune) {
     cudaStream_t stream = (cudaStream_t)stream_p;
+    if (a->m == 0) {
+        /* Nothing to multiply, and cuBLASLt refuses empty layouts: only the amax of the (empty) output. */
+        const cudaError_t ce = a->amax_out ? cudaMemsetAsync(a->amax_out, 0, sizeof(float), stream) : cudaSuccess;
+        return ce == cudaSuccess ? fp8ext_gemm_ok() : fp8ext_gemm_fail(FP8EXT_GEMM_CUDA_ERROR, ce, "cudaMemsetAsync");
+    }
     cublasLtHandle_t h;
-    if (a->device < 0 || a->device >= FP8EXT_GEMM_MAX_DEVICES) {
-        PyErr_Format(PyExc_ValueError, "%s(): CUDA device %d is out of range", fn, a->device);
-        return -1;
-    }
-    if (get_handle(st, a->device, fn, a, &h) < 0) return -1;
-    plan_key key;
-    make_key(a, want_tune, &key);
-    const size_t b = key_hash(&key);
-    fp8ext_gemm_plan *p = st->buckets[b];
-    while (p && memcmp(&p->key, &key, sizeof key) != 0) p = p->next;
-    if (p) {
-        st->hits++;
+    fp8ext_gemm_plan *p;
+    fp8ext_gemm_status s = fp8ext_plan_acquire(st, a, want_tune, &h, &p);
+    if (s.kind != FP8EXT_GEMM_OK) return s;
+    int tuned_now = 0;
+    const int e = pthread_mutex_lock(&p->use);
+    if (e) {
+        s = fp8ext_gemm_fail(FP8EXT_GEMM_OS_ERROR, e, "pthread_mutex_lock");
     } else {
-        p = plan_create(h, a, &key, fn);
-        if (!p) return -1;
-        p->next = st->buckets[b];
-        st->buckets[b] = p;
-        st->plans++;
-        st->misses++;
-    }
-    if (key.autotuned && !p->tuned && p->n_candidates > 1) {
-        enum cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
-        if (cudaStreamIsCapturing(stream, &cap) != cudaSuccess) (void)cudaGetLastError();
-        if (cap == cudaStreamCaptureStatusNone) {
-            if (autotune(h, p, a, stream, fn) < 0) return -1;
-            st->tuned++;
+        if (want_tune && !p->tuned && p->n_candidates > 1) s = maybe_tune(h, p, a, stream, &tuned_now);
+        if (s.kind == FP8EXT_GEMM_OK) {
+            cublasStatus_t cs = fp8ext_plan_set_pointers(p, a);
+            if (cs == CUBLAS_STATUS_SUCCESS) cs = fp8ext_plan_matmul(h, p, a, a->out, &p->candidates[p->chosen].algo, stream);
+            if (cs != CUBLAS_STATUS_SUCCESS) s = fp8ext_gemm_fail(FP8EXT_GEMM_CUBLAS_ERROR, cs, "cublasLtMatmul");
         }
+        const int u = pthread_mutex_unlock(&p->use);
+        if (u && s.kind == FP8EXT_GEMM_OK) s = fp8ext_gemm_fail(FP8EXT_GEMM_OS_ERROR, u, "pthread_mutex_unlock");
     }
-    cublasStatus_t s = set_pointers(p->desc, a);
-    if (s == CUBLAS_STATUS_SUCCESS) s = matmul(h, p, a, a->out, &p->candidates[p->chosen].algo, stream);
-    if (s != CUBLAS_STATUS_SUCCESS) return raise_cublas(fn, "cublasLtMatmul", s, a, PyExc_RuntimeError);
-    return 0;
+    const fp8ext_gemm_status r = fp8ext_plan_release(st, p, tuned_now);
+    return s.kind == FP8EXT_GEMM_OK ? r : s;
 }
 
-PyObject *fp8ext_gemm_cache_info(const fp8ext_gemm_state *st) {
-    return Py_BuildValue("{s:l,s:l,s:l,s:l,s:n}", "plans", st->plans, "hits", st->hits, "misses", st->misses, "tuned",
-                         st->tuned, "cublaslt_version", (Py_ssize_t)cublasLtGetVersion());
+const char *fp8ext_gemm_status_text(const fp8ext_gemm_status *s, char *buf, size_t len) {
+    switch (s->kind) {
+    case FP8EXT_GEMM_CUBLAS_ERROR:
+    case FP8EXT_GEMM_NO_KERNEL: snprintf(buf, len, "%s", cublasLtGetStatusName((cublasStatus_t)s->code)); break;
+    case FP8EXT_GEMM_CUDA_ERROR:
+        snprintf(buf, len, "%s (%s)", cudaGetErrorName((cudaError_t)s->code), cudaGetErrorString((cudaError_t)s->code));
+        break;
+    case FP8EXT_GEMM_OS_ERROR: snprintf(buf, len, "error %d (%s)", s->code, strerror(s->code)); break;
+    default: snprintf(buf, len, "status %d", s->kind); break;
+    }
+    return buf;
 }
 
-void fp8ext_gemm_cache_clear(fp8ext_gemm_state *st) {
-    for (int i = 0; i < FP8EXT_GEMM_BUCKETS; ++i) {
-        fp8ext_gemm_plan *p = st->buckets[i];
-        while (p) {
-            fp8ext_gemm_plan *next = p->next;
-            plan_free(p);
-            p = next;
-        }
-        st->buckets[i] = NULL;
-    }
-    st->plans = 0;
-}
+int fp8ext_gemm_state_init(fp8ext_gemm_state *st) { return pthread_mutex_init(&st->lock, NULL); }
 
 void fp8ext_gemm_state_free(fp8ext_gemm_state *st) {
-    fp8ext_gemm_cache_clear(st);
-    for (int d = 0; d < FP8EXT_GEMM_MAX_DEVICES; ++d)
-        if (st->handles[d]) {
-            cublasLtDestroy((cublasLtHandle_t)st->handles[d]);
-            st->handles[d] = NULL;
-        }
+    /* Plans are host memory: destroying their descriptors needs no CUDA context. A failed lock (no other
+     * call can hold it now) leaves them to the process's exit. */
+    (void)fp8ext_gemm_cache_clear(st);
+    /* The cuBLASLt handles are leaked on purpose. This runs at interpreter exit, when the CUDA runtime may
+     * already have torn down the primary context (torch's and the runtime's own exit handlers run in an
+     * order nobody controls), and cublasLtDestroy on a dead context can fail or crash the exit. The process
+     * is ending, and the driver reclaims everything then; PyTorch and Transformer Engine leak their cuBLAS
+     * handles for the same reason. */
+    memset(st->handles, 0, sizeof st->handles);
+    (void)pthread_mutex_destroy(&st->lock); /* no call can be running: the module is going away */
 }
 
 size_t fp8ext_cublaslt_version(void) { return cublasLtGetVersion(); }

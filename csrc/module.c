@@ -4,6 +4,8 @@
  */
 #include "module_state.h"
 
+#include <errno.h>
+
 #include "fp8_numerics.h"
 #include "third_party/dlpack/dlpack.h"
 
@@ -108,12 +110,20 @@ static int module_exec(PyObject *module) {
     if (PyModule_AddIntConstant(module, "E5M2", FP8EXT_E5M2) < 0) return -1;
 #ifdef FP8EXT_WITH_CUDA
     if (PyModule_AddIntConstant(module, "WITH_CUDA", 1) < 0) return -1;
+    const int e = fp8ext_gemm_state_init(&fp8ext_get_state(module)->cuda.gemm);
+    if (e) {
+        errno = e;
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
 #else
     if (PyModule_AddIntConstant(module, "WITH_CUDA", 0) < 0) return -1;
 #endif
     return 0;
 }
 
+/* Runs at interpreter exit (or when the module object goes away): frees what is host memory and leaves the
+ * cuBLASLt handles to the process's end (fp8ext_gemm_state_free says why). */
 static void module_free(void *module) {
 #ifdef FP8EXT_WITH_CUDA
     fp8ext_state *st = fp8ext_get_state((PyObject *)module);

@@ -36,7 +36,8 @@ static int get_output(PyObject *o, int kind, const fp8ext_view *ref, const char 
 }
 
 /* A scale: a Python number (finite, > 0 once rounded to float32), or a one-element float32
- * tensor on ref's device whose value is read where it lives (no host synchronisation). */
+ * tensor on ref's device whose value is read where it lives (no host synchronisation). A tensor in
+ * host memory is held to the number's rule here; one on a GPU cannot be without a synchronisation. */
 static int get_scale(PyObject *o, const fp8ext_view *ref, const char *ref_arg, Py_ssize_t stream, const char *fn,
                      const char *arg, fp8ext_view *t, const float **ptr, float *value) {
     *ptr = NULL;
@@ -53,7 +54,7 @@ static int get_scale(PyObject *o, const fp8ext_view *ref, const char *ref_arg, P
         return 0;
     }
     if (fp8ext_view_get(o, stream, fn, arg, t) < 0 || fp8ext_check_scalar_f32(t, fn, arg) < 0 ||
-        fp8ext_check_same_device(t, ref, fn, arg, ref_arg) < 0)
+        fp8ext_check_same_device(t, ref, fn, arg, ref_arg) < 0 || fp8ext_check_scale_values(t, fn, arg) < 0)
         return -1;
     *ptr = (const float *)t->data;
     return 0;
@@ -68,6 +69,17 @@ static int get_amax(PyObject *o, const fp8ext_view *ref, const char *ref_arg, Py
         fp8ext_check_same_device(t, ref, fn, arg, ref_arg) < 0 || fp8ext_check_writable(t, fn, arg) < 0)
         return -1;
     *ptr = (float *)t->data;
+    return 0;
+}
+
+/* The first n_out of views[] are written by the operation, the rest only read: each output must share
+ * no memory with any other view given (a kernel reading x while it writes out, or updating amax_out
+ * while it reads scale, would give results that depend on thread timing). Views not taken are skipped. */
+static int check_disjoint(const char *fn, int n_out, int n, const fp8ext_view *const views[],
+                          const char *const names[]) {
+    for (int i = 0; i < n_out; ++i)
+        for (int j = i + 1; j < n; ++j)
+            if (fp8ext_check_no_overlap(views[i], views[j], fn, names[i], names[j]) < 0) return -1;
     return 0;
 }
 
@@ -115,7 +127,9 @@ static PyObject *py_quantize(PyObject *module, PyObject *args, PyObject *kwargs)
         fp8ext_check_fp8(&out, fmt, fn, "out") < 0 || fp8ext_check_same_shape(&out, &x, fn, "out", "x") < 0 ||
         get_scale(scale_o, &x, "x", stream, fn, "scale", &scale, &a.scale_ptr, &a.scale) < 0 ||
         get_amax(amax_o, &x, "x", stream, fn, "amax_out", &amax, &a.amax_out) < 0 ||
-        get_amax(sinv_o, &x, "x", stream, fn, "scale_inv_out", &sinv, &a.scale_inv_out) < 0)
+        get_amax(sinv_o, &x, "x", stream, fn, "scale_inv_out", &sinv, &a.scale_inv_out) < 0 ||
+        check_disjoint(fn, 3, 5, (const fp8ext_view *const[]){&sinv, &amax, &out, &x, &scale},
+                       (const char *const[]){"scale_inv_out", "amax_out", "out", "x", "scale"}) < 0)
         goto done;
     a.x = x.data;
     a.x_dtype = hp_dtype(&x);
@@ -218,7 +232,9 @@ static PyObject *py_cast_transpose(PyObject *module, PyObject *args, PyObject *k
     }
     if (get_scale(scale_o, &x, "x", stream, fn, "scale", &scale, &a.scale_ptr, &a.scale) < 0 ||
         get_amax(amax_o, &x, "x", stream, fn, "amax_out", &amax, &a.amax_out) < 0 ||
-        get_amax(sinv_o, &x, "x", stream, fn, "scale_inv_out", &sinv, &a.scale_inv_out) < 0)
+        get_amax(sinv_o, &x, "x", stream, fn, "scale_inv_out", &sinv, &a.scale_inv_out) < 0 ||
+        check_disjoint(fn, 4, 6, (const fp8ext_view *const[]){&sinv, &amax, &out, &outt, &x, &scale},
+                       (const char *const[]){"scale_inv_out", "amax_out", "out", "out_t", "x", "scale"}) < 0)
         goto done;
     a.x = x.data;
     a.x_dtype = hp_dtype(&x);

@@ -2,6 +2,8 @@
  * See tensor_view.h for the ownership rules. */
 #include "tensor_view.h"
 
+#include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -40,6 +42,33 @@ static PyObject *capsule_from_object(PyObject *obj, Py_ssize_t stream, const cha
     }
     Py_DECREF(method);
     return capsule;
+}
+
+/* v->numel = the product of t's dimensions. A negative dimension, or a product (or its size in bytes)
+ * that does not fit in int64, is refused: every size and offset fp8ext computes from the shape would
+ * wrap around. The product skips zero dimensions while it is checked, so that an empty tensor whose
+ * other dimensions overflow is refused too (its strides would have wrapped the same way). */
+static int count_elements(const DLTensor *t, const char *fn, const char *arg, fp8ext_view *v) {
+    int64_t n = 1;
+    int negative = 0, overflow = 0, empty = 0;
+    v->ndim = t->ndim;
+    for (int i = 0; i < t->ndim; ++i) {
+        const int64_t d = v->shape[i] = t->shape[i];
+        if (d < 0) negative = 1;
+        else if (d == 0) empty = 1;
+        else if (n > INT64_MAX / d) overflow = 1;
+        else n *= d;
+    }
+    const int64_t elem_bytes = ((int64_t)t->dtype.bits * t->dtype.lanes + 7) / 8;
+    if (!overflow && elem_bytes > 0 && n > INT64_MAX / elem_bytes) overflow = 1;
+    if (negative || overflow) {
+        char s[160];
+        PyErr_Format(PyExc_ValueError, "%s(): %s has shape %s; %s", fn, arg, fp8ext_view_shape_str(v, s, sizeof s),
+                     negative ? "a dimension cannot be negative" : "its element count does not fit in int64");
+        return -1;
+    }
+    v->numel = empty ? 0 : n;
+    return 0;
 }
 
 int fp8ext_view_get(PyObject *obj, Py_ssize_t stream, const char *fn, const char *arg, fp8ext_view *v) {
@@ -100,10 +129,9 @@ int fp8ext_view_get(PyObject *obj, Py_ssize_t stream, const char *fn, const char
     v->code = t->dtype.code;
     v->bits = t->dtype.bits;
     v->lanes = t->dtype.lanes;
-    v->numel = 1;
-    for (int i = 0; i < t->ndim; ++i) {
-        v->shape[i] = t->shape[i];
-        v->numel *= t->shape[i];
+    if (count_elements(t, fn, arg, v) < 0) {
+        Py_CLEAR(v->capsule);
+        return -1;
     }
     /* Row-major compact, ignoring the strides of size-1 dimensions (which producers set freely). */
     v->contiguous = 1;
@@ -235,4 +263,66 @@ int fp8ext_check_fp8(const fp8ext_view *v, int fmt, const char *fn, const char *
     PyErr_Format(PyExc_ValueError, "%s(): %s holds %s values but the format given for it is %s", fn, arg,
                  v->fp8_fmt == 0 ? "float8_e4m3fn" : "float8_e5m2", fmt == 0 ? "E4M3" : "E5M2");
     return -1;
+}
+
+/* The bytes [*lo, *hi) that v's elements occupy; an empty view occupies none (*lo == *hi). The
+ * shape was checked by count_elements, but strides come from the producer: a span that overflows
+ * is taken to cover all memory, so that the overlap test errs on the side of refusing. */
+static void byte_span(const fp8ext_view *v, uintptr_t *lo, uintptr_t *hi) {
+    *lo = *hi = (uintptr_t)v->data;
+    if (v->numel == 0) return;
+    const int64_t elem = ((int64_t)v->bits * v->lanes + 7) / 8;
+    int64_t first = 0, last = 0; /* element offsets of the lowest and highest element */
+    int ok = 1;
+    for (int i = 0; i < v->ndim && ok; ++i) {
+        int64_t reach;
+        ok = !__builtin_mul_overflow(v->shape[i] - 1, v->strides[i], &reach) &&
+             !__builtin_add_overflow(reach < 0 ? first : last, reach, reach < 0 ? &first : &last);
+    }
+    int64_t lo_b, hi_b;
+    ok = ok && !__builtin_mul_overflow(first, elem, &lo_b) && !__builtin_mul_overflow(last + 1, elem, &hi_b);
+    if (!ok) {
+        *lo = 0, *hi = UINTPTR_MAX;
+        return;
+    }
+    *lo = (uintptr_t)v->data + (uintptr_t)lo_b; /* lo_b <= 0: wraps to the lower address, as intended */
+    *hi = (uintptr_t)v->data + (uintptr_t)hi_b;
+}
+
+int fp8ext_check_no_overlap(const fp8ext_view *v, const fp8ext_view *w, const char *fn, const char *arg,
+                            const char *w_arg) {
+    if (!v->capsule || !w->capsule) return 0; /* an optional argument that was not given */
+    if (v->device_type != w->device_type || (v->device_type != kDLCPU && v->device_id != w->device_id)) return 0;
+    uintptr_t v_lo, v_hi, w_lo, w_hi;
+    byte_span(v, &v_lo, &v_hi);
+    byte_span(w, &w_lo, &w_hi);
+    if (v_lo == v_hi || w_lo == w_hi || v_hi <= w_lo || w_hi <= v_lo) return 0;
+    PyErr_Format(PyExc_ValueError, "%s(): %s and %s share memory; fp8ext writes %s, so it must not overlap %s "
+                 "(pass separate tensors)", fn, arg, w_arg, arg, w_arg);
+    return -1;
+}
+
+int fp8ext_check_scale_values(const fp8ext_view *v, const char *fn, const char *arg) {
+    if (v->device_type != kDLCPU || v->kind != FP8EXT_KIND_F32) return 0;
+    int64_t idx[FP8EXT_MAX_NDIM] = {0};
+    for (int64_t n = 0; n < v->numel; ++n) {
+        int64_t off = 0;
+        for (int i = 0; i < v->ndim; ++i) off += idx[i] * v->strides[i];
+        const float f = ((const float *)v->data)[off];
+        if (!(isfinite(f) && f > 0.0f)) {
+            char value[32], where[160] = "";
+            snprintf(value, sizeof value, "%.9g", (double)f);
+            if (v->numel > 1) {
+                size_t used = (size_t)snprintf(where, sizeof where, " at [");
+                for (int i = 0; i < v->ndim && used < sizeof where; ++i)
+                    used += (size_t)snprintf(where + used, sizeof where - used, i ? ", %lld" : "%lld", (long long)idx[i]);
+                if (used < sizeof where) snprintf(where + used, sizeof where - used, "]");
+            }
+            PyErr_Format(PyExc_ValueError, "%s(): %s must be finite and positive, got %s%s (a CPU tensor)", fn, arg,
+                         value, where);
+            return -1;
+        }
+        for (int i = v->ndim - 1; i >= 0 && ++idx[i] == v->shape[i]; --i) idx[i] = 0;
+    }
+    return 0;
 }

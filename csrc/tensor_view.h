@@ -38,7 +38,8 @@ typedef struct {
 } fp8ext_view;
 
 /* Fills *v from a DLPack capsule or an object with __dlpack__. A CUDA producer is asked for
- * data ready on `stream` (a cudaStream_t as an integer). Returns 0, or -1 with an exception. */
+ * data ready on `stream` (a cudaStream_t as an integer). A negative dimension, or an element count
+ * (or byte size) past int64, is refused. Returns 0, or -1 with an exception. */
 int fp8ext_view_get(PyObject *obj, Py_ssize_t stream, const char *fn, const char *arg, fp8ext_view *v);
 void fp8ext_view_release(fp8ext_view *v);
 
@@ -59,5 +60,14 @@ int fp8ext_check_same_shape(const fp8ext_view *v, const fp8ext_view *ref, const 
 int fp8ext_check_scalar_f32(const fp8ext_view *v, const char *fn, const char *arg); /* float32, one element */
 /* FP8 bytes (uint8, or a float8 DLPack type) in format fmt: a float8 type must agree with fmt. */
 int fp8ext_check_fp8(const fp8ext_view *v, int fmt, const char *fn, const char *arg);
+/* v and w do not share a byte of memory (an output against an input or another output: a kernel that
+ * reads one while it writes the other would give timing-dependent results). Empty views and views not
+ * taken (capsule NULL) never overlap. ValueError naming both arguments. */
+int fp8ext_check_no_overlap(const fp8ext_view *v, const fp8ext_view *w, const char *fn, const char *arg,
+                            const char *w_arg);
+/* A float32 scale or scale_inv tensor in host memory holds only finite, positive values (the rule a
+ * Python number scale follows), every element checked. A tensor on a GPU is not read: that would
+ * synchronise the host with the device on every call. ValueError naming the argument and element. */
+int fp8ext_check_scale_values(const fp8ext_view *v, const char *fn, const char *arg);
 
 #endif /* FP8EXT_TENSOR_VIEW_H */

@@ -42,7 +42,8 @@ def set_gemm_autotune(enabled: bool) -> None:
 
 
 def gemm_cache_info() -> dict:
-    """{'plans', 'hits', 'misses', 'tuned', 'cublaslt_version'} of the GEMM plan cache."""
+    """{'plans', 'max_plans', 'hits', 'misses', 'evictions', 'tuned', 'cublaslt_version'} of the GEMM plan
+    cache; past max_plans the least recently used plan is evicted."""
     return dict(_C.gemm_cache_info())
 
 
@@ -118,11 +119,16 @@ def gemm_eager(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, use_fast_accum, 
         out = torch.empty((a.shape[0], b.shape[0]), dtype=out_dtype, device=device)
     on_gpu = device.type == "cuda"
     stream = stream_of(device) if on_gpu else 0
-    modes = _C.gemm(dl_fp8(a), dl_fp8(b), fa.code, fb.code, _dl_any(a_scale_inv), _dl_any(b_scale_inv),
-                    dl_fp8(out) if fo else _to_dl(out), out_fmt=fo.code if fo else -1, bias=_dl_opt(bias),
-                    out_scale=_dl_opt(out_scale), amax_out=_dl_opt(amax_out), accumulate=accumulate,
-                    fast_accum=use_fast_accum, workspace=_workspace(device, stream) if on_gpu else None,
-                    stream=stream, autotune=tune)
+    def run(tune_scratch=None):
+        return _C.gemm(dl_fp8(a), dl_fp8(b), fa.code, fb.code, _dl_any(a_scale_inv), _dl_any(b_scale_inv),
+                       dl_fp8(out) if fo else _to_dl(out), out_fmt=fo.code if fo else -1, bias=_dl_opt(bias),
+                       out_scale=_dl_opt(out_scale), amax_out=_dl_opt(amax_out), accumulate=accumulate,
+                       fast_accum=use_fast_accum, workspace=_workspace(device, stream) if on_gpu else None,
+                       stream=stream, autotune=tune, tune_scratch=tune_scratch)
+
+    modes = run()
+    if len(modes) == 3:  # autotune's first call of a problem ran nothing: it asks for torch memory to time into
+        modes = run(_to_dl(torch.empty(modes[2], dtype=torch.uint8, device=device)))
     if not on_gpu:
         _emulate(a, b, a_scale_inv, b_scale_inv, modes, bias, out, accumulate, out_scale, amax_out, fo)
     return out

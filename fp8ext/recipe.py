@@ -30,6 +30,7 @@ class DelayedScaling:
     `amax_history_len` steps ("max") or the last step's ("most_recent"). When amax is 0 the previous scale
     is kept; when a step's amax is NaN or Inf (an overflow) the scale shrinks by `backoff_factor` (the
     loss-scaling rule; TE keeps the scale instead) and that entry never counts as a maximum.
+    A negative entry (only a corrupted or hand-written state has one) counts as 0, without backoff.
     Scales are recomputed every `interval` steps, for all tensors in one fused kernel. reduce_amax: with
     an fp8_group, the amaxes are max-reduced across it before the update. fp8_format: Format.HYBRID (E4M3
     forward, E5M2 gradients, the default) or Format.E4M3; pure E5M2 training is refused, as TE does.

@@ -9,8 +9,13 @@
 //      byte block in registers (__byte_perm) and writes four 8-byte pieces of qt. The lane
 //      mapping makes each warp write 32 contiguous bytes in each of 8 rows of qt and read the
 //      shared tile without bank conflicts.
-// Tiles on the matrix's edge, or data that is not aligned for these vector accesses, take an
-// element-by-element path in the same kernel (a block-uniform branch) with the same bytes.
+// Every full 64x64 tile takes this path when x and q allow 16- and 8-byte accesses (cols % 8 == 0,
+// aligned starts). qt's rows start every `rows` bytes, so for rows % 8 != 0 they are only 4-, 2- or
+// 1-byte aligned: the 8-byte pieces of qt are then stored as 2, 4 or 8 narrower stores (still 32
+// contiguous bytes per warp and row), instead of sending the whole matrix down the scalar path.
+// Tiles on the matrix's edge (the last rows % 64 rows and cols % 64 columns), or data whose x or q
+// is not aligned for the vector accesses, take an element-by-element path in the same kernel (a
+// block-uniform branch) with the same bytes.
 #include "common.cuh"
 
 namespace fp8ext {
@@ -20,10 +25,31 @@ constexpr int kTile = 64;
 constexpr int kThreads = 128;
 constexpr int kRowWords = kTile / 4 + 1;  // 64 bytes of a tile row + one word of padding
 
+// Stores bytes 0-3 (lo) and 4-7 (hi) of a piece of qt at dst in accesses of `width` bytes (8, 4, 2 or 1:
+// what dst's alignment allows, the same for every piece of the launch).
+__device__ __forceinline__ void store_piece(uint8_t *dst, uint32_t lo, uint32_t hi, int width) {
+    if (width == 8) {
+        *reinterpret_cast<uint2 *>(dst) = make_uint2(lo, hi);
+    } else if (width == 4) {
+        reinterpret_cast<uint32_t *>(dst)[0] = lo;
+        reinterpret_cast<uint32_t *>(dst)[1] = hi;
+    } else if (width == 2) {
+        uint16_t *d = reinterpret_cast<uint16_t *>(dst);
+        d[0] = static_cast<uint16_t>(lo), d[1] = static_cast<uint16_t>(lo >> 16);
+        d[2] = static_cast<uint16_t>(hi), d[3] = static_cast<uint16_t>(hi >> 16);
+    } else {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            dst[k] = static_cast<uint8_t>(lo >> (8 * k));
+            dst[4 + k] = static_cast<uint8_t>(hi >> (8 * k));
+        }
+    }
+}
+
 template <typename T, int FMT>
 __device__ __forceinline__ void fast_tile(const T *__restrict__ x, uint8_t *__restrict__ q, uint8_t *__restrict__ qt,
                                           int64_t rows, int64_t cols, int64_t row0, int64_t col0, float scale,
-                                          int saturate, int32_t &amax, uint32_t (*tile)[kRowWords]) {
+                                          int saturate, int qt_width, int32_t &amax, uint32_t (*tile)[kRowWords]) {
     constexpr int V = Elem<T>::kVec;
     constexpr int kVecPerRow = kTile / V;
     constexpr int kPerThread = kTile * kVecPerRow / kThreads;
@@ -78,8 +104,7 @@ __device__ __forceinline__ void fast_tile(const T *__restrict__ x, uint8_t *__re
     }
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-        uint8_t *dst = qt + (col0 + nword * 4 + k) * rows + row0 + mchunk * 8;
-        *reinterpret_cast<uint2 *>(dst) = make_uint2(lo[k], hi[k]);
+        store_piece(qt + (col0 + nword * 4 + k) * rows + row0 + mchunk * 8, lo[k], hi[k], qt_width);
     }
 }
 
@@ -102,7 +127,7 @@ template <typename T, int FMT>
 __global__ void __launch_bounds__(kThreads)
 cast_transpose_kernel(const T *__restrict__ x, uint8_t *__restrict__ q, uint8_t *__restrict__ qt, int64_t rows,
                       int64_t cols, int64_t col_tiles, const float *__restrict__ scale_ptr, float scale_value,
-                      float *amax_out, float *scale_inv_out, int saturate, int vector_ok) {
+                      float *amax_out, float *scale_inv_out, int saturate, int vector_ok, int qt_width) {
     __shared__ uint32_t tile[kTile][kRowWords];
     const float scale = load_scale(scale_ptr, scale_value);
     if (scale_inv_out && blockIdx.x == 0 && threadIdx.x == 0) *scale_inv_out = 1.0f / scale;
@@ -110,7 +135,7 @@ cast_transpose_kernel(const T *__restrict__ x, uint8_t *__restrict__ q, uint8_t 
     const int64_t col0 = (static_cast<int64_t>(blockIdx.x) % col_tiles) * kTile;
     int32_t amax = 0;
     if (vector_ok && row0 + kTile <= rows && col0 + kTile <= cols)
-        fast_tile<T, FMT>(x, q, qt, rows, cols, row0, col0, scale, saturate, amax, tile);
+        fast_tile<T, FMT>(x, q, qt, rows, cols, row0, col0, scale, saturate, qt_width, amax, tile);
     else
         edge_tile<T, FMT>(x, q, qt, rows, cols, row0, col0, scale, saturate, amax);
     if (amax_out) block_amax_commit<kThreads>(amax, amax_out);
@@ -127,13 +152,16 @@ extern "C" int fp8ext_cuda_cast_transpose(const fp8ext_cast_transpose_args *a, v
     const int64_t col_tiles = (a->cols + kTile - 1) / kTile;
     const int64_t tiles = col_tiles * ((a->rows + kTile - 1) / kTile);
     if (tiles > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
-    const int vector_ok = aligned(a->x, 16) && aligned(a->q, 8) && aligned(a->qt, 8) && a->cols % 8 == 0 &&
-                          a->rows % 8 == 0;
+    // x's rows in 16-byte vectors and q's in 8-byte pieces need cols % 8 == 0; qt's pieces go in the widest
+    // stores that its start and its row length (rows bytes) both allow.
+    const int vector_ok = aligned(a->x, 16) && aligned(a->q, 8) && a->cols % 8 == 0;
+    int qt_width = 8;
+    while (qt_width > 1 && (!aligned(a->qt, qt_width) || a->rows % qt_width)) qt_width /= 2;
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     FP8EXT_DISPATCH_DTYPE(a->x_dtype, FP8EXT_DISPATCH_FMT(a->fmt, {
         cast_transpose_kernel<T, FMT><<<static_cast<unsigned>(tiles), kThreads, 0, s>>>(
             static_cast<const T *>(a->x), a->q, a->qt, a->rows, a->cols, col_tiles, a->scale_ptr, a->scale,
-            a->amax_out, a->scale_inv_out, a->saturate, vector_ok);
+            a->amax_out, a->scale_inv_out, a->saturate, vector_ok, qt_width);
         return cudaGetLastError();
     }));
     return cudaErrorInvalidValue;

@@ -23,11 +23,13 @@ constexpr int kUpdateThreads = 128;
 __global__ void __launch_bounds__(kUpdateThreads) scale_update_kernel(fp8ext_scale_update_args a) {
     extern __shared__ float hist[];
     float *h = a.history + static_cast<int64_t>(blockIdx.x) * a.len;
-    int32_t m = 0; /* the largest finite entry, as bits of a non-negative float */
+    // The largest finite, positive entry, as the bits of a positive float (which order like the floats);
+    // negative entries count as 0 (fp8ext.h): their sign bit makes them negative as int32, so max drops them.
+    int32_t m = 0;
     for (int64_t j = threadIdx.x; j < a.len; j += kUpdateThreads) {
         const float v = h[j];
         hist[j] = v;
-        if (finite(v) && (a.algo == 0 || j == 0)) m = max(m, __float_as_int(v) & 0x7FFFFFFF);
+        if (finite(v) && (a.algo == 0 || j == 0)) m = max(m, __float_as_int(v));
     }
     __shared__ int32_t warp_max[kUpdateThreads / 32];
 #pragma unroll
