@@ -53,7 +53,8 @@ def _workspace(device: torch.device, stream: int):
     key = (device.index, stream)
     ws = _workspaces.get(key)
     if ws is None:
-        buf = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        with torch.inference_mode(False):  # long-lived state: never an inference tensor
+            buf = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         ws = _workspaces[key] = (buf, _to_dl(buf))
     return ws[1]
 
