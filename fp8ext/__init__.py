@@ -4,6 +4,10 @@
     q = fp8ext.quantize(x, fp8ext.E4M3, scale)        # torch.float8_e4m3fn
     x2 = fp8ext.dequantize(q, 1 / scale)
 
+Code written for Transformer Engine ports by its imports: `import fp8ext as te` gives te.Linear,
+te.fp8_autocast / te.autocast, te.RMSNorm and te.LayerNorm; `from fp8ext.recipe import Format,
+DelayedScaling, Float8CurrentScaling`.
+
 The native core (fp8ext._C, C and CUDA C) defines the FP8 numerics once; this package decides what to
 compute and allocates outputs with torch. See README.md.
 """
@@ -12,12 +16,12 @@ import torch  # noqa: F401  (loads torch's CUDA libraries before the extension's
 
 from . import _C
 from . import _library  # noqa: F401  (registers torch.ops.fp8ext.*)
+from . import recipe  # noqa: F401  (fp8ext.recipe, as transformer_engine.common.recipe)
 from ._gemm import gemm, gemm_cache_info, set_gemm_autotune
-from . import recipe
 from .context import autocast, fp8_autocast, get_fp8_recipe, get_scaling_manager, is_fp8_enabled
 from .convert import FP8ConversionWarning, convert_to_fp8, prepare_fp8
-from .formats import E4M3, E5M2, FP8Format, Format
 from .debug import debug_checks_enabled, set_debug_checks
+from .formats import E4M3, E5M2, FP8Format, Format
 from .linear import FP8Linear, Linear
 from .normalization import LayerNorm, RMSNorm
 from .ops import amax, cast_transpose, dequantize, quantize, quantize_blockwise, quantize_rowwise, scale_from_amax
