@@ -89,6 +89,9 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, a_scale_inv: torch.Tensor, b_scale
     set_gemm_autotune. Returns out.
     """
     fa, fb = _fp8_format(a, "a"), _fp8_format(b, "b")
+    for t, arg in ((a, "a"), (b, "b")):
+        if t.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"gemm(): {arg} is on {t.device.type}; fp8ext runs on cpu and cuda")
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"gemm(): a and b must be 2-D ([M, K] and [N, K]), got shapes {list(a.shape)} and "
                          f"{list(b.shape)}")

@@ -26,7 +26,7 @@ import torch
 from .recipe import CurrentScaling, DelayedScaling
 from .scaling import FP8ScalingManager
 
-__all__ = ["fp8_autocast", "autocast", "is_fp8_enabled", "get_fp8_recipe", "get_scaling_manager"]
+__all__ = ["fp8_autocast", "autocast", "activation_dtype", "is_fp8_enabled", "get_fp8_recipe", "get_scaling_manager"]
 
 Recipe = Union[DelayedScaling, CurrentScaling]
 _DEFAULT_RECIPE = DelayedScaling()
@@ -59,6 +59,15 @@ def current_context() -> Optional[_Context]:
 def is_fp8_enabled() -> bool:
     ctx = current_context()
     return bool(ctx and ctx.enabled)
+
+
+def activation_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype fp8ext's modules return for input x: x's dtype, or the autocast dtype inside torch.autocast
+    (as Transformer Engine's modules and nn.Linear do)."""
+    dev = x.device.type
+    if dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return x.dtype
 
 
 def get_fp8_recipe() -> Optional[Recipe]:

@@ -33,7 +33,7 @@ from torch import nn
 
 from . import _C, debug
 from ._boundary import stream_of
-from .context import current_context, get_scaling_manager
+from .context import activation_dtype, current_context, get_scaling_manager
 from .formats import FP8Format, format_of_code
 from .ops import amax as _amax
 from .ops import cast_transpose, scale_from_amax
@@ -360,7 +360,7 @@ class FP8Linear(nn.Module):
             self._debug_checks(input, xs, ws, gs)
         w8, w8t, w_sinv = self._weight_fp8(fwd, ws, wa, recipe.margin, is_first_microbatch)
         y = _FP8LinearFunction.apply(input, self.weight, bias, w8, w8t, w_sinv, xs, xa, gs, ga, fwd.code, bwd.code,
-                                     float(recipe.margin), _output_dtype(input), grad_slot)
+                                     float(recipe.margin), activation_dtype(input), grad_slot)
         return self._output(y)
 
     def _output(self, y):
@@ -369,7 +369,7 @@ class FP8Linear(nn.Module):
     def _no_gemm(self, input: torch.Tensor, bias):
         """An empty batch, a 0-d input or meta tensors: nothing to compute in FP8. F.linear gives the output's
         shape (and nn.Linear's error for a 0-d input); gradients of an empty batch are zero."""
-        dtype = _output_dtype(input)
+        dtype = activation_dtype(input)
         w = self.weight.to(dtype)
         return F.linear(input.to(dtype), w, bias.to(dtype) if bias is not None else None)
 
@@ -380,14 +380,6 @@ class FP8Linear(nn.Module):
         for scale, what in ((xs, "the input's scale"), (ws, "the weight's scale"), (gs, "the gradient's scale")):
             if scale is not None:
                 debug.check_scale(scale, fn, what)
-
-
-def _output_dtype(x: torch.Tensor) -> torch.dtype:
-    """x's dtype, or the autocast dtype inside torch.autocast (as te.Linear and nn.Linear do)."""
-    dev = x.device.type
-    if dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev):
-        return torch.get_autocast_dtype(dev)
-    return x.dtype
 
 
 Linear = FP8Linear  # Transformer Engine's name

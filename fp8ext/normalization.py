@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .context import activation_dtype
+
 __all__ = ["LayerNorm", "RMSNorm"]
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -122,8 +124,7 @@ class RMSNorm(_Normalization):
         y = x / sqrt(mean(x^2) + eps) * gamma,   gamma = weight   (1 + weight with zero_centered_gamma)
 
     Computed in float32 whatever the input's dtype (float64 for float64 input); the output has the input's
-    dtype. Transformer Engine instead casts the input to the parameters' dtype (or the torch.autocast
-    dtype) and returns that; with matching dtypes the two agree.
+    dtype, or the autocast dtype inside torch.autocast (as Transformer Engine's).
 
     Args:
         normalized_shape: size of the normalised dimensions: an int or a sequence of ints.
@@ -152,7 +153,7 @@ class RMSNorm(_Normalization):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ct = self._compute_dtype(x)
-        return F.rms_norm(x.to(ct), self.normalized_shape, self._gamma(ct), self.eps).to(x.dtype)
+        return F.rms_norm(x.to(ct), self.normalized_shape, self._gamma(ct), self.eps).to(activation_dtype(x))
 
 
 class LayerNorm(_Normalization):
@@ -163,8 +164,7 @@ class LayerNorm(_Normalization):
         zero_centered_gamma),   var the biased variance (divided by n, as torch.nn.LayerNorm)
 
     Computed in float32 whatever the input's dtype (float64 for float64 input); the output has the input's
-    dtype. Transformer Engine instead casts the input to the parameters' dtype (or the torch.autocast
-    dtype) and returns that; with matching dtypes the two agree.
+    dtype, or the autocast dtype inside torch.autocast (as Transformer Engine's).
 
     The arguments are RMSNorm's (see there); `bias` has the shape and dtype of `weight` and starts at 0.
     With zero_centered_gamma=False the parameters mean what torch.nn.LayerNorm's mean; with True the
@@ -184,4 +184,4 @@ class LayerNorm(_Normalization):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ct = self._compute_dtype(x)
         return F.layer_norm(x.to(ct), self.normalized_shape, self._gamma(ct), self.bias.to(ct),
-                            self.eps).to(x.dtype)
+                            self.eps).to(activation_dtype(x))

@@ -261,10 +261,17 @@ def test_meta_tensors_give_the_output_shape():
 
 
 @pytest.mark.parametrize("fn", [lambda t: fp8ext.quantize(t), lambda t: fp8ext.amax(t),
-                                lambda t: fp8ext.cast_transpose(t)])
+                                lambda t: fp8ext.cast_transpose(t), lambda t: fp8ext.quantize_rowwise(t)])
 def test_casts_of_meta_tensors_raise_naming_the_function(fn):
     with pytest.raises(ValueError, match=r"\w+\(\): x is on meta"):
         fn(torch.empty(16, 16, device="meta"))
+
+
+def test_gemm_of_meta_tensors_raises_naming_the_function():
+    a = torch.empty(16, 32, device="meta", dtype=torch.float8_e4m3fn)
+    one = torch.ones((), device="meta")
+    with pytest.raises(ValueError, match=r"gemm\(\): a is on meta"):
+        fp8ext.gemm(a, a, a_scale_inv=one, b_scale_inv=one)
 
 
 # ---- scaling slots have a lifetime ---------------------------------------------------------------------
@@ -323,6 +330,16 @@ def test_inside_torch_autocast_the_output_has_the_autocast_dtype(fp8):
     assert y.dtype == torch.bfloat16
     y.float().sum().backward()
     assert layer.weight.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("norm", [fp8ext.RMSNorm, fp8ext.LayerNorm])
+def test_norms_inside_torch_autocast_return_the_autocast_dtype(norm):
+    m = norm(32)
+    x = torch.randn(8, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = m(x)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, m(x).to(torch.bfloat16)), "computed in float32, rounded once to the autocast dtype"
 
 
 # ---- debug checks ------------------------------------------------------------------------------------
