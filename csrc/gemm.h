@@ -40,7 +40,7 @@ typedef struct {
     const void *bias;      /* NULL or [N] */
     int bias_type;         /* FP8EXT_BF16 / FP8EXT_F16 when bias is set */
     const float *out_scale; /* FP8 output: q = fp8(d * out_scale) */
-    float *amax_out;       /* FP8 output: max(amax_out, max|d|), d before out_scale */
+    float *amax_out;       /* FP8 output: set to max|d|, d before out_scale (cuBLASLt overwrites it) */
     int accumulate;        /* out += product (beta = 1) */
     int fast_accum;
     void *workspace;

@@ -151,7 +151,7 @@ fp8ext_gemm_status fp8ext_plan_create(cublasLtHandle_t handle, const fp8ext_gemm
         return fp8ext_gemm_fail(FP8EXT_GEMM_OS_ERROR, e, "pthread_mutex_init");
     }
     cublasLtMatmulPreference_t pref = NULL;
-    p->key = *key;
+    memcpy(&p->key, key, sizeof *key); /* bytes, padding included: the cache hashes and compares them */
     const int fp8_out = a->out_type >= FP8EXT_OUT_E4M3;
     /* C is never FP8: with an FP8 D it takes the bias type (BF16 unless FP16), as TE does. */
     const cudaDataType_t c_type = fp8_out ? (a->bias && a->bias_type == FP8EXT_F16 ? CUDA_R_16F : CUDA_R_16BF)

@@ -19,6 +19,7 @@
 /* What identifies a plan. Zero-filled before use so that it can be compared with memcmp. */
 typedef struct {
     int device;
+    int pad_; /* the hole before m, named so that it is always zero */
     int64_t m, n, k;
     int a_fmt, b_fmt, out_type, has_bias, bias_type, a_mode, b_mode, accumulate, fast_accum;
     int has_out_scale, has_amax;

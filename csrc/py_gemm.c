@@ -220,6 +220,11 @@ static PyObject *py_gemm(PyObject *module, PyObject *args, PyObject *kwargs) {
         g.bias = bias.data;
         g.bias_type = want == FP8EXT_KIND_F16 ? FP8EXT_F16 : FP8EXT_BF16;
     }
+    /* cuBLASLt writes out and amax_out while it reads everything else */
+    if (fp8ext_check_disjoint(FN, 2, 8, (const fp8ext_view *const[]){&out, &amax, &a, &b, &sa, &sb, &bias, &os},
+                              (const char *const[]){"out", "amax_out", "a", "b", "a_scale_inv", "b_scale_inv",
+                                                    "bias", "out_scale"}) < 0)
+        goto done;
     g.a = a.data, g.b = b.data, g.a_fmt = a_fmt, g.b_fmt = b_fmt, g.out = out.data;
     g.out_scale = os.capsule ? os.data : NULL;
     g.amax_out = amax.capsule ? amax.data : NULL;

@@ -72,17 +72,6 @@ static int get_amax(PyObject *o, const fp8ext_view *ref, const char *ref_arg, Py
     return 0;
 }
 
-/* The first n_out of views[] are written by the operation, the rest only read: each output must share
- * no memory with any other view given (a kernel reading x while it writes out, or updating amax_out
- * while it reads scale, would give results that depend on thread timing). Views not taken are skipped. */
-static int check_disjoint(const char *fn, int n_out, int n, const fp8ext_view *const views[],
-                          const char *const names[]) {
-    for (int i = 0; i < n_out; ++i)
-        for (int j = i + 1; j < n; ++j)
-            if (fp8ext_check_no_overlap(views[i], views[j], fn, names[i], names[j]) < 0) return -1;
-    return 0;
-}
-
 /* ---- thunks: one signature for fp8ext_run_op ------------------------------------------- */
 static void cpu_quantize(const void *a) { fp8ext_cpu_quantize(a); }
 static void cpu_dequantize(const void *a) { fp8ext_cpu_dequantize(a); }
@@ -128,7 +117,7 @@ static PyObject *py_quantize(PyObject *module, PyObject *args, PyObject *kwargs)
         get_scale(scale_o, &x, "x", stream, fn, "scale", &scale, &a.scale_ptr, &a.scale) < 0 ||
         get_amax(amax_o, &x, "x", stream, fn, "amax_out", &amax, &a.amax_out) < 0 ||
         get_amax(sinv_o, &x, "x", stream, fn, "scale_inv_out", &sinv, &a.scale_inv_out) < 0 ||
-        check_disjoint(fn, 3, 5, (const fp8ext_view *const[]){&sinv, &amax, &out, &x, &scale},
+        fp8ext_check_disjoint(fn, 3, 5, (const fp8ext_view *const[]){&sinv, &amax, &out, &x, &scale},
                        (const char *const[]){"scale_inv_out", "amax_out", "out", "x", "scale"}) < 0)
         goto done;
     a.x = x.data;
@@ -233,7 +222,7 @@ static PyObject *py_cast_transpose(PyObject *module, PyObject *args, PyObject *k
     if (get_scale(scale_o, &x, "x", stream, fn, "scale", &scale, &a.scale_ptr, &a.scale) < 0 ||
         get_amax(amax_o, &x, "x", stream, fn, "amax_out", &amax, &a.amax_out) < 0 ||
         get_amax(sinv_o, &x, "x", stream, fn, "scale_inv_out", &sinv, &a.scale_inv_out) < 0 ||
-        check_disjoint(fn, 4, 6, (const fp8ext_view *const[]){&sinv, &amax, &out, &outt, &x, &scale},
+        fp8ext_check_disjoint(fn, 4, 6, (const fp8ext_view *const[]){&sinv, &amax, &out, &outt, &x, &scale},
                        (const char *const[]){"scale_inv_out", "amax_out", "out", "out_t", "x", "scale"}) < 0)
         goto done;
     a.x = x.data;
@@ -289,7 +278,9 @@ static PyObject *py_quantize_blocks(PyObject *module, PyObject *args, PyObject *
     }
     if (get_output(out_o, FP8EXT_KIND_U8, &x, "x", stream, fn, "out", &out) < 0 ||
         fp8ext_check_same_shape(&out, &x, fn, "out", "x") < 0 ||
-        get_output(s_o, FP8EXT_KIND_F32, &x, "x", stream, fn, "scale_inv", &sv) < 0)
+        get_output(s_o, FP8EXT_KIND_F32, &x, "x", stream, fn, "scale_inv", &sv) < 0 ||
+        fp8ext_check_disjoint(fn, 2, 3, (const fp8ext_view *const[]){&out, &sv, &x},
+                              (const char *const[]){"out", "scale_inv", "x"}) < 0)
         goto done;
     {
         /* Every block's scale_inv index, (nrb - 1) * sr + (ncb - 1) * sc, must be inside scale_inv; the test

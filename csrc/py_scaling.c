@@ -70,7 +70,9 @@ static PyObject *py_scale_update(PyObject *module, PyObject *args, PyObject *kwa
     a.n = h.shape[0], a.len = h.shape[1];
     if (get_f32_vector(s_o, a.n, &h, stream, fn, "scale", 1, &sc) < 0 ||
         get_f32_vector(si_o, a.n, &h, stream, fn, "scale_inv", 1, &si) < 0 ||
-        get_f32_vector(m_o, a.n, &h, stream, fn, "fmt_max", 0, &fm) < 0)
+        get_f32_vector(m_o, a.n, &h, stream, fn, "fmt_max", 0, &fm) < 0 ||
+        fp8ext_check_disjoint(fn, 3, 4, (const fp8ext_view *const[]){&h, &sc, &si, &fm},
+                              (const char *const[]){"history", "scale", "scale_inv", "fmt_max"}) < 0)
         goto done;
     a.history = h.data, a.scale = sc.data, a.scale_inv = si.data, a.fmt_max = fm.data;
     a.algo = algo, a.margin_factor = (float)pow(2.0, margin), a.backoff = (float)backoff;

@@ -302,6 +302,14 @@ int fp8ext_check_no_overlap(const fp8ext_view *v, const fp8ext_view *w, const ch
     return -1;
 }
 
+int fp8ext_check_disjoint(const char *fn, int n_out, int n, const fp8ext_view *const views[],
+                          const char *const names[]) {
+    for (int i = 0; i < n_out; ++i)
+        for (int j = i + 1; j < n; ++j)
+            if (fp8ext_check_no_overlap(views[i], views[j], fn, names[i], names[j]) < 0) return -1;
+    return 0;
+}
+
 int fp8ext_check_scale_values(const fp8ext_view *v, const char *fn, const char *arg) {
     if (v->device_type != kDLCPU || v->kind != FP8EXT_KIND_F32) return 0;
     int64_t idx[FP8EXT_MAX_NDIM] = {0};

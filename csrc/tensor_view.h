@@ -65,6 +65,11 @@ int fp8ext_check_fp8(const fp8ext_view *v, int fmt, const char *fn, const char *
  * taken (capsule NULL) never overlap. ValueError naming both arguments. */
 int fp8ext_check_no_overlap(const fp8ext_view *v, const fp8ext_view *w, const char *fn, const char *arg,
                             const char *w_arg);
+/* The first n_out of views[] are written by the operation, the rest only read: each output must share no
+ * memory with any other view given (a kernel reading x while it writes out, or updating amax_out while it
+ * reads scale, would give results that depend on thread timing). Views not taken are skipped. */
+int fp8ext_check_disjoint(const char *fn, int n_out, int n, const fp8ext_view *const views[],
+                          const char *const names[]);
 /* A float32 scale or scale_inv tensor in host memory holds only finite, positive values (the rule a
  * Python number scale follows), every element checked. A tensor on a GPU is not read: that would
  * synchronise the host with the device on every call. ValueError naming the argument and element. */

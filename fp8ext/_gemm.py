@@ -133,6 +133,8 @@ def gemm_eager(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, use_fast_accum, 
     modes = run()
     if len(modes) == 3:  # autotune's first call of a problem ran nothing: it asks for torch memory to time into
         modes = run(_to_dl(torch.empty(modes[2], dtype=torch.uint8, device=device)))
+        if len(modes) != 2:
+            raise RuntimeError("gemm(): autotune asked for timing memory twice for one problem")
     if not on_gpu:
         _emulate(a, b, a_scale_inv, b_scale_inv, modes, bias, out, accumulate, out_scale, amax_out, fo)
     return out

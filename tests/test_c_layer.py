@@ -47,6 +47,47 @@ def test_amax_out_inside_x_is_refused(device, op):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_gemm_amax_out_sharing_memory_with_out_scale_is_refused(device):
+    q = fp8ext.quantize(torch.randn(16, 32, device=device))
+    one = torch.ones((), device=device)
+    s = torch.ones((), device=device)
+    with pytest.raises(ValueError, match=r"gemm\(\): amax_out and out_scale share memory"):
+        fp8ext.gemm(q, q, a_scale_inv=one, b_scale_inv=one, out_dtype=torch.float8_e4m3fn, out_scale=s, amax_out=s)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gemm_out_sharing_memory_with_its_bias_is_refused(device):
+    q = fp8ext.quantize(torch.randn(16, 32, device=device))
+    one = torch.ones((), device=device)
+    out = torch.zeros(16, 16, device=device, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"gemm\(\): out and bias share memory"):
+        fp8ext.gemm(q, q, a_scale_inv=one, b_scale_inv=one, out=out, bias=out[3])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scale_update_buffers_sharing_memory_are_refused(device):
+    from fp8ext._boundary import stream_of
+    hist = torch.zeros(4, 2, device=device)
+    both = torch.ones(4, device=device)
+    fmt_max = torch.full((4,), 448.0, device=device)
+    dl = torch.utils.dlpack.to_dlpack
+    with pytest.raises(ValueError, match=r"scale_update\(\): scale and scale_inv share memory"):
+        _C.scale_update(dl(hist), dl(both), dl(both), dl(fmt_max), 0, 0.0, True, 0.5,
+                        stream=stream_of(torch.device(device)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_quantize_blocks_scale_inv_inside_x_is_refused(device):
+    x = torch.randn(4, 256, device=device)
+    q = torch.empty(4, 256, dtype=torch.uint8, device=device)
+    from fp8ext._boundary import stream_of
+    dl = torch.utils.dlpack.to_dlpack
+    with pytest.raises(ValueError, match=r"quantize_blocks\(\): scale_inv and x share memory"):
+        _C.quantize_blocks(dl(x), dl(q), dl(x[0, :4]), fp8ext.E4M3.code, 1, 256, 1, 0,
+                           stream=stream_of(torch.device(device)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("op", ["quantize", "cast_transpose"])
 def test_neighbouring_elements_of_one_buffer_are_accepted(device, op):
     buf = torch.tensor([0.0, 0.0, 4.0], device=device)  # amax, scale_inv, scale side by side
