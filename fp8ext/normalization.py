@@ -42,13 +42,16 @@ def _shape_of(who: str, normalized_shape, hidden_size) -> tuple[int, ...]:
 
 
 class _Normalization(nn.Module):
-    """What RMSNorm and LayerNorm share: arguments, parameters, initialisation and input checks.
-    Subclasses set _has_bias and define forward."""
+    """What RMSNorm and LayerNorm share: arguments (documented on RMSNorm), parameters, initialisation and
+    input checks. Subclasses set _has_bias and define forward."""
 
     _has_bias: bool = False
 
-    def __init__(self, normalized_shape, eps, sequence_parallel, params_dtype, zero_centered_gamma, device,
-                 dtype, hidden_size, sm_margin) -> None:
+    def __init__(self, normalized_shape: Union[int, Iterable[int], None] = None, eps: float = 1e-5,
+                 sequence_parallel: Optional[bool] = None, params_dtype: Optional[torch.dtype] = None,
+                 zero_centered_gamma: bool = False, device: Union[torch.device, str, None] = None, *,
+                 dtype: Optional[torch.dtype] = None, hidden_size: Optional[int] = None,
+                 sm_margin: Union[int, dict] = 0) -> None:
         super().__init__()
         who = type(self).__name__
         if sequence_parallel:
@@ -143,14 +146,6 @@ class RMSNorm(_Normalization):
     Any other keyword is a TypeError.
     """
 
-    def __init__(self, normalized_shape: Union[int, Iterable[int], None] = None, eps: float = 1e-5,
-                 sequence_parallel: Optional[bool] = None, params_dtype: Optional[torch.dtype] = None,
-                 zero_centered_gamma: bool = False, device: Union[torch.device, str, None] = None, *,
-                 dtype: Optional[torch.dtype] = None, hidden_size: Optional[int] = None,
-                 sm_margin: Union[int, dict] = 0) -> None:
-        super().__init__(normalized_shape, eps, sequence_parallel, params_dtype, zero_centered_gamma, device,
-                         dtype, hidden_size, sm_margin)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ct = self._compute_dtype(x)
         return F.rms_norm(x.to(ct), self.normalized_shape, self._gamma(ct), self.eps).to(activation_dtype(x))
@@ -172,14 +167,6 @@ class LayerNorm(_Normalization):
     """
 
     _has_bias = True
-
-    def __init__(self, normalized_shape: Union[int, Iterable[int], None] = None, eps: float = 1e-5,
-                 sequence_parallel: Optional[bool] = None, params_dtype: Optional[torch.dtype] = None,
-                 zero_centered_gamma: bool = False, device: Union[torch.device, str, None] = None, *,
-                 dtype: Optional[torch.dtype] = None, hidden_size: Optional[int] = None,
-                 sm_margin: Union[int, dict] = 0) -> None:
-        super().__init__(normalized_shape, eps, sequence_parallel, params_dtype, zero_centered_gamma, device,
-                         dtype, hidden_size, sm_margin)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ct = self._compute_dtype(x)
