@@ -22,6 +22,12 @@ from fp8ext import _C
 BAD_SCALES = [float("nan"), 0.0, -1.0, float("inf")]
 
 
+def rel_err(got, want):
+    """Norm-relative error. Hopper's FP8 tensor cores accumulate with fewer bits than float32 (about
+    1e-4 relative here), so GEMM outputs are not compared element-wise to 1e-5 (as tests/test_gemm.py)."""
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
 # ---- outputs that overlap scale, each other or x: refused ----------------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -362,7 +368,7 @@ def test_gpu_plan_cache_is_bounded_and_evicts_least_recently_used():
     out = fp8ext.gemm(a_all[:2], b, a_scale_inv=one, b_scale_inv=one, out_dtype=torch.float32)
     assert fp8ext.gemm_cache_info()["misses"] == misses + 1, "M = 2 was evicted, and is made again"
     want = a_all[:2].double() @ b.double().t()
-    assert torch.allclose(out.double(), want, rtol=1e-5, atol=1e-5)
+    assert rel_err(out, want) < 1e-3, "the rebuilt plan computes the product"
 
 
 @requires_cuda
@@ -384,7 +390,7 @@ def test_gpu_autotune_times_into_torch_memory_once():
     fp8ext.gemm(a, b, a_scale_inv=one, b_scale_inv=one, out_dtype=torch.float32, autotune=True)
     assert fp8ext.gemm_cache_info()["tuned"] == info["tuned"], "tuned once per plan"
     want = a.double() @ b.double().t()
-    assert torch.allclose(out.double(), want, rtol=1e-5, atol=1e-4)
+    assert rel_err(out, want) < 1e-3, "the tuned plan computes the product"
 
 
 @requires_cuda

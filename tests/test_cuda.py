@@ -93,6 +93,30 @@ def test_amax_gpu_equals_cpu(dtype, n):
     assert fp8ext.amax(x.cuda()[1:]).isnan().item() == (n > 1)
 
 
+@pytest.mark.parametrize("nan_bits", [0x7E00, 0xFE00, 0x7C01, 0xFDFF, 0x7FFF], ids=hex)
+@pytest.mark.parametrize("n", [9, 4099])
+def test_float16_nan_amax_has_the_cpu_bits_on_the_gpu(nan_bits, n):
+    """The GPU widens a float16 NaN as the CPU does (sign and payload kept), so amaxes agree bit for bit
+    (the hardware conversion alone gives 0x7FFFFFFF for every NaN), in amax, quantize and cast_transpose."""
+    x = (torch.randn(n, 64) * 10).half()
+    x.view(torch.int16)[n // 2, 5] = nan_bits - (1 << 16 if nan_bits >= 0x8000 else 0)
+    # |x| as float32 bits, the NaN widened exactly (payload kept, a signalling NaN not quietened: torch's
+    # own x86 conversion quietens it); a NaN's bits beat every number's
+    want = torch.tensor([0x7F800000 | ((nan_bits & 0x3FF) << 13)], dtype=torch.int32).view(torch.float32)
+    for op in ("amax", "quantize", "cast_transpose"):
+        acc_c, acc_g = torch.zeros(1), torch.zeros(1, device="cuda")
+        if op == "amax":
+            acc_c, acc_g = fp8ext.amax(x).reshape(1), fp8ext.amax(x.cuda()).reshape(1)
+        elif op == "quantize":
+            fp8ext.quantize(x, fp8ext.E4M3, 1.0, amax_out=acc_c)
+            fp8ext.quantize(x.cuda(), fp8ext.E4M3, 1.0, amax_out=acc_g)
+        else:
+            fp8ext.cast_transpose(x, fp8ext.E4M3, 1.0, amax_out=acc_c)
+            fp8ext.cast_transpose(x.cuda(), fp8ext.E4M3, 1.0, amax_out=acc_g)
+        assert acc_c.view(torch.int32).item() == want.view(torch.int32).item(), f"{op}: CPU"
+        assert acc_g.cpu().view(torch.int32).item() == want.view(torch.int32).item(), f"{op}: GPU"
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 1), (8, 8), (64, 64), (128, 256), (72, 200), (130, 70), (1000, 1024),

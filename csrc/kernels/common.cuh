@@ -73,10 +73,14 @@ template <> struct Elem<__nv_bfloat16> {
 };
 template <> struct Elem<__half> {
     static constexpr int kVec = 8;
-    // The hardware's half -> float conversion returns a positive canonical NaN; OR-ing the half's
-    // sign bit back in keeps a negative NaN's sign (and changes nothing for other values).
+    // The hardware's half -> float conversion turns every NaN into the positive canonical NaN
+    // 0x7FFFFFFF. The CPU reference (fp8_f16_bits_to_f32) widens exactly: sign and payload kept,
+    // as PyTorch's CPU .float() does. Rebuilding a NaN from its bits keeps the two equal, so an
+    // amax over float16 input holding a NaN has the same bits on both devices.
     static __device__ __forceinline__ float widen(uint32_t bits16, float f) {
-        return __uint_as_float(__float_as_uint(f) | ((bits16 & 0x8000u) << 16));
+        const uint32_t h = bits16 & 0xFFFFu;
+        if ((h & 0x7FFFu) > 0x7C00u) return __uint_as_float(((h & 0x8000u) << 16) | 0x7F800000u | ((h & 0x3FFu) << 13));
+        return f;
     }
     static __device__ __forceinline__ void unpack(const uint4 &v, float *f) {
         const uint32_t w[4] = {v.x, v.y, v.z, v.w};
