@@ -1,0 +1,39 @@
+"""The teaching notebooks run top to bottom, headless, on this machine (small sizes on a CPU, the lab's sizes
+on a GPU), and the committed files carry the outputs of a clean run."""
+import json
+import pathlib
+
+import pytest
+
+import nbformat
+from nbclient import NotebookClient
+
+NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+NAMES = ["lab_3_2_3_fp8_training_inference.ipynb", "fp8_scaling_strategies.ipynb"]
+
+
+def test_both_teaching_notebooks_are_there():
+    assert [p.name for p in NOTEBOOKS if p.name in NAMES] == sorted(NAMES)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs_headless_without_errors(path, tmp_path):
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()  # raises CellExecutionError, with the cell and its traceback, on any error
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code and all(c.execution_count is not None for c in code), "every code cell ran"
+    errors = [o for c in code for o in c.outputs if o.output_type == "error"]
+    assert not errors, errors[0]
+    images = sum("image/png" in o.get("data", {}) for c in code for o in c.outputs)
+    assert images >= 3, f"{path.name}: the plots were drawn ({images} images)"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_committed_notebook_holds_a_clean_run_under_2_mb(path):
+    assert path.stat().st_size < 2 * 1024 * 1024, f"{path.name} is {path.stat().st_size} bytes"
+    nb = json.loads(path.read_text())
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    counts = [c["execution_count"] for c in code]
+    assert counts == list(range(1, len(code) + 1)), f"{path.name}: committed from one clean top-to-bottom run"
+    assert not [o for c in code for o in c["outputs"] if o["output_type"] == "error"], "no error outputs"
