@@ -5,6 +5,9 @@
 #
 #   bash benchmarks/gpu_check.sh                 # build + tests + all benchmarks
 #   bash benchmarks/gpu_check.sh tests quantize  # pick steps: build is implied; tests, quantize, ...
+#   bash benchmarks/gpu_check.sh notebooks       # execute notebooks/*.ipynb; the executed copies go to $OUT
+# The lent machine has no Jupyter: for `notebooks`, carry wheels of nbclient, nbformat and ipykernel with their
+# dependencies in .whl/ (pip download ... -d .whl; see the device tool's notes); they are installed from there.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/benchmarks/out}
@@ -31,6 +34,25 @@ for step in $steps; do
     tests)
         echo "== tests"
         $PY -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest.log" | tail -25 || status=1 ;;
+    notebooks)
+        echo "== notebooks"
+        if [ -d .whl ]; then
+            $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/nbsite .whl/*.whl > "$OUT/nb_install.log" 2>&1 || { tail "$OUT/nb_install.log"; status=1; }
+            export PYTHONPATH=/tmp/nbsite${PYTHONPATH:+:$PYTHONPATH}
+        fi
+        for nb in notebooks/*.ipynb; do
+            start=$(date +%s)
+            if $PY - "$nb" "$OUT/$(basename "$nb")" <<'PYEOF'
+import sys, nbformat
+from nbclient import NotebookClient
+nb = nbformat.read(sys.argv[1], as_version=4)
+try:
+    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": "notebooks"}}).execute()
+finally:
+    nbformat.write(nb, sys.argv[2])
+PYEOF
+            then echo "$nb: ran in $(( $(date +%s) - start )) s"; else echo "$nb: FAILED"; status=1; fi
+        done ;;
     quantize|gemm|linear)
         echo "== bench_$step"
         $PY benchmarks/bench_$step.py 2>&1 | tee "$OUT/bench_$step.log" || status=1 ;;
