@@ -53,6 +53,9 @@ finally:
 PYEOF
             then echo "$nb: ran in $(( $(date +%s) - start )) s"; else echo "$nb: FAILED"; status=1; fi
         done ;;
+    train)
+        echo "== bench_train"
+        bash benchmarks/bench_train.sh ${TRAIN_STAGES:-eager quality} || status=1 ;;
     quantize|gemm|linear)
         echo "== bench_$step"
         $PY benchmarks/bench_$step.py 2>&1 | tee "$OUT/bench_$step.log" || status=1 ;;

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# bench_train.sh: fp8ext.train on one GPU, bf16 next to FP8 in the same session:
+#   speed: a preset (default 1b) eager and compiled, fused and separate QKV projections (tokens/s, MFU, memory);
+#   quality: the small preset trained the same number of steps in bf16, FP8 delayed and FP8 current scaling.
+# Each run gets its own time limit and the script goes on when one fails. Run directories go under $OUT/runs,
+# packed into $OUT/bench_train_runs.tar.gz; the table is printed and written to $OUT/bench_train.md.
+#
+#   bash benchmarks/bench_train.sh [eager] [compiled] [quality]      (default: all three)
+#   PRESET=1b SPEED_STEPS=40 QUALITY_STEPS=400 (the defaults) choose sizes; the table covers every run in $OUT/runs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/benchmarks/out}
+PY=${PYTHON:-python3}
+P=${PRESET:-1b}
+S=${SPEED_STEPS:-40}
+Q=${QUALITY_STEPS:-400}
+STAGES=${*:-eager compiled quality}
+R="$OUT/runs"
+mkdir -p "$R"
+run() {  # name, time limit (s), arguments...
+    local name=$1 limit=$2; shift 2
+    echo "== $name"
+    timeout "$limit" $PY -m fp8ext.train --no_progress --no_save --out_dir "$R/$name" "$@" > "$R/$name.log" 2>&1 \
+        || { echo "$name FAILED (rc $?)"; tail -20 "$R/$name.log"; }
+    tail -1 "$R/$name.log"
+}
+SPEED=(--preset "$P" --batch_size 8 --seq_len 2048 --max_steps "$S" --eval_every 1000000 --eval_batches 2)
+QUAL=(--preset small --batch_size 32 --seq_len 512 --max_steps "$Q" --eval_every "$Q" --eval_batches 16 --lr 1e-3)
+for stage in $STAGES; do
+    case $stage in
+    eager)
+        run "$P-bf16" 240 "${SPEED[@]}"
+        run "$P-fp8" 240 "${SPEED[@]}" --use_fp8
+        run "$P-bf16-separate-qkv" 240 "${SPEED[@]}" --separate_qkv
+        run "$P-fp8-separate-qkv" 240 "${SPEED[@]}" --separate_qkv --use_fp8 ;;
+    compiled)
+        run "$P-bf16-compiled" 300 "${SPEED[@]}" --compile
+        run "$P-fp8-compiled" 300 "${SPEED[@]}" --compile --use_fp8 ;;
+    quality)
+        run small-bf16 240 "${QUAL[@]}"
+        run small-fp8-delayed 240 "${QUAL[@]}" --use_fp8
+        run small-fp8-current 240 "${QUAL[@]}" --use_fp8 --fp8_recipe current ;;
+    *) echo "unknown stage $stage" ;;
+    esac
+done
+$PY - "$R" "$P" <<'EOF' | tee "$OUT/bench_train.md"
+import json, pathlib, sys
+root, p = pathlib.Path(sys.argv[1]), sys.argv[2]
+def info(name):
+    f = root / name / "run.json"
+    return json.loads(f.read_text()) if f.is_file() else None
+rows = [f"{p}-bf16", f"{p}-fp8", f"{p}-bf16-separate-qkv", f"{p}-fp8-separate-qkv", f"{p}-bf16-compiled",
+        f"{p}-fp8-compiled", "small-bf16", "small-fp8-delayed", "small-fp8-current"]
+first = next((info(r) for r in rows if info(r)), {})
+print(f"# fp8ext.train on {first.get('device_name', '?')}, torch {first.get('torch', '?')}")
+print("| run | tokens/s | MFU (bf16 peak) | peak memory GiB | val loss |")
+print("|---|---:|---:|---:|---:|")
+for r in rows:
+    i = info(r)
+    if not i:
+        print(f"| {r} | {'failed' if (root / (r + '.log')).is_file() else 'not run'} | | | |"); continue
+    m = [json.loads(l) for l in (root / r / "metrics.jsonl").read_text().splitlines()]
+    mfu = sorted(x["mfu"] for x in m if x.get("mfu"))[len(m) // 2] if any(x.get("mfu") for x in m) else None
+    vl = i.get("final_val_loss")
+    print(f"| {r} | {i['tokens_per_s']:,.0f} | {'' if mfu is None else f'{mfu:.1%}'} | "
+          f"{i.get('peak_memory_gib') or 0:.1f} | {'' if vl is None else f'{vl:.4f}'} |")
+def ratio(a, b, key="tokens_per_s"):
+    ia, ib = info(a), info(b)
+    return ib[key] / ia[key] if ia and ib and ia.get(key) and ib.get(key) else None
+for a, b, what in ((f"{p}-bf16", f"{p}-fp8", "FP8 / bf16, eager"), (f"{p}-bf16-compiled", f"{p}-fp8-compiled", "FP8 / bf16, compiled"),
+                   (f"{p}-bf16-separate-qkv", f"{p}-bf16", "fused / separate QKV, bf16"),
+                   (f"{p}-fp8-separate-qkv", f"{p}-fp8", "fused / separate QKV, FP8")):
+    r = ratio(a, b)
+    print(f"- tokens/s {what}: {'n/a' if r is None else f'{r:.3f}x'}")
+for b in ("small-fp8-delayed", "small-fp8-current"):
+    r = ratio("small-bf16", b, "final_val_loss")
+    print(f"- validation loss {b} vs bf16: {'n/a' if r is None else f'{r - 1:+.2%}'}")
+EOF
+tar czf "$OUT/bench_train_runs_$(echo $STAGES | tr ' ' '_').tar.gz" -C "$OUT" runs && rm -rf "$R"  # logs and metrics

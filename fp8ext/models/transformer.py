@@ -1,0 +1,249 @@
+"""A dense decoder-only transformer with FP8 linear layers: RMSNorm, grouped-query attention with one fused
+QKV projection and rotary position embeddings, a SwiGLU MLP, a final norm.
+
+Written as Transformer Engine code is (te.Linear, te.RMSNorm under `import fp8ext as te`), so it is also an
+example of the port. Layer policy for FP8 (the usual one for FP8 training and inference): the linear layers
+of the blocks compute in FP8 inside `fp8_autocast`; the token embedding, the norms, attention's softmax and
+the output projection (the logits) stay in high precision. The linear layers are `fp8ext.Linear` whether or
+not FP8 is on, so FP8 and bf16 checkpoints are the same state dict and load into each other.
+
+    python -m fp8ext.models.transformer [--fp8] [--preset tiny|small|1b|llama8b-2l] [--device D]
+
+prints the self test: parameter counts, one forward pass, its loss, the device and whether FP8 is on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fp8ext as te
+from fp8ext.recipe import DelayedScaling, Format
+
+__all__ = ["TransformerConfig", "Transformer", "PRESETS", "preset"]
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """Sizes of the model. Every linear layer's dimensions are multiples of 16 (FP8 GEMMs need it)."""
+
+    vocab_size: int = 256  # byte-level: fp8ext.train's corpora are raw bytes
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    d_ff: int = 192
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    fused_qkv: bool = True  # one QKV projection (False: three, to measure what fusing buys)
+
+    def __post_init__(self):
+        if self.d_model % self.n_heads or self.n_heads % self.n_kv_heads:
+            raise ValueError(f"TransformerConfig: d_model ({self.d_model}) must be a multiple of n_heads "
+                             f"({self.n_heads}), and n_heads of n_kv_heads ({self.n_kv_heads})")
+        for name in ("d_model", "d_ff"):
+            if getattr(self, name) % 16:
+                raise ValueError(f"TransformerConfig: {name} must be a multiple of 16 for FP8 GEMMs, "
+                                 f"got {getattr(self, name)}")
+        if self.head_dim % 2 or (self.n_kv_heads * self.head_dim) % 16:
+            raise ValueError("TransformerConfig: head_dim must be even and n_kv_heads * head_dim a multiple of 16")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+PRESETS: Dict[str, TransformerConfig] = {
+    # seconds on a CPU
+    "tiny": TransformerConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=192, max_seq_len=256),
+    # about 120M parameters (GPT-2 small's width and depth)
+    "small": TransformerConfig(d_model=768, n_layers=12, n_heads=12, n_kv_heads=4, d_ff=3584, max_seq_len=1024),
+    # about 1B parameters (TinyLlama-1.1B's widths, 128-wide heads)
+    "1b": TransformerConfig(d_model=2048, n_layers=22, n_heads=16, n_kv_heads=4, d_ff=5632, max_seq_len=2048),
+    # two layers of Llama-3-8B's sizes
+    "llama8b-2l": TransformerConfig(d_model=4096, n_layers=2, n_heads=32, n_kv_heads=8, d_ff=14336,
+                                    max_seq_len=4096, rope_theta=500000.0),
+}
+
+
+def preset(name: str, **overrides) -> TransformerConfig:
+    """A preset's config, with fields replaced by `overrides` (e.g. fused_qkv=False)."""
+    if name not in PRESETS:
+        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {name!r}")
+    return replace(PRESETS[name], **overrides)
+
+
+def rope_tables(cfg: TransformerConfig, device=None):
+    """cos and sin of the rotary embedding, [max_seq_len, head_dim / 2], float32."""
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=device, dtype=torch.float32)
+                                        / cfg.head_dim)
+    angles = torch.outer(torch.arange(cfg.max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates pairs (x[..., :h/2], x[..., h/2:]) of x [batch, heads, seq, head_dim] (the "rotate half" form),
+    in float32."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    s = x.shape[-2]
+    c, n = cos[:s], sin[:s]
+    return torch.cat([x1 * c - x2 * n, x1 * n + x2 * c], dim=-1).to(x.dtype)
+
+
+def _init_out(std: float):
+    return lambda w: nn.init.normal_(w, std=std)
+
+
+class GroupedQueryAttention(nn.Module):
+    def __init__(self, cfg: TransformerConfig, device=None):
+        super().__init__()
+        self.cfg = cfg
+        h, kv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        init = _init_out(0.02)
+        if cfg.fused_qkv:
+            self.qkv_proj = te.Linear(cfg.d_model, (h + 2 * kv) * hd, bias=False, device=device, init_method=init)
+        else:
+            self.q_proj = te.Linear(cfg.d_model, h * hd, bias=False, device=device, init_method=init)
+            self.k_proj = te.Linear(cfg.d_model, kv * hd, bias=False, device=device, init_method=init)
+            self.v_proj = te.Linear(cfg.d_model, kv * hd, bias=False, device=device, init_method=init)
+        self.o_proj = te.Linear(h * hd, cfg.d_model, bias=False, device=device,
+                                init_method=_init_out(0.02 / math.sqrt(2 * cfg.n_layers)))
+
+    def forward(self, x, cos, sin, is_first_microbatch=None):
+        b, s, _ = x.shape
+        h, kv, hd = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
+        mb = {"is_first_microbatch": is_first_microbatch}
+        if self.cfg.fused_qkv:
+            q, k, v = self.qkv_proj(x, **mb).split([h * hd, kv * hd, kv * hd], dim=-1)
+        else:
+            q, k, v = self.q_proj(x, **mb), self.k_proj(x, **mb), self.v_proj(x, **mb)
+        q = apply_rope(q.view(b, s, h, hd).transpose(1, 2), cos, sin)
+        k = apply_rope(k.view(b, s, kv, hd).transpose(1, 2), cos, sin)
+        v = v.view(b, s, kv, hd).transpose(1, 2)
+        if kv != h:  # grouped-query attention: each K/V head serves h / kv query heads
+            k, v = k.repeat_interleave(h // kv, dim=1), v.repeat_interleave(h // kv, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, h * hd), **mb)
+
+
+class SwiGLU(nn.Module):
+    """w2(silu(x w1^T) * (x w3^T)); w1 and w3 are one linear layer of 2 * d_ff outputs (one GEMM)."""
+
+    def __init__(self, cfg: TransformerConfig, device=None):
+        super().__init__()
+        self.w13 = te.Linear(cfg.d_model, 2 * cfg.d_ff, bias=False, device=device, init_method=_init_out(0.02))
+        self.w2 = te.Linear(cfg.d_ff, cfg.d_model, bias=False, device=device,
+                            init_method=_init_out(0.02 / math.sqrt(2 * cfg.n_layers)))
+
+    def forward(self, x, is_first_microbatch=None):
+        gate, up = self.w13(x, is_first_microbatch=is_first_microbatch).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up, is_first_microbatch=is_first_microbatch)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: TransformerConfig, device=None):
+        super().__init__()
+        self.attn_norm = te.RMSNorm(cfg.d_model, eps=cfg.norm_eps, device=device)
+        self.attn = GroupedQueryAttention(cfg, device)
+        self.ffn_norm = te.RMSNorm(cfg.d_model, eps=cfg.norm_eps, device=device)
+        self.ffn = SwiGLU(cfg, device)
+
+    def forward(self, x, cos, sin, is_first_microbatch=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, is_first_microbatch)
+        return x + self.ffn(self.ffn_norm(x), is_first_microbatch)
+
+
+class Transformer(nn.Module):
+    """Token ids [batch, seq] -> logits [batch, seq, vocab]; with `targets`, (logits, mean cross-entropy).
+
+    FP8 is switched on per call: `model(ids, fp8=True, fp8_recipe=...)` runs the blocks' linear layers inside
+    `fp8_autocast` (fp8_group max-reduces amaxes across ranks); the embedding and the output projection always
+    run in high precision. Parameters are created in the default dtype (float32 master weights); train under
+    torch.autocast(dtype=torch.bfloat16) for bf16 compute.
+    """
+
+    def __init__(self, cfg: TransformerConfig, device=None):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, device=device)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        self.blocks = nn.ModuleList(TransformerBlock(cfg, device) for _ in range(cfg.n_layers))
+        self.norm = te.RMSNorm(cfg.d_model, eps=cfg.norm_eps, device=device)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, device=device)  # high precision
+        nn.init.normal_(self.lm_head.weight, std=0.02)
+        cos, sin = rope_tables(cfg, device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, ids: torch.Tensor, targets: Optional[torch.Tensor] = None, *, fp8: bool = False,
+                fp8_recipe=None, fp8_group=None, is_first_microbatch: Optional[bool] = None):
+        if ids.dim() != 2:
+            raise ValueError(f"Transformer: ids must be [batch, seq], got shape {list(ids.shape)}")
+        if ids.shape[1] > self.cfg.max_seq_len:
+            raise ValueError(f"Transformer: sequence length {ids.shape[1]} exceeds max_seq_len "
+                             f"{self.cfg.max_seq_len}")
+        x = self.embed(ids)
+        with te.fp8_autocast(enabled=fp8, fp8_recipe=fp8_recipe, fp8_group=fp8_group):
+            for block in self.blocks:
+                x = block(x, self.rope_cos, self.rope_sin, is_first_microbatch)
+        logits = self.lm_head(self.norm(x))
+        if targets is None:
+            return logits
+        return logits, F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def num_parameters(self, exclude_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.embed.weight.numel() if exclude_embedding else n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward = 3x forward): 6 per weight of every matrix
+        multiplication, plus attention's scores and weighted sum, 12 * layers * d_model * seq_len (counted in
+        full, the causal mask not subtracted, as the usual MFU formula does)."""
+        matmul_params = self.num_parameters() - self.embed.weight.numel() - sum(
+            p.numel() for n, p in self.named_parameters() if "norm" in n)
+        return 6.0 * matmul_params + 12.0 * self.cfg.n_layers * self.cfg.d_model * seq_len
+
+
+def default_recipe(amax_history_len: int = 16) -> DelayedScaling:
+    """The recipe of the FP8 training notes this model comes from: HYBRID, history 16, "max"."""
+    return DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=amax_history_len, amax_compute_algo="max")
+
+
+def _self_test(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m fp8ext.models.transformer",
+                                description="Self test: parameter counts, a forward pass and its loss.")
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--fp8", action="store_true", help="run the blocks' linear layers in FP8")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--seq_len", type=int, default=128)
+    p.add_argument("--batch_size", type=int, default=2)
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if args.fp8 and device.type == "cuda" and not te.cuda_available():
+        raise RuntimeError("--fp8 on a GPU needs fp8ext's CUDA kernels; this build has none "
+                           f"({te.build_info()['no_cuda_reason']})")
+    torch.manual_seed(0)
+    cfg = PRESETS[args.preset]
+    model = Transformer(cfg, device=device)
+    ids = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), device=device)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        _, loss = model(ids[:, :-1], ids[:, 1:], fp8=args.fp8, fp8_recipe=default_recipe())
+    print(f"preset {args.preset}: {asdict(cfg)}")
+    print(f"parameters: {model.num_parameters() / 1e6:.2f}M "
+          f"({model.num_parameters(exclude_embedding=True) / 1e6:.2f}M without the embedding)")
+    print(f"device: {device}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
+    print(f"FP8: {'on' if args.fp8 else 'off'}" + (
+        " (emulated on the CPU: exact FP8 casts, float32 products)" if args.fp8 and device.type == "cpu" else ""))
+    print(f"forward of {args.batch_size} x {args.seq_len} random tokens: loss {loss.item():.4f} "
+          f"(uniform guess: ln {cfg.vocab_size} = {math.log(cfg.vocab_size):.4f})")
+
+
+if __name__ == "__main__":
+    _self_test()

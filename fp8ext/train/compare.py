@@ -1,0 +1,84 @@
+"""`python -m fp8ext.train.compare DIR_A DIR_B [--plot FILE]`: two training runs side by side: their loss
+curves (training and validation) in one plot, the final validation losses, and the ratio of their tokens/s."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+from typing import Optional
+
+__all__ = ["compare", "main"]
+
+
+def _run(run_dir: str):
+    d = pathlib.Path(run_dir)
+    if not (d / "metrics.jsonl").is_file():
+        raise FileNotFoundError(f"compare: {d} holds no metrics.jsonl (not a fp8ext.train output directory)")
+    rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    info = json.loads((d / "run.json").read_text()) if (d / "run.json").is_file() else {}
+    return rows, info
+
+
+def _label(run_dir: str, info: dict) -> str:
+    return f"{info.get('precision', '?')} ({pathlib.Path(run_dir).name})"
+
+
+def compare(dir_a: str, dir_b: str, plot: Optional[str] = None) -> dict:
+    """Prints the comparison of two runs (B relative to A) and writes the loss plot to `plot` if given."""
+    (rows_a, info_a), (rows_b, info_b) = _run(dir_a), _run(dir_b)
+    va = [r for r in rows_a if "val_loss" in r]
+    vb = [r for r in rows_b if "val_loss" in r]
+    result = {"a": dir_a, "b": dir_b,
+              "val_loss_a": va[-1]["val_loss"] if va else None, "val_loss_b": vb[-1]["val_loss"] if vb else None,
+              "step_a": rows_a[-1]["step"] if rows_a else None, "step_b": rows_b[-1]["step"] if rows_b else None,
+              "tokens_per_s_a": info_a.get("tokens_per_s"), "tokens_per_s_b": info_b.get("tokens_per_s")}
+    la, lb = _label(dir_a, info_a), _label(dir_b, info_b)
+    print(f"{'':<28}{la:>22}{lb:>22}")
+    for key, name, fmt in (("step", "steps", "{}"), ("val_loss", "final validation loss", "{:.4f}"),
+                           ("tokens_per_s", "tokens/s (median)", "{:,.0f}")):
+        a, b = result[f"{key}_a"], result[f"{key}_b"]
+        print(f"{name:<28}{fmt.format(a) if a is not None else 'n/a':>22}{fmt.format(b) if b is not None else 'n/a':>22}")
+    if result["val_loss_a"] and result["val_loss_b"]:
+        result["val_loss_change"] = result["val_loss_b"] / result["val_loss_a"] - 1
+        print(f"validation loss of B vs A: {result['val_loss_change']:+.2%}")
+    if result["tokens_per_s_a"] and result["tokens_per_s_b"]:
+        result["speed_ratio"] = result["tokens_per_s_b"] / result["tokens_per_s_a"]
+        note = "" if info_b.get("device_name", "cpu") != "cpu" else " (CPU: FP8 is emulated there, not a speed figure)"
+        print(f"tokens/s of B / A: {result['speed_ratio']:.2f}x{note}")
+    if plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for rows, v, label in ((rows_a, va, la), (rows_b, vb, lb)):
+            line, = ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1, alpha=0.7,
+                            label=f"{label}: training")
+            if v:
+                ax.plot([r["step"] for r in v], [r["val_loss"] for r in v], "o--", color=line.get_color(),
+                        label=f"{label}: validation")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("cross-entropy (nats per byte)")
+        ax.set_title("Training runs compared")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(plot, dpi=110)
+        plt.close(fig)
+        print(f"plot: {plot}")
+    return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fp8ext.train.compare", description=__doc__.split("\n")[0])
+    p.add_argument("dir_a")
+    p.add_argument("dir_b")
+    p.add_argument("--plot", default="compare.png", help="where to write the loss plot ('' for none)")
+    args = p.parse_args(argv)
+    compare(args.dir_a, args.dir_b, plot=args.plot or None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""The dense transformer and the training script: presets, data, short runs in bf16/fp32 and FP8, exact resume,
+FP8 <-> bf16 checkpoints, two-process DDP and FSDP2 over gloo, and the comparison tool."""
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fp8ext
+from fp8ext.models.transformer import PRESETS, Transformer, TransformerConfig, preset
+from fp8ext.train import cli, data, trainer
+from fp8ext.train.compare import compare
+
+RUN = ["--preset", "tiny", "--batch_size", "4", "--seq_len", "32", "--eval_batches", "2", "--no_progress"]
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (pathlib.Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+# ---- the model --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, low, high", [("tiny", 0.05e6, 0.5e6), ("small", 100e6, 140e6), ("1b", 0.9e9, 1.1e9),
+                                             ("llama8b-2l", 0.4e9, 0.5e9)])
+def test_preset_sizes(name, low, high):
+    n = Transformer(PRESETS[name], device="meta").num_parameters()
+    assert low <= n <= high, f"{name}: {n / 1e6:.1f}M parameters"
+
+
+def test_config_refuses_dimensions_fp8_gemms_cannot_take():
+    with pytest.raises(ValueError, match="d_ff must be a multiple of 16"):
+        TransformerConfig(d_ff=100)
+    with pytest.raises(ValueError, match="multiple of n_heads"):
+        TransformerConfig(d_model=64, n_heads=3)
+
+
+def test_fused_and_separate_qkv_compute_the_same_function():
+    torch.manual_seed(0)
+    fused = Transformer(preset("tiny"))
+    sep = Transformer(preset("tiny", fused_qkv=False))
+    sd = fused.state_dict()
+    for i in range(len(fused.blocks)):
+        q, k, v = sd.pop(f"blocks.{i}.attn.qkv_proj.weight").split([64, 32, 32])
+        sd.pop(f"blocks.{i}.attn.qkv_proj._extra_state", None)
+        sd.update({f"blocks.{i}.attn.q_proj.weight": q, f"blocks.{i}.attn.k_proj.weight": k,
+                   f"blocks.{i}.attn.v_proj.weight": v})
+    sep.load_state_dict(sd, strict=False)
+    ids = torch.randint(0, 256, (2, 16))
+    assert torch.allclose(fused(ids), sep(ids), atol=1e-5)
+
+
+def test_fp8_forward_is_close_to_high_precision_and_keeps_embedding_and_head_out_of_fp8():
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny"))
+    ids = torch.randint(0, 256, (4, 32))
+    ref = model(ids[:, :-1], ids[:, 1:])[1]
+    recipe = fp8ext.DelayedScaling()
+    with torch.no_grad():  # first FP8 step records amaxes; the second uses the scales they give
+        model(ids[:, :-1], fp8=True, fp8_recipe=recipe)
+    loss = model(ids[:, :-1], ids[:, 1:], fp8=True, fp8_recipe=recipe)[1]
+    assert abs(loss.item() - ref.item()) < 0.02 * ref.item()
+    assert type(model.lm_head) is torch.nn.Linear and type(model.embed) is torch.nn.Embedding
+
+
+def test_model_self_test_runs():
+    out = subprocess.run([sys.executable, "-m", "fp8ext.models.transformer", "--fp8", "--device", "cpu"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    assert "FP8: on (emulated on the CPU" in out and "parameters:" in out and "loss" in out
+
+
+# ---- data ---------------------------------------------------------------------------------------------------
+
+def test_standard_library_corpus_is_deterministic_with_a_held_out_share():
+    a, b = data.load_corpus(), data.load_corpus()
+    assert torch.equal(a.train, b.train) and torch.equal(a.val, b.val)
+    share = a.val.numel() / (a.train.numel() + a.val.numel())
+    assert 0.02 < share < 0.10 and a.train.numel() > 5_000_000, a.description
+
+
+def test_text_file_and_directory_corpora(tmp_path):
+    f = tmp_path / "one.txt"
+    f.write_bytes(bytes(range(256)) * 40)
+    c = data.load_corpus(str(f))
+    assert c.val.numel() == 512 and torch.equal(c.val, c.train.new_tensor(list(range(256)) * 2))
+    d = tmp_path / "many"
+    d.mkdir()
+    for i in range(25):
+        (d / f"{i:02d}.txt").write_text(f"file {i}\n" * 10)
+    c = data.load_corpus(str(d))
+    assert b"file 0\n" in bytes(c.val.tolist()) and b"file 20\n" in bytes(c.val.tolist())
+    assert b"file 1\n" not in bytes(c.val.tolist())
+    with pytest.raises(FileNotFoundError, match="--data"):
+        data.load_corpus(str(tmp_path / "missing"))
+
+
+def test_batches_depend_only_on_their_coordinates():
+    corpus = torch.arange(10_000).to(torch.uint8)
+    x1, y1 = data.batch(corpus, 4, 16, seed=1, step=5, micro=1, rank=0)
+    x2, y2 = data.batch(corpus, 4, 16, seed=1, step=5, micro=1, rank=0)
+    x3, _ = data.batch(corpus, 4, 16, seed=1, step=5, micro=1, rank=1)
+    assert torch.equal(x1, x2) and torch.equal(y1, y2) and not torch.equal(x1, x3)
+    assert torch.equal(x1[:, 1:], y1[:, :-1])
+
+
+# ---- training -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["high_precision", "fp8"])
+def test_short_training_run_learns_and_writes_its_outputs(tmp_path, fp8):
+    out = tmp_path / "run"
+    cli.main(RUN + ["--max_steps", "30", "--eval_every", "15", "--lr", "3e-3", "--out_dir", str(out)]
+             + (["--use_fp8"] if fp8 else []))
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    assert all(math.isfinite(r["loss"]) for r in rows)
+    assert sum(r["loss"] for r in rows[-5:]) / 5 < rows[0]["loss"] - 0.5, "the loss fell"
+    assert [r["step"] for r in rows if "val_loss" in r] == [15, 30]
+    info = json.loads((out / "run.json").read_text())
+    assert info["precision"] == ("fp8" if fp8 else "fp32") and info["final_val_loss"] == rows[-1]["val_loss"]
+    if fp8:
+        assert info["fp8_scaled_tensors"] == 3 * 4 * 2, "x, w and the gradient of 4 linears in 2 blocks"
+    ck = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert ck["step"] == 30 and set(ck) >= {"model", "optimizer", "rng", "args"}
+    assert any(k.endswith("_extra_state") for k in ck["model"]), "the FP8 scaling state is in the checkpoint"
+
+
+@pytest.mark.parametrize("extra", [["--use_fp8"], ["--use_fp8", "--grad_accum_steps", "2"],
+                                   ["--use_fp8", "--fp8_recipe", "current"], []],
+                         ids=["fp8", "fp8_accum2", "fp8_current", "high_precision"])
+def test_resumed_run_equals_the_uninterrupted_one_bit_for_bit(tmp_path, extra):
+    common = RUN + ["--max_steps", "8", "--eval_every", "4"] + extra
+    cli.main(common + ["--out_dir", str(tmp_path / "straight")])
+    cli.main(common + ["--out_dir", str(tmp_path / "resumed"), "--stop_after", "3"])  # as if the job ended
+    cli.main(common + ["--out_dir", str(tmp_path / "resumed"), "--resume", str(tmp_path / "resumed")])
+    a, b = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
+    assert [r["step"] for r in b] == list(range(1, 9))
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert a[-1]["val_loss"] == b[-1]["val_loss"]
+
+
+@pytest.mark.parametrize("first, second", [(["--use_fp8"], []), ([], ["--use_fp8"])], ids=["fp8_to_bf16", "bf16_to_fp8"])
+def test_fp8_and_bf16_checkpoints_resume_each_other(tmp_path, first, second):
+    out = tmp_path / "run"
+    cli.main(RUN + ["--max_steps", "20", "--eval_every", "20", "--lr", "3e-3", "--out_dir", str(out)] + first)
+    before = metrics(out)[-1]["val_loss"]
+    cli.main(RUN + ["--max_steps", "24", "--eval_every", "4", "--lr", "3e-3", "--out_dir", str(out),
+                    "--resume", str(out)] + second)
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, 25))
+    assert abs(rows[-1]["val_loss"] - before) < 0.05 * before, "it continued from the checkpoint, not from scratch"
+
+
+def test_fp8_on_a_gpu_without_fp8_tensor_cores_raises(monkeypatch):
+    monkeypatch.setattr(fp8ext, "cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(RuntimeError, match=r"--use_fp8: NVIDIA A100 \(compute capability 8.0\) has no FP8"):
+        trainer._check_fp8(torch.device("cuda", 0), 0)
+
+
+def test_resume_from_a_missing_checkpoint_names_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match="--resume: no checkpoint"):
+        cli.main(RUN + ["--max_steps", "2", "--out_dir", str(tmp_path / "x"), "--resume", str(tmp_path / "none")])
+
+
+def test_compare_prints_losses_and_speed_ratio_and_plots(tmp_path, capsys):
+    cli.main(RUN + ["--max_steps", "6", "--eval_every", "3", "--out_dir", str(tmp_path), "--compare"])
+    out = capsys.readouterr().out
+    assert "final validation loss" in out and "tokens/s of B / A" in out and "validation loss of B vs A" in out
+    assert (tmp_path / "compare.png").stat().st_size > 10_000
+    r = compare(str(tmp_path / "bf16"), str(tmp_path / "fp8"))
+    assert r["step_a"] == r["step_b"] == 6 and r["val_loss_a"] > 0 and r["speed_ratio"] > 0
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_processes_over_gloo_hold_the_same_fp8_scales(tmp_path, mode):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "fp8ext.train", *RUN, "--max_steps", "6", "--eval_every", "3", "--use_fp8", "--out_dir", str(tmp_path)]
+    if mode == "fsdp":
+        cmd.append("--fsdp")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = json.loads((tmp_path / "run.json").read_text())
+    assert info["world_size"] == 2 and info["fp8_scaled_tensors"] == 24
+    assert info["fp8_scales_equal_across_ranks"] is True, "amaxes max-reduced across ranks"
+    assert [r["step"] for r in metrics(tmp_path)] == list(range(1, 7))
+    ck = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    assert ck["model"]["blocks.0.ffn.w13.weight"].shape == (384, 64), "the full, unsharded weight was saved"
