@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import fp8ext
+from fp8ext.testing import assert_fp8_equal
 
 HAS_CUDA = fp8ext.cuda_available() and torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and fp8ext built with CUDA")
@@ -18,15 +19,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.cuda)
 
 
-def bytes_of(q: torch.Tensor) -> torch.Tensor:
-    """The raw bytes of an FP8 tensor, on the CPU."""
-    return q.view(torch.uint8).cpu()
-
-
-def assert_same_bytes(got: torch.Tensor, want, what: str = ""):
-    """Byte-for-byte equality; on failure, report the first mismatches with their inputs' context."""
-    g = bytes_of(got).numpy().reshape(-1)
-    w = want.view(torch.uint8).cpu().numpy().reshape(-1) if isinstance(want, torch.Tensor) else want.reshape(-1)
-    bad = (g != w).nonzero()[0]
-    assert bad.size == 0, f"{what}: {bad.size} of {g.size} bytes differ; first at {bad[:8].tolist()}: " \
-                          f"got {[hex(v) for v in g[bad[:8]]]}, want {[hex(v) for v in w[bad[:8]]]}"
+def assert_same_bytes(got, want, what: str = "") -> None:
+    """Byte-for-byte equality of FP8 tensors or uint8 codes, NaN encodings included (the GPU must give the
+    CPU's exact bytes): fp8ext.testing.assert_fp8_equal with strict_nan=True, `what` leading the message."""
+    assert_fp8_equal(got, want, strict_nan=True, msg=what or None)

@@ -8,36 +8,23 @@ import torch
 
 import fp8ext
 from conftest import DEVICES, requires_cuda
+from fp8ext.testing import assert_gemm_close, gemm_reference
+from inputs import gemm_operands
 
 PAIRS = [(fp8ext.E4M3, fp8ext.E4M3), (fp8ext.E4M3, fp8ext.E5M2), (fp8ext.E5M2, fp8ext.E4M3)]
 SHAPES = [(16, 32, 16), (48, 256, 80), (200, 384, 112), (1, 128, 64), (130, 2048, 272)]
 
 
 def make(m, k, n, fa, fb, kind, device, seed=0):
-    """Random FP8 operands and scale_inv tensors of the given kind, plus the dequantized float64 values."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-3, 4, (m, 1), generator=g).float())
-    w = torch.randn(n, k, generator=g) * 0.05
-    x, w = x.to(device), w.to(device)
-    if kind == "tensor":
-        sa = torch.tensor(fa.max / x.abs().max().item(), device=device)
-        sb = torch.tensor(fb.max / w.abs().max().item(), device=device)
-        a, b = fp8ext.quantize(x, fa, sa), fp8ext.quantize(w, fb, sb)
-        sa_inv, sb_inv = sa.reciprocal(), sb.reciprocal()
-        da, db = a.double() * sa_inv.double(), b.double() * sb_inv.double()
-    elif kind == "row":
-        a, sa_inv = fp8ext.quantize_rowwise(x, fa)
-        b, sb_inv = fp8ext.quantize_rowwise(w, fb)
-        da, db = a.double() * sa_inv.double()[:, None], b.double() * sb_inv.double()[:, None]
-    else:
-        a, sa_inv = fp8ext.quantize_blockwise(x, fa, (1, 128))
-        b, sb_inv = fp8ext.quantize_blockwise(w, fb, (128, 128) if kind == "block" else (1, 128))
-        da = a.double() * sa_inv.double().repeat_interleave(128, 1)[:, :k]
-        sbe = sb_inv.double()
-        if kind == "block":
-            sbe = sbe.repeat_interleave(128, 0)[:n]
-        db = b.double() * sbe.repeat_interleave(128, 1)[:, :k]
-    return a, b, sa_inv, sb_inv, da, db
+    """Random FP8 operands and scale_inv tensors of the given kind, and their float64 product."""
+    a, b, sa, sb = gemm_operands(m, k, n, fa, fb, kind, device, seed)
+    return a, b, sa, sb, gemm_reference(a, b, sa, sb)
+
+
+def close(out, a, b, sa, sb, device, **kw):
+    """Every element inside fp8ext.testing's error bound: the fp32-accumulation model for the CPU's
+    emulation, the H100 model (reduced-precision accumulator) for cuBLASLt."""
+    assert_gemm_close(out, a, b, sa, sb, **kw, **({"accum_bits": None} if device == "cpu" else {}))
 
 
 def rel_err(got, want):
@@ -52,49 +39,51 @@ def test_fp32_output_matches_fp64_product(device, fa, fb, kind, shape):
     m, k, n = shape
     if kind.startswith("block"):
         m += -m % 4  # 1x128 blocks need M % 4 == 0 (cuBLASLt); the refusal is tested in test_errors_name_the_rule
-    a, b, sa, sb, da, db = make(m, k, n, fa, fb, kind, device)
+    a, b, sa, sb, ref = make(m, k, n, fa, fb, kind, device)
     out = fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, out_dtype=torch.float32)
     assert out.shape == (m, n) and out.dtype == torch.float32 and out.device.type == device
-    err = rel_err(out, da @ db.t())
+    err = rel_err(out, ref)
     assert err < 1e-3, f"relative Frobenius error {err:.2e}"
+    close(out, a, b, sa, sb, device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("out_dtype, tol", [(torch.bfloat16, 8e-3), (torch.float16, 1e-3)])
 def test_half_outputs_and_bias(device, out_dtype, tol):
-    a, b, sa, sb, da, db = make(96, 512, 144, fp8ext.E4M3, fp8ext.E4M3, "tensor", device)
+    a, b, sa, sb, ref = make(96, 512, 144, fp8ext.E4M3, fp8ext.E4M3, "tensor", device)
     bias = (torch.randn(144, device=device) * 3).to(out_dtype if out_dtype == torch.float16 else torch.bfloat16)
     out = fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, out_dtype=out_dtype, bias=bias)
     assert out.dtype == out_dtype
-    assert rel_err(out, da @ db.t() + bias.double()) < tol
+    assert rel_err(out, ref + bias.double()) < tol
+    close(out, a, b, sa, sb, device, bias=bias)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_fp32_output_with_bf16_bias(device):
-    a, b, sa, sb, da, db = make(64, 256, 96, fp8ext.E4M3, fp8ext.E5M2, "tensor", device)
+    a, b, sa, sb, ref = make(64, 256, 96, fp8ext.E4M3, fp8ext.E5M2, "tensor", device)
     bias = torch.randn(96, device=device).to(torch.bfloat16)
     out = fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, out_dtype=torch.float32, bias=bias)
-    assert rel_err(out, da @ db.t() + bias.double()) < 1e-3
+    assert rel_err(out, ref + bias.double()) < 1e-3
+    close(out, a, b, sa, sb, device, bias=bias)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_accumulate_adds_into_fp32_out(device):
-    a, b, sa, sb, da, db = make(64, 256, 96, fp8ext.E5M2, fp8ext.E4M3, "tensor", device)
+    a, b, sa, sb, ref = make(64, 256, 96, fp8ext.E5M2, fp8ext.E4M3, "tensor", device)
     acc = torch.randn(64, 96, device=device)
     start = acc.clone()
     res = fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, out=acc, accumulate=True)
     assert res is acc
-    assert rel_err(acc, start.double() + da @ db.t()) < 1e-3
+    assert rel_err(acc, start.double() + ref) < 1e-3
     fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, out=acc, accumulate=True)
-    assert rel_err(acc, start.double() + 2 * (da @ db.t())) < 1e-3
+    assert rel_err(acc, start.double() + 2 * ref) < 1e-3
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fa, fb, fo", [(fp8ext.E4M3, fp8ext.E4M3, fp8ext.E4M3), (fp8ext.E4M3, fp8ext.E5M2, fp8ext.E5M2)],
                          ids=["e4m3_out", "e5m2_out"])
 def test_fp8_output_with_scale_and_amax(device, fa, fb, fo):
-    a, b, sa, sb, da, db = make(64, 256, 96, fa, fb, "tensor", device)
-    ref = da @ db.t()
+    a, b, sa, sb, ref = make(64, 256, 96, fa, fb, "tensor", device)
     out_scale = torch.tensor(fo.max / 2 / ref.abs().max().item(), device=device)
     amax = torch.full((), -1.0, device=device)
     out = fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, out_dtype=fo.torch_dtype, out_scale=out_scale,
@@ -107,9 +96,10 @@ def test_fp8_output_with_scale_and_amax(device, fa, fb, fo):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_fast_accumulation_stays_close(device):
-    a, b, sa, sb, da, db = make(128, 4096, 128, fp8ext.E4M3, fp8ext.E4M3, "tensor", device)
+    a, b, sa, sb, ref = make(128, 4096, 128, fp8ext.E4M3, fp8ext.E4M3, "tensor", device)
     out = fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, out_dtype=torch.float32, use_fast_accum=True)
-    assert rel_err(out, da @ db.t()) < 1e-2
+    assert rel_err(out, ref) < 1e-2
+    close(out, a, b, sa, sb, device, use_fast_accum=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -175,7 +165,7 @@ def test_quantize_blocks_need_rows_multiple_of_4_and_cols_multiple_of_8():
 @pytest.mark.parametrize("kind", ["tensor", "row"])
 @pytest.mark.parametrize("fast", [False, True])
 def test_matches_torch_scaled_mm(kind, fast):
-    a, b, sa, sb, _, _ = make(256, 1024, 512, fp8ext.E4M3, fp8ext.E4M3, kind, "cuda")
+    a, b, sa, sb, _ = make(256, 1024, 512, fp8ext.E4M3, fp8ext.E4M3, kind, "cuda")
     ours = fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, out_dtype=torch.bfloat16, use_fast_accum=fast)
     if kind == "tensor":
         theirs = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast)
@@ -190,7 +180,7 @@ def test_matches_torch_scaled_mm(kind, fast):
 @pytest.mark.cuda
 def test_cuda_graph_capture_replays_with_new_inputs():
     m, k, n = 128, 512, 256
-    a, b, sa, sb, _, _ = make(m, k, n, fp8ext.E4M3, fp8ext.E4M3, "tensor", "cuda")
+    a, b, sa, sb, _ = make(m, k, n, fp8ext.E4M3, fp8ext.E4M3, "tensor", "cuda")
     out = torch.empty(m, n, device="cuda")
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -201,11 +191,11 @@ def test_cuda_graph_capture_replays_with_new_inputs():
     with torch.cuda.graph(g, stream=s):
         fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, out=out)
     for seed in (1, 2):
-        a2, b2, sa2, sb2, da, db = make(m, k, n, fp8ext.E4M3, fp8ext.E4M3, "tensor", "cuda", seed=seed)
+        a2, b2, sa2, sb2, ref = make(m, k, n, fp8ext.E4M3, fp8ext.E4M3, "tensor", "cuda", seed=seed)
         a.copy_(a2), b.copy_(b2), sa.copy_(sa2), sb.copy_(sb2)
         g.replay()
         torch.cuda.synchronize()
-        assert rel_err(out, da @ db.t()) < 1e-3
+        assert rel_err(out, ref) < 1e-3
 
 
 @requires_cuda
@@ -213,14 +203,14 @@ def test_cuda_graph_capture_replays_with_new_inputs():
 def test_plan_cache_and_autotune():
     fp8ext._C.gemm_cache_clear()
     before = fp8ext.gemm_cache_info()
-    a, b, sa, sb, da, db = make(512, 1024, 768, fp8ext.E4M3, fp8ext.E4M3, "tensor", "cuda")
+    a, b, sa, sb, ref = make(512, 1024, 768, fp8ext.E4M3, fp8ext.E4M3, "tensor", "cuda")
     for _ in range(3):
         plain = fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, out_dtype=torch.float32)
     info = fp8ext.gemm_cache_info()
     assert info["plans"] == 1 and info["misses"] - before["misses"] == 1 and info["hits"] - before["hits"] == 2
     tuned = fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, out_dtype=torch.float32, autotune=True)
     assert fp8ext.gemm_cache_info()["tuned"] >= before["tuned"]
-    assert rel_err(tuned, da @ db.t()) < 1e-3 and rel_err(plain, da @ db.t()) < 1e-3
+    assert rel_err(tuned, ref) < 1e-3 and rel_err(plain, ref) < 1e-3
 
 
 @requires_cuda
@@ -233,10 +223,10 @@ def test_threads_with_their_own_streams():
         try:
             s = torch.cuda.Stream()
             with torch.cuda.stream(s):
-                a, b, sa, sb, da, db = make(64 * (i + 1), 256, 128 + 16 * i, fp8ext.E4M3, fp8ext.E5M2, "tensor", "cuda", i)
+                a, b, sa, sb, ref = make(64 * (i + 1), 256, 128 + 16 * i, fp8ext.E4M3, fp8ext.E5M2, "tensor", "cuda", i)
                 outs = [fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, out_dtype=torch.float32) for _ in range(20)]
             s.synchronize()
-            results[i] = max(rel_err(o, da @ db.t()) for o in outs)
+            results[i] = max(rel_err(o, ref) for o in outs)
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -252,7 +242,7 @@ def test_threads_with_their_own_streams():
 @requires_cuda
 @pytest.mark.cuda
 def test_mixed_devices_are_refused():
-    a, b, sa, sb, _, _ = make(32, 64, 48, fp8ext.E4M3, fp8ext.E4M3, "tensor", "cuda")
+    a, b, sa, sb, _ = make(32, 64, 48, fp8ext.E4M3, fp8ext.E4M3, "tensor", "cuda")
     with pytest.raises(ValueError, match=r"gemm\(\): b is on cpu but a is on cuda:0"):
         fp8ext.gemm(a, b.cpu(), a_scale_inv=sa, b_scale_inv=sb)
     with pytest.raises(ValueError, match=r"gemm\(\): b_scale_inv is on cpu but a is on cuda:0"):
@@ -264,7 +254,7 @@ def test_mixed_devices_are_refused():
 @requires_cuda
 @pytest.mark.cuda
 def test_no_host_sync_in_gemm():
-    a, b, sa, sb, _, _ = make(128, 256, 128, fp8ext.E4M3, fp8ext.E4M3, "tensor", "cuda")
+    a, b, sa, sb, _ = make(128, 256, 128, fp8ext.E4M3, fp8ext.E4M3, "tensor", "cuda")
     fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb)  # plan made
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

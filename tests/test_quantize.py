@@ -7,7 +7,7 @@ import torch
 
 import fp8ext
 import reference
-from conftest import assert_same_bytes
+from fp8ext.testing import assert_fp8_equal
 from inputs import all_bf16, all_f16, float32_cases
 
 FORMATS = [fp8ext.E4M3, fp8ext.E5M2]
@@ -29,7 +29,8 @@ def test_quantize_matches_reference(fmt, saturate, scale, source):
     q = fp8ext.quantize(x, fmt, scale, saturate=saturate)
     assert q.dtype == fmt.torch_dtype and q.shape == x.shape
     want = reference.quantize(scaled_f32(x, scale), fmt.name, saturate, x=x.float().numpy())
-    assert_same_bytes(q, want, f"{fmt.name} saturate={saturate} scale={scale} {source}")
+    assert_fp8_equal(q, want, strict_nan=True, input=x,
+                     msg=f"{fmt.name} saturate={saturate} scale={scale} {source}")
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
@@ -39,8 +40,8 @@ def test_device_scale_equals_number_scale(fmt):
         a = fp8ext.quantize(x, fmt, s)
         b = fp8ext.quantize(x, fmt, torch.tensor(s, dtype=torch.float32))
         c = fp8ext.quantize(x, fmt, torch.tensor([s], dtype=torch.float32))
-        assert_same_bytes(b, a, "0-d scale tensor")
-        assert_same_bytes(c, a, "1-element scale tensor")
+        assert_fp8_equal(b, a, strict_nan=True, input=x, msg="0-d scale tensor")
+        assert_fp8_equal(c, a, strict_nan=True, input=x, msg="1-element scale tensor")
 
 
 def test_saturation_and_overflow_rules():
@@ -106,10 +107,11 @@ def test_numpy_input_on_cpu():
     a = np.array([[0.1, 1.0, -300.0], [1e6, np.nan, 2.0**-9]], dtype=np.float32)
     q = fp8ext.quantize(a, fp8ext.E4M3)
     assert isinstance(q, torch.Tensor) and q.shape == (2, 3)
-    assert_same_bytes(q, reference.quantize(a, "E4M3", True), "numpy float32")
+    assert_fp8_equal(q, reference.quantize(a, "E4M3", True), strict_nan=True, input=a, msg="numpy float32")
     with np.errstate(over="ignore"):
         h = a.astype(np.float16)
-    assert_same_bytes(fp8ext.quantize(h, "e5m2"), reference.quantize(h.astype(np.float32), "E5M2", True), "numpy f16")
+    assert_fp8_equal(fp8ext.quantize(h, "e5m2"), reference.quantize(h.astype(np.float32), "E5M2", True),
+                     strict_nan=True, input=h, msg="numpy f16")
 
 
 def test_format_spellings_agree():
@@ -138,7 +140,8 @@ def test_equals_torch_cast_in_torchs_saturation_mode(dtype, source):
     x = {"bf16_all": all_bf16, "f16_all": all_f16, "f32_cases": lambda: torch.from_numpy(float32_cases())}[source]()
     fmt = fp8ext.E4M3 if dtype == torch.float8_e4m3fn else fp8ext.E5M2
     ours = fp8ext.quantize(x, fmt, saturate=torch_saturates(dtype))
-    assert_same_bytes(ours, x.to(dtype), f"torch {torch.__version__} {dtype} from {source}")
+    assert_fp8_equal(ours, x.to(dtype), strict_nan=True, input=x,
+                     msg=f"torch {torch.__version__} {dtype} from {source}")
 
 
 def test_torch_saturation_behaviour_is_pinned():

@@ -7,7 +7,8 @@ import torch
 
 import fp8ext
 import reference
-from conftest import assert_same_bytes, requires_cuda
+from conftest import requires_cuda
+from fp8ext.testing import assert_fp8_equal
 
 FORMATS = [fp8ext.E4M3, fp8ext.E5M2]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -52,7 +53,7 @@ def test_blocks_match_numpy(fmt, dtype, kind, shape):
         br = 1 if kind == "1x128" else 128
         q, s = fp8ext.quantize_blockwise(x, fmt, (br, 128))
         want_q, want_s = reference_blocks(x, fmt, br, 128)
-    assert_same_bytes(q, want_q, f"{kind} {shape}")
+    assert_fp8_equal(q, want_q, strict_nan=True, input=x, msg=f"{kind} {shape}")
     assert np.array_equal(s.numpy(), want_s), "scale_inv"
 
 
@@ -81,5 +82,5 @@ def test_blocks_gpu_equals_cpu(fmt, dtype, kind, shape):
         block = (1, 128) if kind == "1x128" else (128, 128)
         q, s = fp8ext.quantize_blockwise(x, fmt, block)
         qg, sg = fp8ext.quantize_blockwise(x.cuda(), fmt, block)
-    assert_same_bytes(qg, q, f"{kind} {shape}")
+    assert_fp8_equal(qg, q, strict_nan=True, input=x, msg=f"{kind} {shape}")
     assert torch.equal(sg.cpu(), s) and sg.stride() == s.stride()

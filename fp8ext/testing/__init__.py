@@ -1,0 +1,57 @@
+"""fp8ext.testing: helpers for tests of FP8 code, with the FP8 numerics of fp8ext's C core.
+
+    import fp8ext
+    from fp8ext.testing import assert_fp8_equal, assert_close_fp8, edge_values
+
+    x = edge_values(fp8ext.E4M3, torch.float32)           # every value, tie, neighbour, overflow, special
+    assert_fp8_equal(my_cast(x), fp8ext.quantize(x), input=x)   # byte for byte; the report names the inputs
+    assert_close_fp8(my_cast(x), x.double(), max_ulps=0.5, saturate=True)   # correctly rounded
+
+What is here:
+- assert_fp8_equal(actual, expected): byte-exact comparison (any NaN code equals another unless strict_nan).
+- ulp_distance(a, b, fmt) and assert_close_fp8(actual, reference): distances in the format's spacing at
+  the reference value.
+- gemm_reference, gemm_error_bound and assert_gemm_close: an FP8 GEMM's output against the float64 product
+  of the same FP8 inputs, inside a bound derived for fp32 accumulation and for Hopper's reduced-precision
+  tensor-core accumulator, with and without fast accumulation (fp8ext.testing._gemm derives it).
+- edge_values(fmt, dtype) (and edge_groups): the inputs an FP8 cast gets wrong.
+- fp8ext.testing.strategies: the same cases as hypothesis strategies (needs hypothesis; imported on use).
+
+Conventions: FP8 tensors are torch.float8_e4m3fn / float8_e5m2 tensors, or uint8 codes with fmt=; fmt is
+fp8ext.E4M3 / fp8ext.E5M2 or any spelling fp8ext.quantize takes. Tensors may live on any device; the
+comparisons copy what they report to the CPU. A failed comparison raises AssertionError (with msg= in front);
+a wrong call (bad type, conflicting fmt) raises TypeError or ValueError naming the argument.
+Depends on torch and numpy only.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from ._compare import assert_close_fp8, assert_fp8_equal, ulp_distance
+from ._edges import edge_groups, edge_values
+from ._gemm import (H100_ACCUM_BITS, H100_MMA_K, PROMOTE_INTERVAL, assert_gemm_close, gemm_error_bound,
+                    gemm_reference)
+
+__all__ = [
+    "assert_fp8_equal",
+    "ulp_distance",
+    "assert_close_fp8",
+    "gemm_reference",
+    "gemm_error_bound",
+    "assert_gemm_close",
+    "H100_ACCUM_BITS",
+    "H100_MMA_K",
+    "PROMOTE_INTERVAL",
+    "edge_values",
+    "edge_groups",
+    "strategies",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """fp8ext.testing.strategies on first use, so that hypothesis is needed only by those who use it."""
+    if name == "strategies":
+        return importlib.import_module(".strategies", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,119 @@
+"""Comparisons of FP8 tensors: byte-exact (assert_fp8_equal) and in units of the format's spacing
+(ulp_distance, assert_close_fp8). Everything is compared on the CPU; the inputs may live anywhere."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ._values import (FP8_DTYPES, as_tensor, check_shapes, code_text, codes_of, fail, index_of, pick_format,
+                      spacing, value_table, values_of)
+
+__all__ = ["assert_fp8_equal", "ulp_distance", "assert_close_fp8"]
+
+
+def assert_fp8_equal(actual: Any, expected: Any, *, fmt: Any = None, input: Any = None, strict_nan: bool = False,
+                     max_report: int = 8, msg: Optional[str] = None) -> None:
+    """Byte-exact equality of two FP8 tensors of one shape; AssertionError listing the mismatches otherwise.
+
+    actual, expected: torch.float8_e4m3fn / float8_e5m2 tensors, or uint8 codes (a torch tensor or numpy
+    array) on any device. The format is their float8 dtype, or `fmt` where both are uint8; two different
+    float8 dtypes are a mismatch. Zeros compare with their sign (0x00 != 0x80). NaN: any NaN code equals
+    any other NaN code of the format (E4M3 0x7F/0xFF, E5M2 0x7D-0x7F/0xFD-0xFF) unless strict_nan=True,
+    where every byte must agree. input: the values that were cast (same number of elements), shown beside
+    each mismatch. The message gives the number of mismatches and the first `max_report` of them as
+    index: got code (value), expected code (value), input value.
+    """
+    fn = "assert_fp8_equal"
+    a, e = as_tensor(actual, fn, "actual"), as_tensor(expected, fn, "expected")
+    if a.dtype in FP8_DTYPES and e.dtype in FP8_DTYPES and a.dtype != e.dtype:
+        fail(fn, msg, f"formats differ: actual is {a.dtype} but expected is {e.dtype}", [])
+    f = pick_format(fn, fmt, ("actual", a), ("expected", e))
+    check_shapes(fn, [("actual", a.shape), ("expected", e.shape)])
+    x = None if input is None else as_tensor(input, fn, "input")
+    if x is not None and x.numel() != a.numel():
+        raise ValueError(f"{fn}(): input has {x.numel()} elements but actual has {a.numel()}")
+    ga, ge = codes_of(a, fn, "actual"), codes_of(e, fn, "expected")
+    bad = (ga != ge).nonzero().reshape(-1)
+    if not strict_nan and bad.numel():
+        nan = torch.isnan(value_table(f))
+        bad = bad[~(nan[ga[bad].long()] & nan[ge[bad].long()])]
+    if bad.numel() == 0:
+        return
+    x = None if x is None else x.detach().cpu().reshape(-1)
+    lines = []
+    for i in bad[:max_report].tolist():
+        row = f"  index {index_of(i, a.shape)}: got {code_text(int(ga[i]), f)}, expected {code_text(int(ge[i]), f)}"
+        lines.append(row + (f", input {x[i].item()!r}" if x is not None else ""))
+    if bad.numel() > max_report:
+        lines.append(f"  ... and {bad.numel() - max_report} more")
+    nan_rule = "every byte compared" if strict_nan else "NaN codes equal any NaN"
+    fail(fn, msg, f"{bad.numel()} of {ga.numel()} {f.name} codes differ ({nan_rule})", lines)
+
+
+def ulp_distance(a: Any, b: Any, fmt: Any = None) -> torch.Tensor:
+    """|a - b| in units of the FP8 format's spacing at b: a float64 CPU tensor (a and b broadcast).
+
+    b is the reference: the spacing is the format's at |b| (2**(e - mant_bits) for |b| in [2**e, 2**(e+1)),
+    min_subnormal below min_normal, the top binade's beyond fmt.max), so a correctly rounded FP8 value of
+    any |b| <= fmt.max is within 0.5, and two FP8 values of one binade are as many ulps apart as codes.
+    a and b: FP8 tensors or uint8 codes (decoded in the format), or any real tensors, arrays or numbers.
+    fmt: fp8ext.E4M3 / E5M2 (or a spelling fp8ext.quantize takes); optional when a or b has a float8 dtype.
+    Special values: NaN and NaN are 0 apart, NaN and anything else inf; Inf and the same Inf 0, Inf and
+    anything else inf.
+    """
+    fn = "ulp_distance"
+    ta, tb = as_tensor(a, fn, "a"), as_tensor(b, fn, "b")
+    f = pick_format(fn, fmt, ("a", ta), ("b", tb))
+    va, vb = values_of(ta, f).reshape(ta.shape), values_of(tb, f).reshape(tb.shape)
+    va, vb = torch.broadcast_tensors(va, vb)
+    with torch.no_grad():
+        d = (va - vb).abs() / spacing(vb, f)
+        same_special = (torch.isnan(va) & torch.isnan(vb)) | (torch.isinf(va) & (va == vb))
+        d = torch.where(same_special, 0.0, d)
+        return torch.where(torch.isnan(d), float("inf"), d)
+
+
+def assert_close_fp8(actual: Any, reference: Any, fmt: Any = None, *, max_ulps: float = 0.5,
+                     saturate: bool = False, equal_nan: bool = True, max_report: int = 8,
+                     msg: Optional[str] = None) -> None:
+    """Every element of `actual` within `max_ulps` of `reference`, in the format's spacing at the reference
+    (see ulp_distance); AssertionError with a report like torch.testing's otherwise.
+
+    actual: FP8 values (a float8 tensor, uint8 codes with fmt, or real values); reference: real values of
+    the same shape (float64 recommended). max_ulps=0.5 asks for correct rounding (ties either way).
+    saturate=True clamps the reference to +-fmt.max first (Inf included), the rule of a saturating cast.
+    equal_nan=False makes NaN in both a mismatch.
+    """
+    fn = "assert_close_fp8"
+    ta, tr = as_tensor(actual, fn, "actual"), as_tensor(reference, fn, "reference")
+    f = pick_format(fn, fmt, ("actual", ta), ("reference", tr))
+    check_shapes(fn, [("actual", ta.shape), ("reference", tr.shape)])
+    if not max_ulps >= 0:
+        raise ValueError(f"{fn}(): max_ulps must be >= 0, got {max_ulps!r}")
+    va, vr = values_of(ta, f), values_of(tr, f)
+    if saturate:
+        vr = vr.clamp(-f.max, f.max)
+    d = ulp_distance(va, vr, f)
+    if not equal_nan:
+        d = torch.where(torch.isnan(va) & torch.isnan(vr), float("inf"), d)
+    bad = (d > max_ulps).nonzero().reshape(-1)
+    if bad.numel() == 0:
+        return
+    worst = int(d.argmax())
+    diff = torch.where(d == 0, 0.0, (va - vr).abs()).nan_to_num(nan=float("inf"))  # matching NaN/Inf count 0
+    worst_abs = int(diff.argmax())
+    n = va.numel()
+    lines = [f"Mismatched elements: {bad.numel()} / {n} ({100.0 * bad.numel() / n:.1f}%)",
+             f"Greatest ulp distance: {d[worst].item():.4g} at index {index_of(worst, ta.shape)} "
+             f"(up to {max_ulps} allowed)",
+             f"Greatest absolute difference: {diff[worst_abs].item():.6g} at index {index_of(worst_abs, ta.shape)}",
+             "First mismatches (index: actual, reference, ulps):"]
+    codes = codes_of(ta, fn, "actual") if ta.dtype in (*FP8_DTYPES, torch.uint8) else None
+    for i in bad[:max_report].tolist():
+        got = code_text(int(codes[i]), f) if codes is not None else repr(va[i].item())
+        lines.append(f"  {index_of(i, ta.shape)}: {got}, {vr[i].item()!r}, {d[i].item():.4g}")
+    if bad.numel() > max_report:
+        lines.append(f"  ... and {bad.numel() - max_report} more")
+    fail(fn, msg, f"actual is not within {max_ulps} {f.name} ulps of reference", lines)
