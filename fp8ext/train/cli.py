@@ -52,7 +52,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--eval_batches", type=int, default=8)
     p.add_argument("--device", default=None, help="cuda, cuda:1 or cpu; default: cuda when there is one")
     p.add_argument("--compare", action="store_true",
-                   help="train twice, bf16 into OUT_DIR/bf16 and FP8 into OUT_DIR/fp8, then print the comparison")
+                   help="train twice, high precision into OUT_DIR/bf16 (OUT_DIR/fp32 on a CPU) and FP8 into "
+                        "OUT_DIR/fp8, then print the comparison")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     return p
 
@@ -64,9 +65,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         train(args)
         return 0
     from .compare import compare
+    import torch
     out = pathlib.Path(args.out_dir)
+    on_gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     runs = []
-    for name, fp8 in (("bf16", False), ("fp8", True)):
+    for name, fp8 in (("bf16" if on_gpu else "fp32", False), ("fp8", True)):
         run_args = argparse.Namespace(**{**vars(args), "use_fp8": fp8, "out_dir": str(out / name), "compare": False})
         train(run_args)
         runs.append(str(out / name))
