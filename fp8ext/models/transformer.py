@@ -189,6 +189,8 @@ class Transformer(nn.Module):
         if ids.shape[1] > self.cfg.max_seq_len:
             raise ValueError(f"Transformer: sequence length {ids.shape[1]} exceeds max_seq_len "
                              f"{self.cfg.max_seq_len}")
+        if self.rope_cos.dtype != torch.float32:  # model.to(bfloat16) rounded the tables: RoPE stays float32
+            self.rope_cos, self.rope_sin = rope_tables(self.cfg, self.rope_cos.device)
         x = self.embed(ids)
         with te.fp8_autocast(enabled=fp8, fp8_recipe=fp8_recipe, fp8_group=fp8_group):
             for block in self.blocks:

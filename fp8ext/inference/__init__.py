@@ -1,0 +1,16 @@
+"""FP8 inference: calibrate a trained model, quantize its linear layers to E4M3 (weights per tensor, per output
+channel or per 128 x 128 block; activations static or dynamic), save and load the result as a compressed-tensors
+checkpoint (safetensors) that vLLM and transformers read. Packing, calibration and export run on a CPU.
+
+    from fp8ext import inference
+    inference.calibrate(model, batches)
+    inference.quantize_model(model, weights="channel", activations="static")
+    inference.save_quantized(model, "model-fp8/")
+    model = inference.load_quantized("model-fp8/", factory, device="cuda")
+"""
+from .export import load_quantized, quantization_config, save_quantized
+from .layers import ACTIVATION_SCHEMES, WEIGHT_SCHEMES, FP8InferenceLinear
+from .quantize import DEFAULT_IGNORE, calibrate, quantizable_linears, quantize_model
+
+__all__ = ["calibrate", "quantize_model", "save_quantized", "load_quantized", "quantization_config",
+           "FP8InferenceLinear", "WEIGHT_SCHEMES", "ACTIVATION_SCHEMES", "DEFAULT_IGNORE", "quantizable_linears"]

@@ -1,0 +1,143 @@
+"""FP8 checkpoints in the compressed-tensors layout that vLLM and transformers load.
+
+    save_quantized(model, "out/")          # out/model.safetensors + out/config.json
+    model = load_quantized("out/", factory)   # factory(config_dict) -> the high-precision model's skeleton
+
+model.safetensors holds every tensor of the state dict: for each FP8 layer `weight` (F8_E4M3), `weight_scale`
+(F32: [1] per tensor, [out, 1] per channel, [ceil(out/128), ceil(in/128)] per block) and, for static
+activations, `input_scale` ([1]); the other modules' tensors as they are. Scales dequantize (x = q * scale).
+Its header's metadata keeps fp8ext's own record: the format, layout, schemes and the calibrated amax of each
+layer (the seed of an amax history, were the model fine-tuned in FP8 again). config.json holds the model's
+config and `quantization_config` (quant_method "compressed-tensors", format "float-quantized").
+
+Loading builds the model on the meta device (no memory), swaps in the FP8 layers, and takes the tensors from
+the file straight to the target device (safetensors reads them into device memory without a CPU copy of the
+whole model).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any, Callable, Dict, Optional, Union
+
+import torch
+from torch import nn
+
+from .. import __version__
+from .layers import FP8InferenceLinear
+from .quantize import _set_submodule
+
+__all__ = ["save_quantized", "load_quantized", "quantization_config"]
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+def _safetensors():
+    try:
+        import safetensors.torch as st
+    except ImportError:
+        raise ImportError("fp8ext.inference: save_quantized/load_quantized need safetensors: "
+                          "pip install safetensors (or fp8ext[inference])") from None
+    return st
+
+
+def quantization_config(q: Dict[str, Any]) -> Dict[str, Any]:
+    """compressed-tensors' quantization_config for fp8ext's schemes (q: model.fp8_quantization)."""
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "group_size": None,
+               "block_structure": None, "observer": "minmax", "actorder": None,
+               "strategy": {"tensor": "tensor", "channel": "channel", "block128": "block"}[q["weights"]]}
+    if q["weights"] == "block128":
+        weights["block_structure"] = [128, 128]
+    if q["activations"] == "static":
+        acts = {"strategy": "tensor", "dynamic": False, "group_size": None}
+    elif q["weights"] == "block128":
+        acts = {"strategy": "group", "dynamic": True, "group_size": 128}
+    else:
+        acts = {"strategy": "token", "dynamic": True, "group_size": None}
+    acts.update(num_bits=8, type="float", symmetric=True, block_structure=None, observer=None if acts["dynamic"]
+                else "minmax", actorder=None)
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts,
+                                          "output_activations": None, "format": "float-quantized"}},
+            "ignore": q["ignored_modules"], "kv_cache_scheme": q.get("kv_cache_scheme")}
+
+
+def save_quantized(model: nn.Module, out_dir: Union[str, pathlib.Path], config: Optional[Dict[str, Any]] = None
+                   ) -> pathlib.Path:
+    """Writes out_dir/model.safetensors and out_dir/config.json for a model quantized by quantize_model.
+    `config` (the model's own config, e.g. dataclasses.asdict(model.cfg)) goes into config.json; by default
+    model.cfg's fields when the model has a dataclass `cfg`."""
+    q = getattr(model, "fp8_quantization", None)
+    if q is None:
+        raise ValueError("save_quantized: the model is not quantized: run fp8ext.inference.quantize_model first")
+    st = _safetensors()
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if config is None and hasattr(model, "cfg"):
+        import dataclasses
+        config = dataclasses.asdict(model.cfg) if dataclasses.is_dataclass(model.cfg) else None
+    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()
+               if isinstance(v, torch.Tensor)}
+    layers = {n: {"format": "E4M3", "layout": "row-major [out_features, in_features]", "weights": q["weights"],
+                  "activations": q["activations"], "input_amax": q["input_amax"].get(n)} for n in q["layers"]}
+    meta = {"format": "pt", "producer": f"fp8ext {__version__}", "fp8ext": json.dumps({"layers": layers})}
+    st.save_file(tensors, str(out / WEIGHTS_FILE), metadata=meta)
+    cfg = {"architectures": [type(model).__name__], "model_config": config or {},
+           "quantization_config": quantization_config(q), "torch_dtype": "bfloat16"}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def load_quantized(model_dir: Union[str, pathlib.Path], model_or_factory: Union[nn.Module, Callable[[dict], nn.Module]],
+                   device: Union[str, torch.device, None] = None) -> nn.Module:
+    """The model saved by save_quantized: `model_or_factory` is the high-precision model's skeleton, or a
+    callable config_dict -> skeleton (called under the meta device, so its weights take no memory). Its
+    linear layers named in the file become FP8InferenceLinear; every tensor is read from the file onto
+    `device` (default: cuda when available)."""
+    st = _safetensors()
+    d = pathlib.Path(model_dir)
+    for f in ("config.json", WEIGHTS_FILE):
+        if not (d / f).is_file():
+            raise FileNotFoundError(f"load_quantized: {d / f} is missing")
+    cfg = json.loads((d / "config.json").read_text())
+    qc = cfg.get("quantization_config", {})
+    if qc.get("quant_method") != "compressed-tensors" or qc.get("format") != "float-quantized":
+        raise ValueError(f"load_quantized: {d} is not an FP8 compressed-tensors checkpoint "
+                         f"(quant_method {qc.get('quant_method')!r}, format {qc.get('format')!r})")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    with st.safe_open(str(d / WEIGHTS_FILE), framework="pt") as f:
+        layers = json.loads(f.metadata()["fp8ext"])["layers"]
+    if isinstance(model_or_factory, nn.Module):
+        model = model_or_factory
+    else:
+        with torch.device("meta"):
+            model = model_or_factory(cfg.get("model_config", {}))
+    for name, spec in layers.items():
+        lin = model.get_submodule(name)
+        _set_submodule(model, name, FP8InferenceLinear(
+            lin.in_features, lin.out_features, bias=lin.bias is not None, weights=spec["weights"],
+            activations=spec["activations"], device="meta"))
+    state = st.load_file(str(d / WEIGHTS_FILE), device=str(device))
+    # safetensors aligns tensors in the file to 8 bytes; cuBLASLt wants 16-byte aligned operands
+    state = {k: v if v.data_ptr() % 16 == 0 else v.clone() for k, v in state.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    for n in left:  # non-persistent buffers (e.g. rotary tables) are not in the file: recomputed
+        if not _rebuild_buffer(model, n, device):
+            raise ValueError(f"load_quantized: {n} is not in {d / WEIGHTS_FILE} and cannot be recomputed")
+    first = next(iter(layers))
+    model.fp8_quantization = {"weights": layers[first]["weights"], "activations": layers[first]["activations"],
+                              "ignore": [], "ignored_modules": qc.get("ignore", []), "layers": sorted(layers),
+                              "input_amax": {n: s["input_amax"] for n, s in layers.items() if s["input_amax"]}}
+    return model.eval()
+
+
+def _rebuild_buffer(model: nn.Module, name: str, device) -> bool:
+    """Non-persistent buffers the model can recompute: fp8ext's transformer's rotary tables."""
+    if name in ("rope_cos", "rope_sin") and hasattr(model, "cfg"):
+        from ..models.transformer import rope_tables
+        cos, sin = rope_tables(model.cfg, device)
+        model.rope_cos, model.rope_sin = cos, sin
+        return True
+    return False

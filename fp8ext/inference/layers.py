@@ -1,0 +1,130 @@
+"""FP8InferenceLinear: a linear layer for serving that holds only its E4M3 weight and scales.
+
+The weight is quantized once, offline; no high-precision copy stays in memory, so weight memory halves against
+bf16 (plus one float32 scale per tensor, per output channel, or per 128 x 128 block). Names and meanings follow
+the compressed-tensors checkpoint layout that vLLM and transformers load: `weight_scale` and `input_scale`
+*dequantize* (w ~= weight * weight_scale, x ~= q * input_scale), i.e. they are fp8ext's scale_inv.
+
+Weights (`weights=`): "tensor" (one scale), "channel" (one per output row, weight_scale [out, 1]), "block128"
+(128 x 128 blocks, DeepSeek-V3's layout, weight_scale [ceil(out/128), ceil(in/128)]).
+Activations (`activations=`): "static" (one calibrated per-tensor input_scale [1]) or "dynamic" (per token, or
+per 1 x 128 group with block weights, computed from each input as it arrives). Block weights take dynamic
+activations only: cuBLASLt pairs 128 x 128 weight blocks with 1 x 128 activation blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..formats import E4M3
+from ..ops import quantize, quantize_blockwise, quantize_rowwise, scale_from_amax, amax as _amax
+from .._gemm import gemm
+
+__all__ = ["FP8InferenceLinear", "WEIGHT_SCHEMES", "ACTIVATION_SCHEMES"]
+
+WEIGHT_SCHEMES = ("tensor", "channel", "block128")
+ACTIVATION_SCHEMES = ("static", "dynamic")
+
+
+def _check_schemes(weights: str, activations: str, fn: str) -> None:
+    if weights not in WEIGHT_SCHEMES:
+        raise ValueError(f"{fn}: weights must be one of {WEIGHT_SCHEMES}, got {weights!r}")
+    if activations not in ACTIVATION_SCHEMES:
+        raise ValueError(f"{fn}: activations must be one of {ACTIVATION_SCHEMES}, got {activations!r}")
+    if weights == "block128" and activations == "static":
+        raise ValueError(f"{fn}: block128 weights take dynamic activations only (cuBLASLt pairs 128x128 weight "
+                         "blocks with 1x128 activation blocks)")
+
+
+class FP8InferenceLinear(nn.Module):
+    """y = x W^T + b with W held as E4M3 bytes and scales (see the module docstring). Inference only: the
+    buffers carry no gradient."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, weights: str = "channel",
+                 activations: str = "dynamic", device=None, out_dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        _check_schemes(weights, activations, "FP8InferenceLinear")
+        if in_features % 16 or out_features % 16:
+            raise ValueError(f"FP8InferenceLinear: in_features and out_features must be multiples of 16 for FP8 "
+                             f"GEMMs, got {in_features} and {out_features}")
+        self.in_features, self.out_features = in_features, out_features
+        self.weights, self.activations, self.out_dtype = weights, activations, out_dtype
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn,
+                                                   device=device))
+        shape = {"tensor": (1,), "channel": (out_features, 1),
+                 "block128": (-(-out_features // 128), -(-in_features // 128))}[weights]
+        self.register_buffer("weight_scale", torch.ones(shape, dtype=torch.float32, device=device))
+        self.register_buffer("input_scale", torch.ones(1, dtype=torch.float32, device=device)
+                             if activations == "static" else None)
+        self.register_buffer("bias", torch.zeros(out_features, dtype=out_dtype, device=device) if bias else None)
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear, weights: str = "channel", activations: str = "dynamic",
+                    input_amax: Optional[float] = None, out_dtype: torch.dtype = torch.bfloat16) -> "FP8InferenceLinear":
+        """Quantizes `linear`'s weight (the linear itself is left as it was). Static activations need the
+        calibrated max|input| (`input_amax`)."""
+        w = linear.weight.detach()
+        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, weights=weights,
+                    activations=activations, device=w.device, out_dtype=out_dtype)
+        if weights == "tensor":
+            scale, scale_inv = scale_from_amax(_amax(w), E4M3)
+            layer.weight.copy_(quantize(w, E4M3, scale))
+            layer.weight_scale.copy_(scale_inv.reshape(1))
+        elif weights == "channel":
+            q, scale_inv = quantize_rowwise(w.contiguous(), E4M3)
+            layer.weight.copy_(q)
+            layer.weight_scale.copy_(scale_inv.reshape(-1, 1))
+        else:
+            q, scale_inv = quantize_blockwise(w.contiguous(), E4M3, block=(128, 128))
+            layer.weight.copy_(q)
+            layer.weight_scale.copy_(scale_inv)
+        if activations == "static":
+            if input_amax is None:
+                raise ValueError("FP8InferenceLinear.from_linear: static activations need input_amax from calibration")
+            a = torch.tensor(float(input_amax), dtype=torch.float32, device=w.device)
+            layer.input_scale.copy_(scale_from_amax(a, E4M3)[1].reshape(1))
+        if linear.bias is not None:
+            layer.bias.copy_(linear.bias.detach().to(out_dtype))
+        return layer
+
+    def _weight_scale_for_gemm(self, rows_kind: bool) -> torch.Tensor:
+        if self.weights == "block128":  # cuBLASLt reads block scales with rows padded to 4 floats
+            nr, nc = self.weight_scale.shape
+            ld = -(-nc // 4) * 4
+            buf = torch.zeros(nr, ld, dtype=torch.float32, device=self.weight_scale.device)
+            buf[:, :nc] = self.weight_scale
+            return buf[:, :nc]
+        if self.weights == "channel":
+            return self.weight_scale.reshape(-1)
+        return self.weight_scale.reshape(-1).expand(self.out_features).contiguous() if rows_kind \
+            else self.weight_scale.reshape(())
+
+    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        """is_first_microbatch is accepted (and ignored) so the layer stands in for fp8ext.Linear."""
+        x2 = x.reshape(-1, self.in_features)
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        per_tensor_pair = self.weights == "tensor" and self.activations == "static"
+        if self.weights == "block128":
+            pad = -x2.shape[0] % 4  # 1x128 activation blocks need a row count that is a multiple of 4
+            xp = torch.nn.functional.pad(x2, (0, 0, 0, pad)) if pad else x2
+            xq, x_sinv = quantize_blockwise(xp, E4M3, block=(1, 128))
+        elif self.activations == "static":
+            xq = quantize(x2, E4M3, self.input_scale.reciprocal().reshape(()))
+            x_sinv = self.input_scale.reshape(()) if per_tensor_pair else \
+                self.input_scale.expand(x2.shape[0]).contiguous()
+        else:
+            xq, x_sinv = quantize_rowwise(x2, E4M3)
+        y = gemm(xq, self.weight, a_scale_inv=x_sinv, b_scale_inv=self._weight_scale_for_gemm(not per_tensor_pair),
+                 out_dtype=self.out_dtype, bias=self.bias)
+        if self.weights == "block128" and y.shape[0] != x2.shape[0]:
+            y = y[:x2.shape[0]]
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"weights={self.weights}, activations={self.activations}")

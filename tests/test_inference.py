@@ -1,0 +1,158 @@
+"""FP8 inference on the CPU: calibration, quantized layers, the compressed-tensors checkpoint (written, read back
+bit for bit, checked against the layout vLLM loads)."""
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch import nn
+
+import fp8ext
+from fp8ext import inference
+from fp8ext.inference import FP8InferenceLinear
+from fp8ext.models.transformer import Transformer, TransformerConfig, preset
+
+SCHEMES = [("tensor", "static"), ("tensor", "dynamic"), ("channel", "static"), ("channel", "dynamic"),
+           ("block128", "dynamic")]
+CFG = preset("tiny", d_model=128, d_ff=384)
+
+
+def model_and_data(seed=0):
+    torch.manual_seed(seed)
+    model = Transformer(CFG).to(torch.bfloat16)
+    batches = [torch.randint(0, 256, (4, 64)) for _ in range(3)]
+    return model, batches, torch.randint(0, 256, (8, 64))
+
+
+def factory(cfg):
+    return Transformer(TransformerConfig(**cfg))
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("weights, activations", SCHEMES)
+def test_quantized_model_is_close_to_bf16_and_keeps_head_and_embedding(weights, activations):
+    model, batches, ids = model_and_data()
+    ref = model(ids)
+    inference.calibrate(model, batches, progress=False)
+    inference.quantize_model(model, weights, activations)
+    fp8_layers = [m for m in model.modules() if isinstance(m, FP8InferenceLinear)]
+    assert len(fp8_layers) == 4 * CFG.n_layers and all(m.weight.dtype == torch.float8_e4m3fn for m in fp8_layers)
+    assert type(model.lm_head) is nn.Linear and type(model.embed) is nn.Embedding
+    assert not any(isinstance(m, fp8ext.FP8Linear) for m in model.modules()), "no high-precision copy left"
+    err = rel_err(model(ids).float(), ref.float())
+    assert err < 0.08, f"{weights}/{activations}: relative error of the logits {err:.4f}"
+
+
+@pytest.mark.parametrize("weights, limit", [("tensor", 0.501), ("channel", 0.52), ("block128", 0.52)])
+def test_weight_memory_is_about_half_of_bf16(weights, limit):
+    model, batches, _ = model_and_data()
+    bf16 = sum(m.weight.numel() * 2 for m in inference.quantizable_linears(model).values())
+    inference.quantize_model(model, weights, "dynamic")
+    fp8 = sum(m.weight.numel() + m.weight_scale.numel() * 4 for m in model.modules()
+              if isinstance(m, FP8InferenceLinear))
+    assert fp8 <= limit * bf16, f"{fp8 / bf16:.3f} of bf16"
+
+
+def test_calibration_records_the_max_abs_input_of_each_linear():
+    model, batches, _ = model_and_data()
+    amaxes = inference.calibrate(model, batches, progress=False)
+    assert set(amaxes) == set(inference.quantizable_linears(model)) and model.fp8_calibration == amaxes
+    with torch.no_grad():  # independently: the first block's QKV projection sees attn_norm(embed(ids))
+        want = max(model.blocks[0].attn_norm(model.embed(b)).float().abs().max().item() for b in batches)
+    assert amaxes["blocks.0.attn.qkv_proj"] == want
+
+
+def test_fp8_inference_linear_matches_a_float64_product_of_its_own_operands():
+    torch.manual_seed(1)
+    lin = nn.Linear(256, 128).to(torch.bfloat16)
+    x = torch.randn(32, 256, dtype=torch.bfloat16)
+    layer = FP8InferenceLinear.from_linear(lin, "channel", "static", input_amax=x.float().abs().max().item())
+    xq = fp8ext.quantize(x, fp8ext.E4M3, 1 / layer.input_scale.item())
+    want = (xq.double() * layer.input_scale.double()) @ (layer.weight.double() * layer.weight_scale.double()).t() \
+        + layer.bias.double()
+    got = layer(x)
+    assert got.dtype == torch.bfloat16 and rel_err(got, want) < 4e-3
+    assert rel_err(got, lin(x).float()) < 0.06
+
+
+@pytest.mark.parametrize("weights, activations", SCHEMES)
+def test_checkpoint_round_trip_is_bit_exact_in_the_compressed_tensors_layout(tmp_path, weights, activations):
+    model, batches, ids = model_and_data()
+    inference.calibrate(model, batches, progress=False)
+    inference.quantize_model(model, weights, activations)
+    out = model(ids)
+    inference.save_quantized(model, tmp_path)
+    loaded = inference.load_quantized(tmp_path, factory, device="cpu")
+    assert torch.equal(loaded(ids), out)
+    a, b = model.state_dict(), loaded.state_dict()
+    assert set(a) == set(b)
+    for k in a:
+        x, y = a[k], b[k]
+        assert x.dtype == y.dtype and torch.equal(x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x,
+                                                  y.view(torch.uint8) if y.dtype == torch.float8_e4m3fn else y), k
+
+    qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "float-quantized"
+    group = qc["config_groups"]["group_0"]
+    assert group["targets"] == ["Linear"]
+    w, act = group["weights"], group["input_activations"]
+    assert (w["num_bits"], w["type"], w["symmetric"], w["dynamic"]) == (8, "float", True, False)
+    assert w["strategy"] == {"tensor": "tensor", "channel": "channel", "block128": "block"}[weights]
+    assert (act["num_bits"], act["type"], act["dynamic"]) == (8, "float", activations == "dynamic")
+    assert act["strategy"] == ("tensor" if activations == "static" else "group" if weights == "block128" else "token")
+    assert "lm_head" in qc["ignore"] and "embed" in qc["ignore"]
+
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+        meta = json.loads(f.metadata()["fp8ext"])["layers"]
+        name = "blocks.0.ffn.w13"
+        assert f.get_slice(f"{name}.weight").get_dtype() == "F8_E4M3"
+        scale_shape = list(f.get_slice(f"{name}.weight_scale").get_shape())
+        assert scale_shape == {"tensor": [1], "channel": [2 * 384, 1], "block128": [6, 1]}[weights]
+        assert (f"{name}.input_scale" in keys) == (activations == "static")
+        assert meta[name]["format"] == "E4M3" and meta[name]["weights"] == weights
+        if activations == "static":
+            assert meta[name]["input_amax"] == model.fp8_calibration[name]
+
+
+def test_refusals_name_what_is_missing(tmp_path):
+    model, batches, ids = model_and_data()
+    with pytest.raises(ValueError, match="static activations need calibration"):
+        inference.quantize_model(model, "channel", "static")
+    with pytest.raises(ValueError, match="block128 weights take dynamic activations only"):
+        inference.quantize_model(model, "block128", "static")
+    with pytest.raises(ValueError, match="weights must be one of"):
+        inference.quantize_model(model, "row", "dynamic")
+    with pytest.raises(ValueError, match="batches is empty"):
+        inference.calibrate(model, [], progress=False)
+    with pytest.raises(ValueError, match="not quantized"):
+        inference.save_quantized(model, tmp_path)
+    with pytest.raises(FileNotFoundError, match="config.json is missing"):
+        inference.load_quantized(tmp_path, factory)
+    bad = Transformer(CFG)
+    with torch.no_grad():
+        bad.blocks[1].ffn_norm.weight.fill_(float("nan"))
+    with pytest.raises(ValueError, match=r"blocks.1.ffn.w13.*NaN or Inf"):
+        inference.calibrate(bad, batches, progress=False)
+
+
+def test_trained_model_from_a_training_checkpoint_quantizes_and_keeps_its_loss(tmp_path):
+    from fp8ext.train import cli
+    from fp8ext.train.data import batch, load_corpus
+    run = tmp_path / "run"
+    cli.main(["--preset", "tiny", "--batch_size", "8", "--seq_len", "64", "--max_steps", "60", "--lr", "3e-3",
+              "--eval_every", "60", "--eval_batches", "2", "--no_progress", "--out_dir", str(run)])
+    model = Transformer(preset("tiny"))
+    model.load_state_dict(torch.load(run / "checkpoint.pt", weights_only=False)["model"])
+    corpus = load_corpus()
+    calib = [batch(corpus.train, 8, 64, seed=123, step=i)[0] for i in range(4)]
+    x, y = batch(corpus.val, 16, 64, seed=5, step=0)
+    with torch.no_grad():
+        ref = model(x, y)[1].item()
+        inference.calibrate(model, calib, progress=False)
+        inference.quantize_model(model, "channel", "dynamic", out_dtype=torch.float32)
+        fp8 = model(x, y)[1].item()
+    assert abs(fp8 - ref) < 0.02 * ref, f"validation loss {ref:.4f} -> {fp8:.4f} in FP8"
