@@ -156,3 +156,22 @@ def test_trained_model_from_a_training_checkpoint_quantizes_and_keeps_its_loss(t
         inference.quantize_model(model, "channel", "dynamic", out_dtype=torch.float32)
         fp8 = model(x, y)[1].item()
     assert abs(fp8 - ref) < 0.02 * ref, f"validation loss {ref:.4f} -> {fp8:.4f} in FP8"
+
+
+def test_command_line_quantizes_a_training_run_and_compares_perplexity(tmp_path, capsys):
+    from fp8ext.inference.__main__ import main
+    from fp8ext.train import cli
+    run = tmp_path / "run"
+    cli.main(["--preset", "tiny", "--max_steps", "40", "--lr", "3e-3", "--eval_every", "40", "--eval_batches", "2",
+              "--no_progress", "--out_dir", str(run)])
+    main(["quantize", "--checkpoint", str(run), "--calib_batches", "3", "--weights", "channel", "--activations",
+          "static", "--out", str(tmp_path / "fp8"), "--device", "cpu"])
+    cfg = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    assert cfg["fp8ext_source"]["training_checkpoint"].endswith("checkpoint.pt")
+    capsys.readouterr()
+    main(["eval", "--model", str(tmp_path / "fp8"), "--eval_batches", "2", "--device", "cpu"])
+    out = capsys.readouterr().out
+    lines = {l.split(":")[0].strip(): l for l in out.splitlines()}
+    assert "bf16" in lines and "fp8" in lines and "vs bf16: perplexity" in out
+    bf16, fp8 = (float(lines[k].split("loss ")[1].split()[0]) for k in ("bf16", "fp8"))
+    assert abs(fp8 - bf16) < 0.02 * bf16

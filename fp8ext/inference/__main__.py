@@ -1,0 +1,112 @@
+"""`python -m fp8ext.inference quantize|eval`: FP8 inference for models trained with fp8ext.train.
+
+    python -m fp8ext.inference quantize --checkpoint runs/x --calib_batches 16 --weights channel \\
+        --activations static --out runs/x-fp8
+    python -m fp8ext.inference eval --model runs/x-fp8 [--data FILE_OR_DIR]   # bf16 and FP8 perplexity side by side
+
+quantize reads a training checkpoint (a run directory or checkpoint.pt), calibrates on training text, packs the
+weights and writes a compressed-tensors checkpoint; it runs on a CPU. eval loads the FP8 checkpoint and the
+training checkpoint it came from and prints both models' loss and perplexity on the same held-out batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import sys
+from typing import List, Optional
+
+import torch
+
+from ..models.transformer import Transformer, TransformerConfig, preset
+from ..train.checkpoint import CHECKPOINT_NAME
+from ..train.data import batch, load_corpus
+from . import calibrate, load_quantized, quantize_model, save_quantized
+from .layers import ACTIVATION_SCHEMES, WEIGHT_SCHEMES
+
+
+def _training_model(checkpoint: str, device) -> tuple:
+    p = pathlib.Path(checkpoint)
+    p = p / CHECKPOINT_NAME if p.is_dir() else p
+    if not p.is_file():
+        raise FileNotFoundError(f"--checkpoint: no training checkpoint at {p}")
+    state = torch.load(p, map_location="cpu", weights_only=False)
+    a = state["args"]
+    cfg = preset(a["preset"], fused_qkv=not a.get("separate_qkv", False),
+                 max_seq_len=max(preset(a["preset"]).max_seq_len, a["seq_len"]))
+    model = Transformer(cfg)
+    model.load_state_dict(state["model"])
+    return model.to(device, torch.bfloat16).eval(), a, str(p)
+
+
+def _quantize(args) -> None:
+    device = torch.device(args.device or "cpu")
+    model, train_args, path = _training_model(args.checkpoint, device)
+    corpus = load_corpus(args.data if args.data is not None else train_args.get("data"))
+    seq = args.seq_len or train_args["seq_len"]
+    batches = [batch(corpus.train, args.batch_size, seq, seed=10_007, step=i, device=device)[0]
+               for i in range(args.calib_batches)]
+    calibrate(model, batches)
+    quantize_model(model, args.weights, args.activations)
+    out = save_quantized(model, args.out)
+    info = json.loads((out / "config.json").read_text())
+    info["fp8ext_source"] = {"training_checkpoint": path, "calib_batches": args.calib_batches, "seq_len": seq,
+                             "data": args.data if args.data is not None else train_args.get("data")}
+    (out / "config.json").write_text(json.dumps(info, indent=2))
+    print(f"quantized {len(model.fp8_quantization['layers'])} linear layers (weights {args.weights}, activations "
+          f"{args.activations}), calibrated on {args.calib_batches} x {args.batch_size} x {seq} tokens; "
+          f"kept in high precision: {', '.join(model.fp8_quantization['ignored_modules'])}; wrote {out}")
+
+
+@torch.no_grad()
+def _eval(args) -> None:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    d = pathlib.Path(args.model)
+    src = json.loads((d / "config.json").read_text()).get("fp8ext_source", {})
+    ref, train_args, _ = _training_model(args.reference or src.get("training_checkpoint", ""), device)
+    fp8 = load_quantized(d, lambda c: Transformer(TransformerConfig(**c)), device=device).to(device)
+    corpus = load_corpus(args.data if args.data is not None else src.get("data"))
+    seq = args.seq_len or src.get("seq_len") or train_args["seq_len"]
+    totals = {"bf16": 0.0, "fp8": 0.0}
+    for i in range(args.eval_batches):
+        x, y = batch(corpus.val, args.batch_size, seq, seed=20_011, step=i, device=device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            totals["bf16"] += ref(x, y)[1].item()
+            totals["fp8"] += fp8(x, y)[1].item()
+    q = fp8.fp8_quantization
+    print(f"held-out loss over {args.eval_batches} x {args.batch_size} x {seq} bytes ({corpus.description}):")
+    for name, total in totals.items():
+        loss = total / args.eval_batches
+        print(f"  {name:>5}: loss {loss:.4f} nats/byte, perplexity {math.exp(loss):.4f}")
+    change = totals["fp8"] / totals["bf16"] - 1
+    print(f"  FP8 ({q['weights']} weights, {q['activations']} activations) vs bf16: perplexity "
+          f"{math.exp((totals['fp8'] - totals['bf16']) / args.eval_batches) - 1:+.2%}, loss {change:+.2%}")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fp8ext.inference", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    q = sub.add_parser("quantize", help="calibrate, pack and export a training checkpoint")
+    q.add_argument("--checkpoint", required=True, help="an fp8ext.train run directory or checkpoint.pt")
+    q.add_argument("--calib_batches", type=int, default=16)
+    q.add_argument("--weights", choices=WEIGHT_SCHEMES, default="channel")
+    q.add_argument("--activations", choices=ACTIVATION_SCHEMES, default="dynamic")
+    q.add_argument("--out", required=True)
+    e = sub.add_parser("eval", help="perplexity of the FP8 model next to the high-precision one")
+    e.add_argument("--model", required=True, help="a directory written by `quantize`")
+    e.add_argument("--reference", default=None, help="the training checkpoint (default: the one it came from)")
+    e.add_argument("--eval_batches", type=int, default=16)
+    for s in (q, e):
+        s.add_argument("--data", default=None, help="text file or directory (default: the training run's data)")
+        s.add_argument("--batch_size", type=int, default=8)
+        s.add_argument("--seq_len", type=int, default=None, help="default: the training run's")
+        s.add_argument("--device", default=None)
+    args = p.parse_args(argv)
+    (_quantize if args.command == "quantize" else _eval)(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
