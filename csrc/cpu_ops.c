@@ -30,7 +30,8 @@ void fp8ext_cpu_quantize(const fp8ext_quantize_args *a) {
         const float v = load_elem(a->x, a->x_dtype, i);
         const int32_t b = abs_bits(v);
         if (b > m) m = b;
-        a->q[i] = a->stochastic
+        a->q[i] = a->fmt >= FPX_FIRST ? fpx_quantize_rne(v, scale, a->fmt, a->saturate)
+                  : a->stochastic
                       ? fp8_quantize_sr(v, scale, fp8_sr_bits(a->sr_key, (uint64_t)i), a->fmt, a->saturate)
                       : fp8_quantize_rne(v, scale, a->fmt, a->saturate);
     }
@@ -41,7 +42,7 @@ void fp8ext_cpu_quantize(const fp8ext_quantize_args *a) {
 void fp8ext_cpu_dequantize(const fp8ext_dequantize_args *a) {
     const float scale_inv = a->scale_inv_ptr ? *a->scale_inv_ptr : a->scale_inv;
     for (int64_t i = 0; i < a->n; ++i) {
-        const float v = fp8_decode(a->q[i], a->fmt) * scale_inv;
+        const float v = (a->fmt >= FPX_FIRST ? fpx_decode(a->q[i], a->fmt) : fp8_decode(a->q[i], a->fmt)) * scale_inv;
         switch (a->out_dtype) {
         case FP8EXT_BF16: ((uint16_t *)a->out)[i] = fp8_f32_to_bf16_bits(v); break;
         case FP8EXT_F16: ((uint16_t *)a->out)[i] = fp8_f32_to_f16_bits(v); break;

@@ -231,4 +231,87 @@ FP8_FN float fp8_f16_bits_to_f32(uint16_t h) {
 }
 FP8_FN float fp8_bf16_bits_to_f32(uint16_t h) { return fp8_bits_f32((uint32_t)h << 16); }
 
+/* ---- the other small formats: FP4, FP6, the MX scale E8M0, AMD's "fnuz" FP8 ------------------ *
+ * OCP MX v1.0's element formats E2M1 (max 6), E2M3 (max 7.5) and E3M2 (max 28) have no Inf and no NaN:
+ * every result saturates to +-max. They have no NaN to give a NaN input either; fp8ext gives it the zero
+ * of the opposite sign, as ml_dtypes does, so that the two agree on every input (check inputs for NaN,
+ * e.g. with fp8ext.set_debug_checks, rather than rely on this). E8M0 (the MX block scale) is 2^(code - 127)
+ * for codes 0..254 and NaN for 0xFF: positive powers of two only; a value rounds to the nearer power in
+ * its binade (1.5 * 2^e, the midpoint of the mantissa, goes up), values below 2^-126 give 2^-127 or, above
+ * 2^-127, 2^-126, and zero,
+ * negative numbers, NaN and values past 2^127 give NaN, as ml_dtypes' float8_e8m0fnu. E4M3FNUZ / E5M2FNUZ
+ * (AMD MI300's FP8: bias 8 / 16, max 240 / 57344, no Inf, no negative zero, 0x80 is the only NaN):
+ * overflow saturates or, without saturation, gives NaN; NaN gives 0x80. Codes are one per byte, in the
+ * low bits. */
+enum { FPX_E2M1 = 2, FPX_E2M3 = 3, FPX_E3M2 = 4, FPX_E8M0 = 5, FPX_E4M3FNUZ = 6, FPX_E5M2FNUZ = 7 };
+#define FPX_FIRST FPX_E2M1
+#define FPX_LAST FPX_E5M2FNUZ
+
+FP8_FN int fpx_exp_bits(int fmt) {
+    return fmt == FPX_E2M1 || fmt == FPX_E2M3 ? 2 : fmt == FPX_E3M2 ? 3 : fmt == FPX_E8M0 ? 8 : fmt == FPX_E4M3FNUZ ? 4 : 5;
+}
+FP8_FN int fpx_mant_bits(int fmt) {
+    return fmt == FPX_E2M1 ? 1 : fmt == FPX_E2M3 || fmt == FPX_E4M3FNUZ ? 3 : fmt == FPX_E8M0 ? 0 : 2;
+}
+FP8_FN int fpx_bias(int fmt) {
+    return fmt == FPX_E2M1 || fmt == FPX_E2M3 ? 1 : fmt == FPX_E3M2 ? 3 : fmt == FPX_E8M0 ? 127
+         : fmt == FPX_E4M3FNUZ ? 8 : 16;
+}
+FP8_FN int fpx_is_fnuz(int fmt) { return fmt == FPX_E4M3FNUZ || fmt == FPX_E5M2FNUZ; }
+/* Bits of a code, the sign bit included (E8M0 has none). */
+FP8_FN int fpx_bits(int fmt) { return fmt == FPX_E8M0 ? 8 : 1 + fpx_exp_bits(fmt) + fpx_mant_bits(fmt); }
+/* The largest finite magnitude's code: all exponent and mantissa bits set (fnuz: 0x7F; E8M0: 0xFE). */
+FP8_FN uint32_t fpx_max_code(int fmt) { return fmt == FPX_E8M0 ? 0xFEu : (1u << (fpx_bits(fmt) - 1)) - 1u; }
+#define FPX_FNUZ_NAN 0x80u
+#define FPX_E8M0_NAN 0xFFu
+
+FP8_FN uint8_t fpx_encode_e8m0(float v) {
+    const uint32_t u = fp8_f32_bits(v);
+    if ((u >> 31) || u == 0 || (u & 0x7FFFFFFFu) >= 0x7F800000u) return (uint8_t)FPX_E8M0_NAN;
+    if (u < 0x00800000u) return u > 0x00400000u; /* float32 subnormals: above 2^-127 give 2^-126 (ml_dtypes) */
+    const int e = (int)(u >> 23) - 127 + (int)((u >> 22) & 1u); /* up when the mantissa reaches one half */
+    return e > 127 ? (uint8_t)FPX_E8M0_NAN : (uint8_t)(e + 127);
+}
+
+/* v (already scaled) in a small format, round to nearest even. */
+FP8_FN uint8_t fpx_encode_rne(float v, int fmt, int saturate) {
+    if (fmt == FPX_E8M0) return fpx_encode_e8m0(v);
+    const int nbits = fpx_bits(fmt);
+    const uint32_t u = fp8_f32_bits(v);
+    const uint32_t sign = (u >> 31) << (nbits - 1);
+    const uint32_t a = u & 0x7FFFFFFFu, maxc = fpx_max_code(fmt);
+    const int fnuz = fpx_is_fnuz(fmt);
+    if (a > 0x7F800000u) return (uint8_t)(fnuz ? FPX_FNUZ_NAN : sign ^ (1u << (nbits - 1)));
+    uint32_t enc = a == 0x7F800000u ? maxc + 1u : a < 0x00800000u ? 0u
+                 : fp8_minifloat_rne(a, fpx_mant_bits(fmt), fpx_bias(fmt));
+    if (enc > maxc) {
+        if (fnuz && !saturate) return (uint8_t)FPX_FNUZ_NAN;
+        enc = maxc; /* the MX element formats always saturate: they have nothing else */
+    }
+    if (fnuz && enc == 0) return 0; /* no negative zero */
+    return (uint8_t)(sign | enc);
+}
+
+FP8_FN uint8_t fpx_quantize_rne(float x, float scale, int fmt, int saturate) {
+    const float v = x * scale;
+    return v != v ? fpx_encode_rne(fp8_bits_f32(fp8_f32_bits(x) | 0x7FC00000u), fmt, saturate)
+                  : fpx_encode_rne(v, fmt, saturate);
+}
+
+FP8_FN float fpx_decode(uint8_t b, int fmt) {
+    if (fmt == FPX_E8M0) /* 2^(b - 127); 2^-127 is a float32 subnormal */
+        return b == FPX_E8M0_NAN ? fp8_bits_f32(0x7FC00000u)
+             : b == 0 ? fp8_bits_f32(0x00400000u) : fp8_bits_f32((uint32_t)b << 23);
+    const int nbits = fpx_bits(fmt), mant = fpx_mant_bits(fmt), bias = fpx_bias(fmt);
+    if (fpx_is_fnuz(fmt) && b == FPX_FNUZ_NAN) return fp8_bits_f32(0x7FC00000u);
+    const uint32_t sign = (uint32_t)((b >> (nbits - 1)) & 1u) << 31;
+    const uint32_t mag = b & ((1u << (nbits - 1)) - 1u);
+    const uint32_t ef = mag >> mant, f = mag & ((1u << mant) - 1u);
+    if (ef == 0) {
+        const float quantum = fp8_bits_f32((uint32_t)(127 + 1 - bias - mant) << 23);
+        return fp8_bits_f32(sign | fp8_f32_bits((float)f * quantum));
+    }
+    return fp8_bits_f32(sign | ((ef - (uint32_t)bias + 127u) << 23) | (f << (23 - mant)));
+}
+
 #endif /* FP8EXT_FP8_NUMERICS_H */

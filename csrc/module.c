@@ -63,10 +63,29 @@ static PyObject *format_dict(int fmt) {
                          "overflow_code", (int)fp8_overflow_code(fmt));
 }
 
+/* The small formats (quantize/dequantize on the CPU): "nan_code" None where the format has no NaN. */
+static PyObject *fpx_format_dict(int fmt) {
+    const int mant = fpx_mant_bits(fmt), e8m0 = fmt == FPX_E8M0, fnuz = fpx_is_fnuz(fmt);
+    const uint32_t maxc = fpx_max_code(fmt);
+    PyObject *nan = e8m0 ? PyLong_FromLong(FPX_E8M0_NAN) : fnuz ? PyLong_FromLong(FPX_FNUZ_NAN) : Py_NewRef(Py_None);
+    if (!nan) return NULL;
+    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:d,s:d,s:d,s:O,s:N,s:O,s:i,s:i}",                   //
+                         "code", fmt, "bits", fpx_bits(fmt), "exp_bits", fpx_exp_bits(fmt), "mant_bits", mant,
+                         "bias", fpx_bias(fmt), "max", (double)fpx_decode((uint8_t)maxc, fmt),        //
+                         "min_normal", (double)fpx_decode((uint8_t)(e8m0 ? 0 : 1u << mant), fmt),    //
+                         "min_subnormal", (double)fpx_decode((uint8_t)(e8m0 ? 0 : 1), fmt),          //
+                         "has_inf", Py_False, "nan_code", nan, "inf_code", Py_None, "max_code", (int)maxc,
+                         "overflow_code", (int)(e8m0 ? FPX_E8M0_NAN : fnuz ? FPX_FNUZ_NAN : maxc));
+}
+
 static PyObject *py_formats(PyObject *module, PyObject *unused) {
     (void)module;
     (void)unused;
-    return Py_BuildValue("{s:N,s:N}", "E4M3", format_dict(FP8EXT_E4M3), "E5M2", format_dict(FP8EXT_E5M2));
+    return Py_BuildValue("{s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N}", "E4M3", format_dict(FP8EXT_E4M3), "E5M2",
+                         format_dict(FP8EXT_E5M2), "E2M1", fpx_format_dict(FPX_E2M1), "E2M3",
+                         fpx_format_dict(FPX_E2M3), "E3M2", fpx_format_dict(FPX_E3M2), "E8M0",
+                         fpx_format_dict(FPX_E8M0), "E4M3FNUZ", fpx_format_dict(FPX_E4M3FNUZ), "E5M2FNUZ",
+                         fpx_format_dict(FPX_E5M2FNUZ));
 }
 
 static PyObject *py_cuda_device_count(PyObject *module, PyObject *unused) {

@@ -5,6 +5,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include "fp8_numerics.h" /* the format codes */
 
 #include "tensor_view.h"
 
@@ -37,6 +38,29 @@ extern PyMethodDef fp8ext_scaling_methods[];
 extern PyMethodDef fp8ext_gemm_methods[];
 
 /* An FP8 format code argument: FP8EXT_E4M3 or FP8EXT_E5M2, else ValueError. */
+/* quantize and dequantize also take the small formats (FPX_E2M1 .. FPX_E5M2FNUZ, codes one per uint8
+ * byte), on the CPU only and with round to nearest even; every other operation takes E4M3 and E5M2. */
+static inline int fp8ext_check_fpx(int fmt, const fp8ext_view *x, int stochastic, const char *fn) {
+    (void)fmt;
+    if (x->device_type != 1) {
+        PyErr_Format(PyExc_NotImplementedError, "%s(): the FP4/FP6/E8M0/fnuz formats run on the CPU only in this "
+                     "version (the CUDA kernels take E4M3 and E5M2); move the tensor to the CPU", fn);
+        return -1;
+    }
+    if (stochastic) {
+        PyErr_Format(PyExc_NotImplementedError, "%s(): stochastic rounding is for E4M3 and E5M2 only", fn);
+        return -1;
+    }
+    return 0;
+}
+
+static inline int fp8ext_check_fmt_or_fpx(int fmt, const char *fn) {
+    if (fmt >= 0 && fmt <= FPX_LAST) return 0;
+    PyErr_Format(PyExc_ValueError, "%s(): fmt must be 0 (E4M3), 1 (E5M2) or %d..%d (the small formats, on the CPU), "
+                 "got %d", fn, FPX_FIRST, FPX_LAST, fmt);
+    return -1;
+}
+
 static inline int fp8ext_check_fmt(int fmt, const char *fn) {
     if (fmt == 0 || fmt == 1) return 0;
     PyErr_Format(PyExc_ValueError, "%s(): fmt must be 0 (E4M3) or 1 (E5M2), got %d", fn, fmt);

@@ -111,9 +111,12 @@ static PyObject *py_quantize(PyObject *module, PyObject *args, PyObject *kwargs)
     fp8ext_view x = {0}, out = {0}, scale = {0}, amax = {0}, sinv = {0};
     PyObject *ret = NULL;
     fp8ext_quantize_args a = {0};
-    if (fp8ext_check_fmt(fmt, fn) < 0 || get_input(x_o, stream, fn, "x", &x) < 0 ||
+    const int fpx = fmt >= FPX_FIRST && fmt <= FPX_LAST;
+    if ((!fpx && fp8ext_check_fmt_or_fpx(fmt, fn) < 0) || get_input(x_o, stream, fn, "x", &x) < 0 ||
+        (fpx && fp8ext_check_fpx(fmt, &x, stochastic, fn) < 0) ||
         get_output(out_o, FP8EXT_KIND_U8, &x, "x", stream, fn, "out", &out) < 0 ||
-        fp8ext_check_fp8(&out, fmt, fn, "out") < 0 || fp8ext_check_same_shape(&out, &x, fn, "out", "x") < 0 ||
+        (fpx ? fp8ext_check_fp8(&out, -1, fn, "out") : fp8ext_check_fp8(&out, fmt, fn, "out")) < 0 ||
+        fp8ext_check_same_shape(&out, &x, fn, "out", "x") < 0 ||
         get_scale(scale_o, &x, "x", stream, fn, "scale", &scale, &a.scale_ptr, &a.scale) < 0 ||
         get_amax(amax_o, &x, "x", stream, fn, "amax_out", &amax, &a.amax_out) < 0 ||
         get_amax(sinv_o, &x, "x", stream, fn, "scale_inv_out", &sinv, &a.scale_inv_out) < 0 ||
@@ -147,8 +150,11 @@ static PyObject *py_dequantize(PyObject *module, PyObject *args, PyObject *kwarg
     fp8ext_view q = {0}, out = {0}, scale = {0};
     PyObject *ret = NULL;
     fp8ext_dequantize_args a = {0};
-    if (fp8ext_check_fmt(fmt, fn) < 0 || fp8ext_view_get(q_o, stream, fn, "q", &q) < 0 ||
-        fp8ext_check_fp8(&q, fmt, fn, "q") < 0 || fp8ext_check_contiguous(&q, fn, "q") < 0 ||
+    const int fpx = fmt >= FPX_FIRST && fmt <= FPX_LAST;
+    if ((!fpx && fp8ext_check_fmt_or_fpx(fmt, fn) < 0) || fp8ext_view_get(q_o, stream, fn, "q", &q) < 0 ||
+        (fpx && fp8ext_check_fpx(fmt, &q, 0, fn) < 0) ||
+        (fpx ? fp8ext_check_fp8(&q, -1, fn, "q") : fp8ext_check_fp8(&q, fmt, fn, "q")) < 0 ||
+        fp8ext_check_contiguous(&q, fn, "q") < 0 ||
         get_output(out_o, -1, &q, "q", stream, fn, "out", &out) < 0 ||
         fp8ext_check_same_shape(&out, &q, fn, "out", "q") < 0 ||
         get_scale(scale_o, &q, "q", stream, fn, "scale_inv", &scale, &a.scale_inv_ptr, &a.scale_inv) < 0)

@@ -260,6 +260,11 @@ int fp8ext_check_scalar_f32(const fp8ext_view *v, const char *fn, const char *ar
 int fp8ext_check_fp8(const fp8ext_view *v, int fmt, const char *fn, const char *arg) {
     if (fp8ext_check_kind(v, FP8EXT_KIND_U8, fn, arg) < 0) return -1;
     if (v->fp8_fmt < 0 || v->fp8_fmt == fmt) return 0;
+    if (fmt < 0) { /* the small formats' codes are plain uint8 bytes */
+        PyErr_Format(PyExc_TypeError, "%s(): %s must hold uint8 codes for this format, got %s", fn, arg,
+                     v->fp8_fmt == 0 ? "float8_e4m3fn" : "float8_e5m2");
+        return -1;
+    }
     PyErr_Format(PyExc_ValueError, "%s(): %s holds %s values but the format given for it is %s", fn, arg,
                  v->fp8_fmt == 0 ? "float8_e4m3fn" : "float8_e5m2", fmt == 0 ? "E4M3" : "E5M2");
     return -1;

@@ -21,9 +21,10 @@ from ._gemm import gemm, gemm_cache_info, set_gemm_autotune
 from .context import autocast, fp8_autocast, get_fp8_recipe, get_scaling_manager, is_fp8_enabled
 from .convert import FP8ConversionWarning, convert_to_fp8, prepare_fp8
 from .debug import debug_checks_enabled, set_debug_checks
-from .formats import E4M3, E5M2, FP8Format, Format
+from .formats import E2M1, E2M3, E3M2, E4M3, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0, FP8Format, Format, SmallFormat
 from .linear import FP8Linear, Linear
 from .normalization import LayerNorm, RMSNorm
+from .packing import pack_fp4, pack_fp6, unpack_fp4, unpack_fp6
 from .ops import amax, cast_transpose, dequantize, quantize, quantize_blockwise, quantize_rowwise, scale_from_amax
 from .recipe import CurrentScaling, DelayedScaling, Float8CurrentScaling
 from .scaling import FP8ScalingManager
@@ -35,6 +36,17 @@ __all__ = [
     "E5M2",
     "FP8Format",
     "Format",
+    "SmallFormat",
+    "E2M1",
+    "E2M3",
+    "E3M2",
+    "E8M0",
+    "E4M3FNUZ",
+    "E5M2FNUZ",
+    "pack_fp4",
+    "unpack_fp4",
+    "pack_fp6",
+    "unpack_fp6",
     "quantize",
     "dequantize",
     "amax",

@@ -17,19 +17,13 @@ import torch
 
 from . import _C
 
-__all__ = ["FP8Format", "E4M3", "E5M2", "Format", "resolve_format"]
+__all__ = ["FP8Format", "E4M3", "E5M2", "Format", "resolve_format", "SmallFormat", "E2M1", "E2M3", "E3M2", "E8M0",
+           "E4M3FNUZ", "E5M2FNUZ", "SMALL_FORMATS"]
 
 
 @dataclass(frozen=True)
-class FP8Format:
-    """One FP8 tensor format.
-
-    Attributes: exp_bits, mant_bits, bias; max (largest finite value), min_normal, min_subnormal;
-    has_inf; the byte encodings nan_code (positive NaN; the sign bit is added for negative NaN),
-    inf_code (None for E4M3, which has no Inf), max_code (the largest finite value) and
-    overflow_code (what a non-saturating cast produces on overflow: NaN for E4M3, Inf for E5M2);
-    code (the C core's format number) and torch_dtype (torch.float8_e4m3fn / torch.float8_e5m2).
-    """
+class _Format:
+    """The constants every format has, as the C core defines them."""
 
     name: str
     code: int
@@ -40,14 +34,27 @@ class FP8Format:
     min_normal: float
     min_subnormal: float
     has_inf: bool
-    nan_code: int
+    nan_code: Optional[int]
     inf_code: Optional[int]
     max_code: int
     overflow_code: int
-    torch_dtype: torch.dtype
 
     def __repr__(self) -> str:
         return f"fp8ext.{self.name}"
+
+
+@dataclass(frozen=True, repr=False)
+class FP8Format(_Format):
+    """One FP8 tensor format.
+
+    Attributes: exp_bits, mant_bits, bias; max (largest finite value), min_normal, min_subnormal;
+    has_inf; the byte encodings nan_code (positive NaN; the sign bit is added for negative NaN),
+    inf_code (None for E4M3, which has no Inf), max_code (the largest finite value) and
+    overflow_code (what a non-saturating cast produces on overflow: NaN for E4M3, Inf for E5M2);
+    code (the C core's format number) and torch_dtype (torch.float8_e4m3fn / torch.float8_e5m2).
+    """
+
+    torch_dtype: torch.dtype
 
 
 _TABLE = _C.formats()
@@ -78,6 +85,25 @@ class Format(enum.Enum):
         """The format of backward-pass tensors (gradients)."""
         return _E4M3 if self is Format.E4M3 else _E5M2
 
+
+@dataclass(frozen=True, repr=False)
+class SmallFormat(_Format):
+    """A format that fp8ext.quantize / dequantize take on the CPU, one code per uint8 byte: the OCP MX element
+    formats E2M1 (FP4, max 6), E2M3 and E3M2 (FP6, max 7.5 and 28), which have no Inf or NaN and saturate;
+    E8M0 (the MX block scale: powers of two 2^-127 .. 2^127, 0xFF NaN); and AMD MI300's FP8 variants
+    E4M3FNUZ (max 240) and E5M2FNUZ (max 57344), with 0x80 their only NaN and no negative zero.
+
+    Attributes as FP8Format's, plus `bits` (the code's width); nan_code is None for formats without NaN.
+    Constants are read from the C core, as E4M3's and E5M2's are.
+    """
+
+    bits: int
+    torch_dtype: torch.dtype = torch.uint8
+
+
+E2M1, E2M3, E3M2, E8M0, E4M3FNUZ, E5M2FNUZ = (SmallFormat(name=n, **_TABLE[n]) for n in
+                                              ("E2M1", "E2M3", "E3M2", "E8M0", "E4M3FNUZ", "E5M2FNUZ"))
+SMALL_FORMATS = (E2M1, E2M3, E3M2, E8M0, E4M3FNUZ, E5M2FNUZ)
 
 _BY_NAME = {"e4m3": E4M3, "e4m3fn": E4M3, "e5m2": E5M2}
 _BY_DTYPE = {torch.float8_e4m3fn: E4M3, torch.float8_e5m2: E5M2}

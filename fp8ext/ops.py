@@ -16,7 +16,7 @@ import torch
 
 from . import _C, debug
 from ._boundary import FP8_DLPACK, describe, dl, dl_fp8, dl_opt, scale_arg, stream_of
-from .formats import E4M3, FP8Format, format_of_dtype, resolve_format
+from .formats import E4M3, FP8Format, SmallFormat, format_of_dtype, resolve_format
 
 __all__ = ["quantize", "dequantize", "amax", "cast_transpose", "quantize_rowwise", "quantize_blockwise",
            "scale_from_amax"]
@@ -51,7 +51,13 @@ def quantize(x: Any, fmt: Any = E4M3, scale: Scale = 1.0, *, saturate: bool = Tr
     amax_out: a one-element float32 tensor on x's device that becomes max(amax_out, max|x|) (|x| before
     scaling) in the same pass; NaN in x makes it NaN. scale_inv_out: a one-element float32 tensor set to
     1 / scale in the same launch (so a saved FP8 tensor keeps the exact factor that dequantizes it).
+
+    fmt may also be one of the small formats (fp8ext.E2M1, E2M3, E3M2, E8M0, E4M3FNUZ, E5M2FNUZ; see
+    fp8ext.SmallFormat): the result is then uint8 codes, one per byte (pack them with fp8ext.pack_fp4 /
+    pack_fp6), computed on the CPU with round to nearest even.
     """
+    if isinstance(fmt, SmallFormat):
+        return _quantize_small(x, fmt, scale, saturate, stochastic, amax_out, scale_inv_out)
     f = resolve_format(fmt, "quantize")
     seed = _check_seed(seed, "quantize") if stochastic else 0
     if torch.compiler.is_compiling():
@@ -60,6 +66,15 @@ def quantize(x: Any, fmt: Any = E4M3, scale: Scale = 1.0, *, saturate: bool = Tr
         _write_back(amax_out, new_amax, scale_inv_out, scale)
         return q
     return quantize_eager(x, f, scale, saturate, stochastic, seed, amax_out, scale_inv_out)
+
+
+def _quantize_small(x, f: SmallFormat, scale, saturate, stochastic, amax_out, scale_inv_out) -> torch.Tensor:
+    """quantize() into one of the small formats: uint8 codes, on the CPU (see SmallFormat)."""
+    shape, device = describe(x, "quantize")
+    out = torch.empty(shape, dtype=torch.uint8, device=device)
+    _C.quantize(dl(x), _to_dl(out), f.code, scale_arg(scale), amax_out=dl_opt(amax_out), saturate=saturate,
+                stochastic=stochastic, seed=0, stream=stream_of(device), scale_inv_out=dl_opt(scale_inv_out))
+    return out
 
 
 def _write_back(amax_out, new_amax, scale_inv_out, scale) -> None:
@@ -89,11 +104,14 @@ def dequantize(q: Any, scale_inv: Scale = 1.0, dtype: torch.dtype = torch.float3
     """x = float(q) * scale_inv, rounded (to nearest even) to `dtype` (float32, bfloat16 or float16).
 
     q: a torch.float8_e4m3fn / float8_e5m2 tensor (its dtype gives the format), or uint8 bytes with
-    `fmt` given. scale_inv: a Python number or a one-element float32 tensor on q's device.
+    `fmt` given (E4M3, E5M2 or one of the small formats, whose codes are one per byte, on the CPU).
+    scale_inv: a Python number or a one-element float32 tensor on q's device.
     """
     fn = "dequantize"
     if dtype not in _HIGH_PRECISION:
         raise TypeError(f"{fn}(): dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
+    if isinstance(fmt, SmallFormat):
+        return dequantize_eager(q, fmt, scale_inv, dtype)
     f = _format_of_q(q, fmt, fn)
     if torch.compiler.is_compiling():
         scale_t, scale_v = _scale_parts(scale_inv)

@@ -48,12 +48,13 @@ def _setup_distributed(device_arg: Optional[str]):
     device = torch.device(want)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", local if world > 1 else torch.cuda.current_device())
-    if world > 1 and not dist.is_initialized():
+    owned = world > 1 and not dist.is_initialized()
+    if owned:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return device, rank, world
+    return device, rank, world, owned
 
 
 def _check_fp8(device: torch.device, rank: int) -> None:
@@ -139,7 +140,15 @@ def _fp8_state_check(recipe, device, world) -> dict:
 
 def train(args: Namespace) -> dict:
     """Trains as the arguments say; writes OUT_DIR/run.json, metrics.jsonl and checkpoint.pt; returns the summary."""
-    device, rank, world = _setup_distributed(args.device)
+    device, rank, world, owned = _setup_distributed(args.device)
+    try:
+        return _train(args, device, rank, world)
+    finally:
+        if owned and dist.is_initialized():  # a process group left to the interpreter's exit can abort it
+            dist.destroy_process_group()
+
+
+def _train(args: Namespace, device: torch.device, rank: int, world: int) -> dict:
     if args.use_fp8:
         _check_fp8(device, rank)
     corpus = load_corpus(args.data)
