@@ -175,3 +175,63 @@ def test_command_line_quantizes_a_training_run_and_compares_perplexity(tmp_path,
     assert "bf16" in lines and "fp8" in lines and "vs bf16: perplexity" in out
     bf16, fp8 = (float(lines[k].split("loss ")[1].split()[0]) for k in ("bf16", "fp8"))
     assert abs(fp8 - bf16) < 0.02 * bf16
+
+
+class Odd(nn.Module):
+    """Linears FP8 cannot take (24 is not a multiple of 16), a transposed (non-contiguous) input, a bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(32, 48), nn.Linear(48, 24), nn.Linear(24, 32)
+
+    def forward(self, x):
+        return self.c(self.b(self.a(x.transpose(0, 1))))
+
+
+def test_layers_left_in_high_precision_are_listed_as_ignored(tmp_path):
+    torch.manual_seed(0)
+    model = Odd()
+    x = torch.randn(32, 4, 32).transpose(0, 1).contiguous().transpose(0, 1)
+    with pytest.warns(UserWarning, match="stays in high precision"):
+        inference.calibrate(model, [x], progress=False)  # non-contiguous inputs to the first layer
+    with pytest.warns(UserWarning):
+        inference.quantize_model(model, "tensor", "static", out_dtype=torch.float32)
+    assert model.fp8_quantization["layers"] == ["a"] and {"b", "c"} <= set(model.fp8_quantization["ignored_modules"])
+    assert model(x).dtype == torch.float32, "a float32 output with a bias (kept in bfloat16 for cuBLASLt)"
+    inference.save_quantized(model, tmp_path)
+    qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert {"b", "c"} <= set(qc["ignore"])
+
+
+def test_dynamic_quantization_with_a_partial_calibration_does_not_fail():
+    model, batches, ids = model_and_data()
+    calib = inference.calibrate(model, batches, progress=False)
+    calib.pop("blocks.0.attn.qkv_proj")
+    inference.quantize_model(model, "channel", "dynamic", calibration=calib)
+    assert "blocks.0.attn.qkv_proj" not in model.fp8_quantization["input_amax"]
+    assert torch.isfinite(model(ids)).all()
+
+
+def test_tied_weights_are_saved_once_and_tied_again(tmp_path):
+    model, batches, ids = model_and_data()
+    model.lm_head.weight = model.embed.weight  # tied output head
+    inference.quantize_model(model, "channel", "dynamic")
+    out = model(ids)
+    inference.save_quantized(model, tmp_path)
+    loaded = inference.load_quantized(tmp_path, factory, device="cpu")
+    assert loaded.lm_head.weight is loaded.embed.weight and torch.equal(loaded(ids), out)
+
+
+def test_loading_into_a_model_the_file_does_not_fit_names_the_missing_tensors(tmp_path):
+    model, _, _ = model_and_data()
+    inference.quantize_model(model, "tensor", "dynamic")
+    inference.save_quantized(model, tmp_path)
+    with pytest.raises(ValueError, match=r"holds no \['blocks.2"):
+        inference.load_quantized(tmp_path, lambda c: Transformer(TransformerConfig(**{**c, "n_layers": 3})),
+                                 device="cpu")
+
+
+def test_dequantizing_packed_bytes_as_fp4_codes_is_an_error():
+    packed = fp8ext.pack_fp4(torch.tensor([1, 15], dtype=torch.uint8))
+    with pytest.raises(ValueError, match="below 16.*unpack_fp4"):
+        fp8ext.dequantize(packed, fmt=fp8ext.E2M1)

@@ -182,6 +182,10 @@ def test_two_processes_over_gloo_hold_the_same_fp8_scales(tmp_path, mode):
            "fp8ext.train", *RUN, "--max_steps", "6", "--eval_every", "3", "--use_fp8", "--out_dir", str(tmp_path)]
     if mode == "fsdp":
         cmd.append("--fsdp")
+    if mode == "fsdp":  # FSDP2 resumes what a single process saved (same checkpoint layout)
+        cli.main(RUN + ["--max_steps", "6", "--eval_every", "3", "--use_fp8", "--out_dir", str(tmp_path),
+                        "--stop_after", "3"])
+        cmd += ["--resume", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     info = json.loads((tmp_path / "run.json").read_text())
@@ -190,3 +194,22 @@ def test_two_processes_over_gloo_hold_the_same_fp8_scales(tmp_path, mode):
     assert [r["step"] for r in metrics(tmp_path)] == list(range(1, 7))
     ck = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
     assert ck["model"]["blocks.0.ffn.w13.weight"].shape == (384, 64), "the full, unsharded weight was saved"
+
+
+def test_any_seed_works_and_gives_its_own_batches():
+    corpus = torch.arange(10_000).to(torch.uint8)
+    a = data.batch(corpus, 2, 8, seed=20240101, step=10**6)[0]
+    b = data.batch(corpus, 2, 8, seed=2**62, step=3)[0]
+    assert a.shape == b.shape == (2, 8) and not torch.equal(a, b)
+
+
+def test_metrics_keep_one_row_per_step_when_resuming_from_an_earlier_checkpoint(tmp_path):
+    common = RUN + ["--max_steps", "8", "--eval_every", "4", "--out_dir", str(tmp_path)]
+    cli.main(common + ["--stop_after", "6", "--save_every", "4"])  # saves at 4, stops (and saves) at 6
+    ck = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    ck["step"] = 4  # as if the job had died after step 6 with only the step-4 checkpoint written
+    cli_state = tmp_path / "early"
+    cli_state.mkdir()
+    torch.save(ck, cli_state / "checkpoint.pt")
+    cli.main(common + ["--resume", str(cli_state)])
+    assert [r["step"] for r in metrics(tmp_path)] == list(range(1, 9))

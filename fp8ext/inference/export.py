@@ -77,11 +77,20 @@ def save_quantized(model: nn.Module, out_dir: Union[str, pathlib.Path], config: 
     if config is None and hasattr(model, "cfg"):
         import dataclasses
         config = dataclasses.asdict(model.cfg) if dataclasses.is_dataclass(model.cfg) else None
-    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()
-               if isinstance(v, torch.Tensor)}
+    tensors, tied, seen = {}, {}, {}
+    for k, v in model.state_dict(keep_vars=True).items():
+        if not isinstance(v, torch.Tensor):
+            continue
+        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.dtype)
+        if key in seen:  # a tied weight (e.g. the output head sharing the embedding): stored once
+            tied[k] = seen[key]
+            continue
+        seen[key] = k
+        tensors[k] = v.detach().contiguous().cpu()
     layers = {n: {"format": "E4M3", "layout": "row-major [out_features, in_features]", "weights": q["weights"],
                   "activations": q["activations"], "input_amax": q["input_amax"].get(n)} for n in q["layers"]}
-    meta = {"format": "pt", "producer": f"fp8ext {__version__}", "fp8ext": json.dumps({"layers": layers})}
+    meta = {"format": "pt", "producer": f"fp8ext {__version__}",
+            "fp8ext": json.dumps({"layers": layers, "tied": tied})}
     st.save_file(tensors, str(out / WEIGHTS_FILE), metadata=meta)
     cfg = {"architectures": [type(model).__name__], "model_config": config or {},
            "quantization_config": quantization_config(q), "torch_dtype": "bfloat16"}
@@ -107,7 +116,8 @@ def load_quantized(model_dir: Union[str, pathlib.Path], model_or_factory: Union[
                          f"(quant_method {qc.get('quant_method')!r}, format {qc.get('format')!r})")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     with st.safe_open(str(d / WEIGHTS_FILE), framework="pt") as f:
-        layers = json.loads(f.metadata()["fp8ext"])["layers"]
+        record = json.loads(f.metadata()["fp8ext"])
+    layers, tied = record["layers"], record.get("tied", {})
     if isinstance(model_or_factory, nn.Module):
         model = model_or_factory
     else:
@@ -121,11 +131,23 @@ def load_quantized(model_dir: Union[str, pathlib.Path], model_or_factory: Union[
     state = st.load_file(str(d / WEIGHTS_FILE), device=str(device))
     # safetensors aligns tensors in the file to 8 bytes; cuBLASLt wants 16-byte aligned operands
     state = {k: v if v.data_ptr() % 16 == 0 else v.clone() for k, v in state.items()}
-    model.load_state_dict(state, strict=False, assign=True)
-    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
-    for n in left:  # non-persistent buffers (e.g. rotary tables) are not in the file: recomputed
-        if not _rebuild_buffer(model, n, device):
-            raise ValueError(f"load_quantized: {n} is not in {d / WEIGHTS_FILE} and cannot be recomputed")
+    for alias, target in tied.items():
+        state[alias] = state[target]
+    missing = [k for k in model.load_state_dict(state, strict=False, assign=True).missing_keys
+               if not k.endswith("_extra_state")]  # high-precision fp8ext.Linear layers' FP8 state is not saved
+    if missing:
+        raise ValueError(f"load_quantized: {d / WEIGHTS_FILE} holds no {missing[:5]} for this model")
+    for alias, target in tied.items():  # re-tie: one Parameter, as in the saved model
+        mod_a, _, name_a = alias.rpartition(".")
+        mod_t, _, name_t = target.rpartition(".")
+        setattr(model.get_submodule(mod_a), name_a, getattr(model.get_submodule(mod_t), name_t))
+    for n, t in list(model.named_buffers()):  # non-persistent buffers (e.g. rotary tables) are not in the file
+        if t.is_meta or t.device != device:
+            if not _rebuild_buffer(model, n, device):
+                if t.is_meta:
+                    raise ValueError(f"load_quantized: {n} is not in {d / WEIGHTS_FILE} and cannot be recomputed")
+                mod, _, leaf = n.rpartition(".")
+                setattr(model.get_submodule(mod) if mod else model, leaf, t.to(device))
     first = next(iter(layers))
     model.fp8_quantization = {"weights": layers[first]["weights"], "activations": layers[first]["activations"],
                               "ignore": [], "ignored_modules": qc.get("ignore", []), "layers": sorted(layers),

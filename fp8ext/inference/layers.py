@@ -59,7 +59,9 @@ class FP8InferenceLinear(nn.Module):
         self.register_buffer("weight_scale", torch.ones(shape, dtype=torch.float32, device=device))
         self.register_buffer("input_scale", torch.ones(1, dtype=torch.float32, device=device)
                              if activations == "static" else None)
-        self.register_buffer("bias", torch.zeros(out_features, dtype=out_dtype, device=device) if bias else None)
+        # cuBLASLt's bias epilogue takes float16 with a float16 output and bfloat16 otherwise
+        self.bias_dtype = torch.float16 if out_dtype == torch.float16 else torch.bfloat16
+        self.register_buffer("bias", torch.zeros(out_features, dtype=self.bias_dtype, device=device) if bias else None)
 
     @classmethod
     @torch.no_grad()
@@ -88,7 +90,7 @@ class FP8InferenceLinear(nn.Module):
             a = torch.tensor(float(input_amax), dtype=torch.float32, device=w.device)
             layer.input_scale.copy_(scale_from_amax(a, E4M3)[1].reshape(1))
         if linear.bias is not None:
-            layer.bias.copy_(linear.bias.detach().to(out_dtype))
+            layer.bias.copy_(linear.bias.detach().to(layer.bias_dtype))
         return layer
 
     def _weight_scale_for_gemm(self, rows_kind: bool) -> torch.Tensor:

@@ -58,7 +58,7 @@ def calibrate(model: nn.Module, batches: Iterable, *, forward: Optional[Callable
 
     def hook(name):
         def record(module, args):
-            a = _amax(args[0].detach())
+            a = _amax(args[0].detach().contiguous())
             running[name] = a if name not in running else torch.maximum(running[name], a)
         return record
 
@@ -119,11 +119,13 @@ def quantize_model(model: nn.Module, weights: str = "channel", activations: str 
         missing = [n for n in layers if n not in calib]
         if missing:
             raise ValueError(f"quantize_model: no calibrated amax for {missing}")
+    # linears that stay in high precision (ignored, or dimensions FP8 GEMMs cannot take): checkpoints list them
+    kept = {n for n, m in model.named_modules() if n and (_ignored(n, ignore) or (
+        isinstance(m, (nn.Linear, FP8Linear)) and n not in layers))}
     for name, lin in layers.items():
         amax = calib.get(name) if calib else None
         _set_submodule(model, name, FP8InferenceLinear.from_linear(lin, weights, activations, amax, out_dtype))
-    ignored = sorted({n for n, m in model.named_modules() if _ignored(n, ignore) and n})
     model.fp8_quantization = {"weights": weights, "activations": activations, "ignore": list(ignore),
-                              "ignored_modules": ignored, "layers": sorted(layers),
-                              "input_amax": {n: calib[n] for n in layers} if calib else {}}
+                              "ignored_modules": sorted(kept), "layers": sorted(layers),
+                              "input_amax": {n: calib[n] for n in layers if n in calib} if calib else {}}
     return model

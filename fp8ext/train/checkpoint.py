@@ -20,15 +20,11 @@ __all__ = ["save", "load", "CHECKPOINT_NAME"]
 CHECKPOINT_NAME = "checkpoint.pt"
 
 
-def _is_fsdp(model) -> bool:
-    return any(type(m).__name__.startswith("FSDP") for m in model.modules())
-
-
 def _state_dicts(model, optimizer):
-    if _is_fsdp(model):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-        return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return model.state_dict(), optimizer.state_dict()
+    """Model and optimizer state in one layout for plain, DDP-unwrapped and FSDP2 models alike: full tensors on
+    the CPU, optimizer state keyed by parameter name, so a checkpoint resumes under any of them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def save(out_dir: str, model, optimizer, step: int, args: Dict[str, Any], extra: Optional[dict] = None) -> str:
@@ -56,13 +52,9 @@ def load(path: str, model, optimizer) -> Dict[str, Any]:
     if not p.is_file():
         raise FileNotFoundError(f"--resume: no checkpoint at {p}")
     state = torch.load(p, map_location="cpu", weights_only=False)
-    if _is_fsdp(model):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                       options=StateDictOptions(full_state_dict=True))
-    else:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=StateDictOptions(full_state_dict=True))
     torch.set_rng_state(state["rng"]["torch"])
     if state["rng"]["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng"]["cuda"][:torch.cuda.device_count()])

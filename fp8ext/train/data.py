@@ -76,7 +76,8 @@ def batch(data: torch.Tensor, batch_size: int, seq_len: int, seed: int, step: in
     seeded from (seed, step, micro, rank): the same arguments always give the same batch."""
     if data.numel() <= seq_len + 1:
         raise ValueError(f"the corpus ({data.numel()} bytes) is shorter than seq_len + 1 ({seq_len + 1})")
-    g = torch.Generator().manual_seed(((seed * 1_000_003 + step) * 1009 + micro) * 65_537 + rank)
+    key = (((seed * 1_000_003 + step) * 1009 + micro) * 65_537 + rank) % (1 << 63)  # any seed: manual_seed
+    g = torch.Generator().manual_seed(key)                                             # takes 63 bits
     starts = torch.randint(0, data.numel() - seq_len - 1, (batch_size,), generator=g)
     idx = starts[:, None] + torch.arange(seq_len + 1)
     tokens = data[idx].long()

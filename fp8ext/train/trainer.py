@@ -31,7 +31,7 @@ from .data import batch, load_corpus
 __all__ = ["train", "peak_bf16_flops"]
 
 # Dense bf16 tensor-core peaks (FLOP/s), for MFU. FP8 runs are measured against the same bf16 peak.
-_PEAKS = {"H100 PCIe": 756e12, "H100": 989.4e12, "H200": 989.4e12, "H800": 989.4e12, "A100": 312e12}
+_PEAKS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989.4e12, "H200": 989.4e12, "H800": 989.4e12, "A100": 312e12}
 
 
 def peak_bf16_flops(device: torch.device) -> Optional[float]:
@@ -180,6 +180,10 @@ def _train(args: Namespace, device: torch.device, rank: int, world: int) -> dict
               f"{' (' + args.fp8_recipe + ' scaling)' if args.use_fp8 else ''}, {info['device_name']} x {world}"
               f"{', FSDP2' if args.fsdp and world > 1 else ', DDP' if world > 1 else ''}"
               f"{', compiled' if args.compile else ''}; {corpus.description}")
+    if rank == 0 and args.resume and (out / "metrics.jsonl").is_file():  # drop rows past the checkpoint's step
+        kept = [line for line in (out / "metrics.jsonl").read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] <= start]
+        (out / "metrics.jsonl").write_text("".join(line + "\n" for line in kept))
     metrics = open(out / "metrics.jsonl", "a" if args.resume else "w") if rank == 0 else None
     log_every = max(1, min(10, args.max_steps // 30))
     bar = None
@@ -237,8 +241,9 @@ def _train(args: Namespace, device: torch.device, rank: int, world: int) -> dict
                     bar.update(len(pending))
             pending, t_last = [], time.perf_counter()  # evaluation time is not training time
         if args.save_every and not args.no_save and done % args.save_every == 0 and done != end:
+            t_save = time.perf_counter()
             checkpoint.save(args.out_dir, raw, opt, done, vars(args))
-            t_last = time.perf_counter()
+            t_last += time.perf_counter() - t_save  # saving is not training time; the steps before it are
     if bar is not None:
         bar.close()
     if not args.no_save and (start < end or not (out / checkpoint.CHECKPOINT_NAME).exists()):
