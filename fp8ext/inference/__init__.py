@@ -9,8 +9,10 @@ checkpoint (safetensors) that vLLM and transformers read. Packing, calibration a
     model = inference.load_quantized("model-fp8/", factory, device="cuda")
 """
 from .export import load_quantized, quantization_config, save_quantized
+from .generate import generate
+from .kv_cache import KVCache
 from .layers import ACTIVATION_SCHEMES, WEIGHT_SCHEMES, FP8InferenceLinear
 from .quantize import DEFAULT_IGNORE, calibrate, quantizable_linears, quantize_model
 
-__all__ = ["calibrate", "quantize_model", "save_quantized", "load_quantized", "quantization_config",
+__all__ = ["calibrate", "quantize_model", "save_quantized", "load_quantized", "quantization_config", "generate", "KVCache",
            "FP8InferenceLinear", "WEIGHT_SCHEMES", "ACTIVATION_SCHEMES", "DEFAULT_IGNORE", "quantizable_linears"]

@@ -1,8 +1,9 @@
-"""`python -m fp8ext.inference quantize|eval`: FP8 inference for models trained with fp8ext.train.
+"""`python -m fp8ext.inference quantize|eval|generate`: FP8 inference for models trained with fp8ext.train.
 
     python -m fp8ext.inference quantize --checkpoint runs/x --calib_batches 16 --weights channel \\
         --activations static --out runs/x-fp8
     python -m fp8ext.inference eval --model runs/x-fp8 [--data FILE_OR_DIR]   # bf16 and FP8 perplexity side by side
+    python -m fp8ext.inference generate --model runs/x-fp8 --prompt "def " --kv_cache fp8
 
 quantize reads a training checkpoint (a run directory or checkpoint.pt), calibrates on training text, packs the
 weights and writes a compressed-tensors checkpoint; it runs on a CPU. eval loads the FP8 checkpoint and the
@@ -85,6 +86,21 @@ def _eval(args) -> None:
           f"{math.exp((totals['fp8'] - totals['bf16']) / args.eval_batches) - 1:+.2%}, loss {change:+.2%}")
 
 
+@torch.no_grad()
+def _generate(args) -> None:
+    from .generate import generate
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = load_quantized(args.model, lambda c: Transformer(TransformerConfig(**c)), device=device).to(device)
+    prompt = torch.tensor([list(args.prompt.encode("utf-8"))], dtype=torch.long, device=device)
+    ids, stats = generate(model, prompt, args.max_new_tokens, kv_cache=None if args.kv_cache == "none" else
+                          args.kv_cache, temperature=args.temperature, seed=args.seed)
+    print(bytes(ids[0].tolist()).decode("utf-8", errors="replace"))
+    dec = stats["decode_tokens_per_s"]
+    print(f"--\nprefill {stats['prefill_tokens_per_s']:,.0f} tokens/s, decode "
+          f"{'n/a' if dec is None else f'{dec:,.1f}'} tokens/s, KV cache {args.kv_cache}: "
+          f"{stats['cache_bytes'] / 2**20:.2f} MiB ({device})")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fp8ext.inference", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -98,13 +114,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     e.add_argument("--model", required=True, help="a directory written by `quantize`")
     e.add_argument("--reference", default=None, help="the training checkpoint (default: the one it came from)")
     e.add_argument("--eval_batches", type=int, default=16)
+    g = sub.add_parser("generate", help="generate text from a prompt with a bf16 or FP8 KV cache")
+    g.add_argument("--model", required=True, help="a directory written by `quantize`")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max_new_tokens", type=int, default=64)
+    g.add_argument("--kv_cache", choices=["fp8", "bf16", "none"], default="fp8")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default=None)
     for s in (q, e):
         s.add_argument("--data", default=None, help="text file or directory (default: the training run's data)")
         s.add_argument("--batch_size", type=int, default=8)
         s.add_argument("--seq_len", type=int, default=None, help="default: the training run's")
         s.add_argument("--device", default=None)
     args = p.parse_args(argv)
-    (_quantize if args.command == "quantize" else _eval)(args)
+    {"quantize": _quantize, "eval": _eval, "generate": _generate}[args.command](args)
     return 0
 
 

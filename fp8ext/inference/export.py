@@ -88,7 +88,8 @@ def save_quantized(model: nn.Module, out_dir: Union[str, pathlib.Path], config: 
         seen[key] = k
         tensors[k] = v.detach().contiguous().cpu()
     layers = {n: {"format": "E4M3", "layout": "row-major [out_features, in_features]", "weights": q["weights"],
-                  "activations": q["activations"], "input_amax": q["input_amax"].get(n)} for n in q["layers"]}
+                  "activations": q["activations"], "input_amax": q["input_amax"].get(n),
+                  "out_dtype": str(model.get_submodule(n).out_dtype).replace("torch.", "")} for n in q["layers"]}
     meta = {"format": "pt", "producer": f"fp8ext {__version__}",
             "fp8ext": json.dumps({"layers": layers, "tied": tied})}
     st.save_file(tensors, str(out / WEIGHTS_FILE), metadata=meta)
@@ -127,7 +128,8 @@ def load_quantized(model_dir: Union[str, pathlib.Path], model_or_factory: Union[
         lin = model.get_submodule(name)
         _set_submodule(model, name, FP8InferenceLinear(
             lin.in_features, lin.out_features, bias=lin.bias is not None, weights=spec["weights"],
-            activations=spec["activations"], device="meta"))
+            activations=spec["activations"], device="meta",
+            out_dtype=getattr(torch, spec.get("out_dtype", "bfloat16"))))
     state = st.load_file(str(d / WEIGHTS_FILE), device=str(device))
     # safetensors aligns tensors in the file to 8 bytes; cuBLASLt wants 16-byte aligned operands
     state = {k: v if v.data_ptr() % 16 == 0 else v.clone() for k, v in state.items()}

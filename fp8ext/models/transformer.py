@@ -116,7 +116,9 @@ class GroupedQueryAttention(nn.Module):
         self.o_proj = te.Linear(h * hd, cfg.d_model, bias=False, device=device,
                                 init_method=_init_out(0.02 / math.sqrt(2 * cfg.n_layers)))
 
-    def forward(self, x, cos, sin, is_first_microbatch=None):
+    layer_idx = 0  # set by Transformer: which layer of a KV cache is this attention's
+
+    def forward(self, x, cos, sin, is_first_microbatch=None, kv_cache=None, start_pos: int = 0):
         b, s, _ = x.shape
         h, kv, hd = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
         mb = {"is_first_microbatch": is_first_microbatch}
@@ -127,9 +129,14 @@ class GroupedQueryAttention(nn.Module):
         q = apply_rope(q.view(b, s, h, hd).transpose(1, 2), cos, sin)
         k = apply_rope(k.view(b, s, kv, hd).transpose(1, 2), cos, sin)
         v = v.view(b, s, kv, hd).transpose(1, 2)
+        if kv_cache is not None:  # generation: store this step's K/V, attend over everything cached
+            if s > 1 and start_pos > 0:
+                raise NotImplementedError("Transformer: a prompt continued in chunks (s > 1 after position 0) "
+                                          "is not supported with a KV cache; prefill once, then decode")
+            k, v = kv_cache.update(self.layer_idx, k, v, start_pos)
         if kv != h:  # grouped-query attention: each K/V head serves h / kv query heads
             k, v = k.repeat_interleave(h // kv, dim=1), v.repeat_interleave(h // kv, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=s > 1)  # one new token attends to all before it
         return self.o_proj(y.transpose(1, 2).reshape(b, s, h * hd), **mb)
 
 
@@ -155,13 +162,14 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = te.RMSNorm(cfg.d_model, eps=cfg.norm_eps, device=device)
         self.ffn = SwiGLU(cfg, device)
 
-    def forward(self, x, cos, sin, is_first_microbatch=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, is_first_microbatch)
+    def forward(self, x, cos, sin, is_first_microbatch=None, kv_cache=None, start_pos: int = 0):
+        x = x + self.attn(self.attn_norm(x), cos, sin, is_first_microbatch, kv_cache, start_pos)
         return x + self.ffn(self.ffn_norm(x), is_first_microbatch)
 
 
 class Transformer(nn.Module):
     """Token ids [batch, seq] -> logits [batch, seq, vocab]; with `targets`, (logits, mean cross-entropy).
+    For generation, `kv_cache` (fp8ext.inference.KVCache) and `start_pos` (the position of ids[:, 0]).
 
     FP8 is switched on per call: `model(ids, fp8=True, fp8_recipe=...)` runs the blocks' linear layers inside
     `fp8_autocast` (fp8_group max-reduces amaxes across ranks); the embedding and the output projection always
@@ -175,6 +183,8 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, device=device)
         nn.init.normal_(self.embed.weight, std=0.02)
         self.blocks = nn.ModuleList(TransformerBlock(cfg, device) for _ in range(cfg.n_layers))
+        for i, block in enumerate(self.blocks):
+            block.attn.layer_idx = i
         self.norm = te.RMSNorm(cfg.d_model, eps=cfg.norm_eps, device=device)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, device=device)  # high precision
         nn.init.normal_(self.lm_head.weight, std=0.02)
@@ -183,18 +193,20 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, ids: torch.Tensor, targets: Optional[torch.Tensor] = None, *, fp8: bool = False,
-                fp8_recipe=None, fp8_group=None, is_first_microbatch: Optional[bool] = None):
+                fp8_recipe=None, fp8_group=None, is_first_microbatch: Optional[bool] = None, kv_cache=None,
+                start_pos: int = 0):
         if ids.dim() != 2:
             raise ValueError(f"Transformer: ids must be [batch, seq], got shape {list(ids.shape)}")
-        if ids.shape[1] > self.cfg.max_seq_len:
-            raise ValueError(f"Transformer: sequence length {ids.shape[1]} exceeds max_seq_len "
+        if start_pos + ids.shape[1] > self.cfg.max_seq_len:
+            raise ValueError(f"Transformer: sequence length {start_pos + ids.shape[1]} exceeds max_seq_len "
                              f"{self.cfg.max_seq_len}")
         if self.rope_cos.dtype != torch.float32:  # model.to(bfloat16) rounded the tables: RoPE stays float32
             self.rope_cos, self.rope_sin = rope_tables(self.cfg, self.rope_cos.device)
         x = self.embed(ids)
         with te.fp8_autocast(enabled=fp8, fp8_recipe=fp8_recipe, fp8_group=fp8_group):
+            cos, sin = self.rope_cos[start_pos:], self.rope_sin[start_pos:]
             for block in self.blocks:
-                x = block(x, self.rope_cos, self.rope_sin, is_first_microbatch)
+                x = block(x, cos, sin, is_first_microbatch, kv_cache, start_pos)
         logits = self.lm_head(self.norm(x))
         if targets is None:
             return logits
