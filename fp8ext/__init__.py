@@ -21,6 +21,7 @@ from ._gemm import gemm, gemm_cache_info, set_gemm_autotune
 from .context import autocast, fp8_autocast, get_fp8_recipe, get_scaling_manager, is_fp8_enabled
 from .convert import FP8ConversionWarning, convert_to_fp8, prepare_fp8
 from .debug import debug_checks_enabled, set_debug_checks
+from .profiling import profiling_enabled, set_profiling
 from .formats import E2M1, E2M3, E3M2, E4M3, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0, FP8Format, Format, SmallFormat
 from .linear import FP8Linear, Linear
 from .normalization import LayerNorm, RMSNorm
@@ -79,6 +80,8 @@ __all__ = [
     "prepare_fp8",
     "FP8ConversionWarning",
     "set_debug_checks",
+    "set_profiling",
+    "profiling_enabled",
     "debug_checks_enabled",
     "cuda_available",
     "build_info",

@@ -21,6 +21,7 @@ from ._boundary import dl_fp8, stream_of
 from .formats import E4M3, E5M2, FP8Format
 from .ops import amax as _amax
 from .ops import dequantize, quantize
+from .profiling import profiled
 
 __all__ = ["gemm", "set_gemm_autotune", "gemm_cache_info", "WORKSPACE_BYTES"]
 
@@ -67,6 +68,7 @@ def _fp8_format(t, arg: str) -> FP8Format:
     return f
 
 
+@profiled("fp8ext.gemm")
 def gemm(a: torch.Tensor, b: torch.Tensor, *, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
          out_dtype: Optional[torch.dtype] = None, bias: Optional[torch.Tensor] = None, use_fast_accum: bool = False,
          out: Optional[torch.Tensor] = None, accumulate: bool = False, out_scale: Optional[torch.Tensor] = None,

@@ -38,6 +38,7 @@ from .formats import FP8Format, format_of_code
 from .ops import amax as _amax
 from .ops import cast_transpose, scale_from_amax
 from ._gemm import gemm_eager
+from .profiling import profiled
 from .recipe import DelayedScaling
 
 __all__ = ["FP8Linear", "Linear"]
@@ -322,6 +323,7 @@ class FP8Linear(nn.Module):
         self._weight_cache = (key, w8, w8t, sinv)
         return w8, w8t, sinv
 
+    @profiled("FP8Linear.forward")
     def forward(self, input: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         """y = input W^T + b (a tuple (input W^T, b) with return_bias=True). is_first_microbatch (Transformer
         Engine's argument): None (default) casts the weight on every call; True casts it and keeps the cast;

@@ -17,6 +17,7 @@ import torch
 from . import _C, debug
 from ._boundary import FP8_DLPACK, describe, dl, dl_fp8, dl_opt, scale_arg, stream_of
 from .formats import E4M3, FP8Format, SmallFormat, format_of_dtype, resolve_format
+from .profiling import profiled
 
 __all__ = ["quantize", "dequantize", "amax", "cast_transpose", "quantize_rowwise", "quantize_blockwise",
            "scale_from_amax"]
@@ -38,6 +39,7 @@ def _scale_parts(scale: Scale) -> Tuple[Optional[torch.Tensor], float]:
     return (scale, 1.0) if isinstance(scale, torch.Tensor) else (None, float(scale))
 
 
+@profiled("fp8ext.quantize")
 def quantize(x: Any, fmt: Any = E4M3, scale: Scale = 1.0, *, saturate: bool = True, stochastic: bool = False,
              seed: Optional[int] = None, amax_out: Optional[torch.Tensor] = None,
              scale_inv_out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -99,6 +101,7 @@ def quantize_eager(x: Any, f: FP8Format, scale: Any, saturate: bool, stochastic:
     return out
 
 
+@profiled("fp8ext.dequantize")
 def dequantize(q: Any, scale_inv: Scale = 1.0, dtype: torch.dtype = torch.float32, *,
                fmt: Any = None) -> torch.Tensor:
     """x = float(q) * scale_inv, rounded (to nearest even) to `dtype` (float32, bfloat16 or float16).
@@ -132,6 +135,7 @@ def dequantize_eager(q: Any, f: FP8Format, scale_inv: Any, dtype: torch.dtype) -
     return out
 
 
+@profiled("fp8ext.amax")
 def amax(x: Any) -> torch.Tensor:
     """max|x| as a 0-d float32 tensor on x's device (0 for an empty x; NaN if x holds a NaN)."""
     if torch.compiler.is_compiling():
@@ -146,6 +150,7 @@ def amax_eager(x: Any) -> torch.Tensor:
     return out
 
 
+@profiled("fp8ext.cast_transpose")
 def cast_transpose(x: Any, fmt: Any = E4M3, scale: Scale = 1.0, amax_out: Optional[torch.Tensor] = None, *,
                    saturate: bool = True, scale_inv_out: Optional[torch.Tensor] = None
                    ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -211,6 +216,7 @@ def _format_of_q(q: Any, fmt: Any, fn: str) -> FP8Format:
 _to_dl = torch._C._to_dlpack  # fp8ext's own freshly allocated outputs: plain dtypes, always torch
 
 
+@profiled("fp8ext.quantize_rowwise")
 def quantize_rowwise(x: torch.Tensor, fmt: Any = E4M3) -> Tuple[torch.Tensor, torch.Tensor]:
     """(q, scale_inv): each row of a 2-D x [M, K] quantized with its own scale = fmt.max / max|row| (1 for an
     all-zero row), saturating; scale_inv [M] = 1 / scale, float32, as fp8ext.gemm takes it for per-row
@@ -219,6 +225,7 @@ def quantize_rowwise(x: torch.Tensor, fmt: Any = E4M3) -> Tuple[torch.Tensor, to
     return _quantize_blocks(x, f, "row", "quantize_rowwise")
 
 
+@profiled("fp8ext.quantize_blockwise")
 def quantize_blockwise(x: torch.Tensor, fmt: Any = E4M3, block: Tuple[int, int] = (1, 128)
                        ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(q, scale_inv): a 2-D x [R, C] quantized per block of 1 x 128 (activations) or 128 x 128 (weights),
