@@ -37,7 +37,6 @@ extern PyMethodDef fp8ext_op_methods[];
 extern PyMethodDef fp8ext_scaling_methods[];
 extern PyMethodDef fp8ext_gemm_methods[];
 
-/* An FP8 format code argument: FP8EXT_E4M3 or FP8EXT_E5M2, else ValueError. */
 /* quantize and dequantize also take the small formats (FPX_E2M1 .. FPX_E5M2FNUZ, codes one per uint8
  * byte), on the CPU only and with round to nearest even; every other operation takes E4M3 and E5M2. */
 static inline int fp8ext_check_fpx(int fmt, const fp8ext_view *x, int stochastic, const char *fn) {
@@ -61,6 +60,7 @@ static inline int fp8ext_check_fmt_or_fpx(int fmt, const char *fn) {
     return -1;
 }
 
+/* An FP8 format code argument: FP8EXT_E4M3 or FP8EXT_E5M2, else ValueError. */
 static inline int fp8ext_check_fmt(int fmt, const char *fn) {
     if (fmt == 0 || fmt == 1) return 0;
     PyErr_Format(PyExc_ValueError, "%s(): fmt must be 0 (E4M3) or 1 (E5M2), got %d", fn, fmt);

@@ -94,16 +94,23 @@ class FP8InferenceLinear(nn.Module):
         return layer
 
     def _weight_scale_for_gemm(self, rows_kind: bool) -> torch.Tensor:
-        if self.weights == "block128":  # cuBLASLt reads block scales with rows padded to 4 floats
-            nr, nc = self.weight_scale.shape
-            ld = -(-nc // 4) * 4
-            buf = torch.zeros(nr, ld, dtype=torch.float32, device=self.weight_scale.device)
-            buf[:, :nc] = self.weight_scale
-            return buf[:, :nc]
-        if self.weights == "channel":
-            return self.weight_scale.reshape(-1)
-        return self.weight_scale.reshape(-1).expand(self.out_features).contiguous() if rows_kind \
-            else self.weight_scale.reshape(())
+        """weight_scale in the layout cuBLASLt reads, made once and kept while weight_scale is unchanged."""
+        ws = self.weight_scale
+        key = (ws.data_ptr(), ws._version, ws.device, rows_kind)
+        cached = getattr(self, "_gemm_scale", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        if self.weights == "block128":  # rows padded to a multiple of 4 floats
+            nr, nc = ws.shape
+            buf = torch.zeros(nr, -(-nc // 4) * 4, dtype=torch.float32, device=ws.device)
+            buf[:, :nc] = ws
+            scale = buf[:, :nc]
+        elif self.weights == "channel":
+            scale = ws.reshape(-1)
+        else:  # per tensor: a 0-d scale, or one per row to pair with per-row activation scales
+            scale = ws.reshape(-1).expand(self.out_features).contiguous() if rows_kind else ws.reshape(())
+        self._gemm_scale = (key, scale)
+        return scale
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         """is_first_microbatch is accepted (and ignored) so the layer stands in for fp8ext.Linear."""
