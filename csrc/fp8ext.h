@@ -126,6 +126,23 @@ typedef struct {
     int fmt;
 } fp8ext_quantize_blocks_args;
 
+/* Decode attention over an FP8 (E4M3) KV cache: q [batch, n_heads, head_dim] (float32/bf16/f16), k and v
+ * [batch, n_kv, max_len, head_dim] E4M3 bytes with dequantizing per-head scales k_scale, v_scale [n_kv];
+ * positions [0, length) attended, softmax(q K^T * softmax_scale) V into out (q's dtype and shape).
+ * The positions are split over `splits` thread blocks per head; workspace holds
+ * batch * n_heads * splits * (head_dim + 2) floats. GPU only (the CPU reference is in Python). */
+typedef struct {
+    const void *q;
+    int q_dtype;
+    const uint8_t *k, *v;
+    const float *k_scale, *v_scale;
+    float *workspace;
+    void *out;
+    int64_t batch, n_heads, n_kv, max_len, head_dim, length;
+    int splits;
+    float softmax_scale;
+} fp8ext_decode_attention_args;
+
 /* CPU reference (csrc/cpu_ops.c). Pure computation: no allocation, no failure. */
 void fp8ext_cpu_quantize(const fp8ext_quantize_args *a);
 void fp8ext_cpu_dequantize(const fp8ext_dequantize_args *a);
@@ -145,6 +162,7 @@ int fp8ext_cuda_cast_transpose(const fp8ext_cast_transpose_args *a, void *stream
 int fp8ext_cuda_quantize_blocks(const fp8ext_quantize_blocks_args *a, void *stream, int num_sms);
 int fp8ext_cuda_scale_update(const fp8ext_scale_update_args *a, void *stream, int num_sms);
 int fp8ext_cuda_scale_from_amax(const fp8ext_scale_from_amax_args *a, void *stream, int num_sms);
+int fp8ext_cuda_decode_attention(const fp8ext_decode_attention_args *a, void *stream, int num_sms);
 int fp8ext_cuda_write_reciprocal(const float *scale_ptr, float scale_value, float *out, void *stream);
 
 #ifdef __cplusplus

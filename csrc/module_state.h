@@ -32,20 +32,17 @@ typedef int (*fp8ext_cuda_fn)(const void *args, void *stream, int num_sms);
 int fp8ext_run_op(PyObject *module, const fp8ext_view *where, Py_ssize_t stream, const char *fn, fp8ext_cpu_fn cpu,
                   fp8ext_cuda_fn cuda, const void *args);
 
-/* Method tables of py_ops.c, py_scaling.c and py_gemm.c, joined into the module's by module.c. */
+/* Method tables of py_ops.c, py_scaling.c, py_gemm.c and py_inference.c, joined into the module's by module.c. */
 extern PyMethodDef fp8ext_op_methods[];
 extern PyMethodDef fp8ext_scaling_methods[];
 extern PyMethodDef fp8ext_gemm_methods[];
+extern PyMethodDef fp8ext_inference_methods[];
 
 /* quantize and dequantize also take the small formats (FPX_E2M1 .. FPX_E5M2FNUZ, codes one per uint8
- * byte), on the CPU only and with round to nearest even; every other operation takes E4M3 and E5M2. */
+ * byte), on the CPU and on a GPU, with round to nearest even; every other operation takes E4M3 and E5M2. */
 static inline int fp8ext_check_fpx(int fmt, const fp8ext_view *x, int stochastic, const char *fn) {
     (void)fmt;
-    if (x->device_type != 1) {
-        PyErr_Format(PyExc_NotImplementedError, "%s(): the FP4/FP6/E8M0/fnuz formats run on the CPU only in this "
-                     "version (the CUDA kernels take E4M3 and E5M2); move the tensor to the CPU", fn);
-        return -1;
-    }
+    (void)x;
     if (stochastic) {
         PyErr_Format(PyExc_NotImplementedError, "%s(): stochastic rounding is for E4M3 and E5M2 only", fn);
         return -1;
@@ -55,7 +52,7 @@ static inline int fp8ext_check_fpx(int fmt, const fp8ext_view *x, int stochastic
 
 static inline int fp8ext_check_fmt_or_fpx(int fmt, const char *fn) {
     if (fmt >= 0 && fmt <= FPX_LAST) return 0;
-    PyErr_Format(PyExc_ValueError, "%s(): fmt must be 0 (E4M3), 1 (E5M2) or %d..%d (the small formats, on the CPU), "
+    PyErr_Format(PyExc_ValueError, "%s(): fmt must be 0 (E4M3), 1 (E5M2) or %d..%d (the small formats), "
                  "got %d", fn, FPX_FIRST, FPX_LAST, fmt);
     return -1;
 }

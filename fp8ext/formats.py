@@ -88,7 +88,7 @@ class Format(enum.Enum):
 
 @dataclass(frozen=True, repr=False)
 class SmallFormat(_Format):
-    """A format that fp8ext.quantize / dequantize take on the CPU, one code per uint8 byte: the OCP MX element
+    """A format that fp8ext.quantize / dequantize take (CPU and GPU), one code per uint8 byte: the OCP MX element
     formats E2M1 (FP4, max 6), E2M3 and E3M2 (FP6, max 7.5 and 28), which have no Inf or NaN and saturate;
     E8M0 (the MX block scale: powers of two 2^-127 .. 2^127, 0xFF NaN); and AMD MI300's FP8 variants
     E4M3FNUZ (max 240) and E5M2FNUZ (max 57344), with 0x80 their only NaN and no negative zero.

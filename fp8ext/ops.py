@@ -56,7 +56,7 @@ def quantize(x: Any, fmt: Any = E4M3, scale: Scale = 1.0, *, saturate: bool = Tr
 
     fmt may also be one of the small formats (fp8ext.E2M1, E2M3, E3M2, E8M0, E4M3FNUZ, E5M2FNUZ; see
     fp8ext.SmallFormat): the result is then uint8 codes, one per byte (pack them with fp8ext.pack_fp4 /
-    pack_fp6), computed on the CPU with round to nearest even.
+    pack_fp6), computed with round to nearest even (the same bytes on the CPU and on a GPU).
     """
     if isinstance(fmt, SmallFormat):
         return _quantize_small(x, fmt, scale, saturate, stochastic, amax_out, scale_inv_out)
@@ -71,7 +71,7 @@ def quantize(x: Any, fmt: Any = E4M3, scale: Scale = 1.0, *, saturate: bool = Tr
 
 
 def _quantize_small(x, f: SmallFormat, scale, saturate, stochastic, amax_out, scale_inv_out) -> torch.Tensor:
-    """quantize() into one of the small formats: uint8 codes, on the CPU (see SmallFormat)."""
+    """quantize() into one of the small formats: uint8 codes (see SmallFormat)."""
     shape, device = describe(x, "quantize")
     out = torch.empty(shape, dtype=torch.uint8, device=device)
     _C.quantize(dl(x), _to_dl(out), f.code, scale_arg(scale), amax_out=dl_opt(amax_out), saturate=saturate,
@@ -107,7 +107,7 @@ def dequantize(q: Any, scale_inv: Scale = 1.0, dtype: torch.dtype = torch.float3
     """x = float(q) * scale_inv, rounded (to nearest even) to `dtype` (float32, bfloat16 or float16).
 
     q: a torch.float8_e4m3fn / float8_e5m2 tensor (its dtype gives the format), or uint8 bytes with
-    `fmt` given (E4M3, E5M2 or one of the small formats, whose codes are one per byte, on the CPU).
+    `fmt` given (E4M3, E5M2 or one of the small formats, whose codes are one per byte).
     scale_inv: a Python number or a one-element float32 tensor on q's device.
     """
     fn = "dequantize"

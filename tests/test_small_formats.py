@@ -130,6 +130,48 @@ def test_small_formats_refuse_what_they_do_not_support():
 
 @requires_cuda
 @pytest.mark.cuda
-def test_small_formats_on_cuda_are_refused_not_computed_elsewhere():
-    with pytest.raises(NotImplementedError, match="run on the CPU only"):
-        fp8ext.quantize(torch.randn(16, device="cuda"), fp8ext.E2M1)
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=str)
+def test_gpu_codes_equal_the_cpu_reference_and_ml_dtypes(fmt, dtype):
+    if dtype == torch.bfloat16:
+        x = all_bf16()
+    elif dtype == torch.float32:
+        x = random_f32()
+    else:
+        x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    for saturate in (True, False):
+        for scale in (1.0, 0.375):
+            cpu = fp8ext.quantize(x, fmt, scale, saturate=saturate)
+            amax = torch.zeros((), device="cuda")
+            gpu = fp8ext.quantize(x.cuda(), fmt, scale, saturate=saturate, amax_out=amax)
+            bad = (gpu.cpu() != cpu).nonzero().flatten()
+            assert not len(bad), (f"{fmt.name} {dtype} saturate={saturate} scale={scale}: {len(bad)} codes differ, "
+                                  f"first inputs {x[bad[:4]].tolist()}: gpu {gpu.cpu()[bad[:4]].tolist()}, "
+                                  f"cpu {cpu[bad[:4]].tolist()}")
+            want_amax = torch.zeros(())
+            fp8ext.quantize(x, fmt, scale, saturate=saturate, amax_out=want_amax)
+            assert amax.cpu().view(torch.int32) == want_amax.view(torch.int32)
+    if dtype == torch.bfloat16:  # and the CPU reference is ml_dtypes' (tested above); check the GPU directly too
+        assert_codes(fp8ext.quantize(x.cuda(), fmt, 1.0, saturate=False).cpu(), ml_codes(x, fmt), x, f"gpu {fmt.name}")
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=str)
+def test_gpu_decoding_equals_the_cpu_reference(fmt, dtype):
+    codes = torch.arange(1 << fmt.bits, dtype=torch.uint8).repeat(37)  # odd length: the tail path too
+    for scale_inv in (1.0, 3.0, 2.0 ** -100):
+        cpu = fp8ext.dequantize(codes, scale_inv, dtype, fmt=fmt)
+        gpu = fp8ext.dequantize(codes.cuda(), scale_inv, dtype, fmt=fmt).cpu()
+        same = (gpu.view(torch.int16 if dtype != torch.float32 else torch.int32)
+                == cpu.view(torch.int16 if dtype != torch.float32 else torch.int32))
+        nan_both = gpu.isnan() & cpu.isnan()
+        assert bool((same | nan_both).all()), f"{fmt.name} -> {dtype} scale_inv={scale_inv}"
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_small_formats_refuse_stochastic_rounding_on_the_gpu_too():
+    with pytest.raises(NotImplementedError, match="stochastic rounding is for E4M3 and E5M2 only"):
+        fp8ext.quantize(torch.randn(16, device="cuda"), fp8ext.E2M1, stochastic=True)

@@ -138,3 +138,15 @@ inline bool aligned(const void *p, uintptr_t bytes) { return (reinterpret_cast<u
     if ((fmt) == FP8EXT_E4M3) { constexpr int FMT = FP8EXT_E4M3; __VA_ARGS__; }           \
     else if ((fmt) == FP8EXT_E5M2) { constexpr int FMT = FP8EXT_E5M2; __VA_ARGS__; }      \
     else return cudaErrorInvalidValue;
+
+// Dispatch on a small-format code (FPX_E2M1 .. FPX_E5M2FNUZ): runs the body with `FMT` bound.
+#define FP8EXT_DISPATCH_FPX(fmt, ...)                                                     \
+    switch (fmt) {                                                                        \
+    case FPX_E2M1: { constexpr int FMT = FPX_E2M1; __VA_ARGS__; } break;                  \
+    case FPX_E2M3: { constexpr int FMT = FPX_E2M3; __VA_ARGS__; } break;                  \
+    case FPX_E3M2: { constexpr int FMT = FPX_E3M2; __VA_ARGS__; } break;                  \
+    case FPX_E8M0: { constexpr int FMT = FPX_E8M0; __VA_ARGS__; } break;                  \
+    case FPX_E4M3FNUZ: { constexpr int FMT = FPX_E4M3FNUZ; __VA_ARGS__; } break;          \
+    case FPX_E5M2FNUZ: { constexpr int FMT = FPX_E5M2FNUZ; __VA_ARGS__; } break;          \
+    default: return cudaErrorInvalidValue;                                                \
+    }

@@ -123,12 +123,36 @@ cudaError_t launch(const fp8ext_dequantize_args *a, cudaStream_t stream, int num
     return cudaGetLastError();
 }
 
+// The small formats: one code per thread through fpx_decode, the CPU reference's own function.
+template <typename O, int FMT>
+__global__ void __launch_bounds__(kThreads)
+dequantize_fpx_kernel(const uint8_t *__restrict__ q, void *__restrict__ out, int64_t n,
+                      const float *__restrict__ scale_ptr, float scale_value) {
+    const float s = load_scale(scale_ptr, scale_value);
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
+         i += static_cast<int64_t>(gridDim.x) * kThreads)
+        Out<O>::store1(out, i, fpx_decode(q[i], FMT) * s);
+}
+
+template <typename O, int FMT>
+cudaError_t launch_fpx(const fp8ext_dequantize_args *a, cudaStream_t stream, int num_sms) {
+    const int64_t want = (a->n + kThreads - 1) / kThreads;
+    const int64_t cap = static_cast<int64_t>(num_sms) * (2048 / kThreads) * 4;
+    const int blocks = static_cast<int>(want < cap ? want : cap);
+    dequantize_fpx_kernel<O, FMT><<<blocks, kThreads, 0, stream>>>(a->q, a->out, a->n, a->scale_inv_ptr, a->scale_inv);
+    return cudaGetLastError();
+}
+
 }  // namespace
 }  // namespace fp8ext
 
 extern "C" int fp8ext_cuda_dequantize(const fp8ext_dequantize_args *a, void *stream, int num_sms) {
     if (a->n == 0) return cudaSuccess;
     cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (a->fmt >= FPX_FIRST) {
+        FP8EXT_DISPATCH_DTYPE(a->out_dtype, FP8EXT_DISPATCH_FPX(a->fmt, { return fp8ext::launch_fpx<T, FMT>(a, s, num_sms); }));
+        return cudaErrorInvalidValue;
+    }
     FP8EXT_DISPATCH_DTYPE(a->out_dtype, FP8EXT_DISPATCH_FMT(a->fmt, { return fp8ext::launch<T, FMT>(a, s, num_sms); }));
     return cudaErrorInvalidValue;
 }

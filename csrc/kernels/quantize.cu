@@ -119,6 +119,34 @@ cudaError_t launch(const fp8ext_quantize_args *a, cudaStream_t stream, int num_s
     return cudaGetLastError();
 }
 
+// The small formats (FP4, FP6, E8M0, fnuz FP8): one element per thread through fpx_quantize_rne, the CPU
+// reference's own function, so the two agree bit for bit. Codes are written one per byte.
+template <typename T, int FMT>
+__global__ void __launch_bounds__(kThreads)
+quantize_fpx_kernel(const T *__restrict__ x, uint8_t *__restrict__ q, int64_t n, const float *__restrict__ scale_ptr,
+                    float scale_value, float *amax_out, float *scale_inv_out, int saturate) {
+    const float scale = load_scale(scale_ptr, scale_value);
+    if (scale_inv_out && blockIdx.x == 0 && threadIdx.x == 0) *scale_inv_out = 1.0f / scale;
+    int32_t amax = 0;
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
+         i += static_cast<int64_t>(gridDim.x) * kThreads) {
+        const float v = Elem<T>::load1(x, i);
+        amax = max(amax, abs_bits(v));
+        q[i] = fpx_quantize_rne(v, scale, FMT, saturate);
+    }
+    if (amax_out) block_amax_commit<kThreads>(amax, amax_out);
+}
+
+template <typename T, int FMT>
+cudaError_t launch_fpx(const fp8ext_quantize_args *a, cudaStream_t stream, int num_sms) {
+    const int64_t want = (a->n + kThreads - 1) / kThreads;
+    const int64_t cap = static_cast<int64_t>(num_sms) * (2048 / kThreads) * 4;
+    const int blocks = static_cast<int>(want < cap ? want : cap);
+    quantize_fpx_kernel<T, FMT><<<blocks, kThreads, 0, stream>>>(static_cast<const T *>(a->x), a->q, a->n, a->scale_ptr,
+                                                                  a->scale, a->amax_out, a->scale_inv_out, a->saturate);
+    return cudaGetLastError();
+}
+
 }  // namespace
 }  // namespace fp8ext
 
@@ -127,6 +155,11 @@ extern "C" int fp8ext_cuda_quantize(const fp8ext_quantize_args *a, void *stream,
         return a->scale_inv_out ? fp8ext_cuda_write_reciprocal(a->scale_ptr, a->scale, a->scale_inv_out, stream)
                                 : cudaSuccess;
     cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (a->fmt >= FPX_FIRST) {
+        if (a->stochastic) return cudaErrorInvalidValue;
+        FP8EXT_DISPATCH_DTYPE(a->x_dtype, FP8EXT_DISPATCH_FPX(a->fmt, { return fp8ext::launch_fpx<T, FMT>(a, s, num_sms); }));
+        return cudaErrorInvalidValue;
+    }
     FP8EXT_DISPATCH_DTYPE(a->x_dtype, FP8EXT_DISPATCH_FMT(a->fmt, {
         return a->stochastic ? fp8ext::launch<T, FMT, true>(a, s, num_sms)
                              : fp8ext::launch<T, FMT, false>(a, s, num_sms);

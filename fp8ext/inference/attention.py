@@ -1,0 +1,117 @@
+"""Decode attention over a KV cache: one new query token per sequence attends to every cached position.
+
+    out = decode_attention(q, k_cache, v_cache, length, k_scale, v_scale)
+
+q is [batch, n_heads, head_dim]; k_cache and v_cache are [batch, n_kv_heads, max_len, head_dim], either
+float8_e4m3fn bytes with dequantizing per-head scales k_scale / v_scale [n_kv_heads] (K = k_byte * k_scale), or
+bfloat16/float16 with no scales. Grouped-query attention: query head i reads K/V head i // (n_heads / n_kv_heads).
+Positions [0, length) are attended; the softmax uses softmax_scale (1 / sqrt(head_dim) by default).
+
+On a GPU with an FP8 cache, a CUDA kernel reads the FP8 bytes directly (no dequantized copy of the cache is made),
+splits the cached positions over thread blocks and merges the partial softmaxes (flash-decoding). Elsewhere the
+reference below runs: dequantize the used part of the cache to float32 and compute softmax(q K^T) V in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import torch
+
+__all__ = ["decode_attention", "decode_attention_reference"]
+
+
+def _check(q, k_cache, v_cache, length, k_scale, v_scale, fn="decode_attention"):
+    if q.dim() != 3:
+        raise ValueError(f"{fn}(): q must be [batch, n_heads, head_dim], got shape {list(q.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"{fn}(): k_cache and v_cache must both be [batch, n_kv_heads, max_len, head_dim], got "
+                         f"{list(k_cache.shape)} and {list(v_cache.shape)}")
+    b, h, hd = q.shape
+    bk, kv, max_len, hdk = k_cache.shape
+    if bk != b or hdk != hd:
+        raise ValueError(f"{fn}(): q {list(q.shape)} and k_cache {list(k_cache.shape)} disagree on batch or head_dim")
+    if kv == 0 or h % kv:
+        raise ValueError(f"{fn}(): n_heads {h} must be a multiple of n_kv_heads {kv}")
+    if not isinstance(length, int) or not 0 < length <= max_len:
+        raise ValueError(f"{fn}(): length must be an int in [1, {max_len}], got {length!r}")
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"{fn}(): q must be bfloat16, float16 or float32, got {q.dtype}")
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(f"{fn}(): k_cache and v_cache must have one dtype, got {k_cache.dtype} and {v_cache.dtype}")
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8:
+        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.numel() != kv:
+                raise TypeError(f"{fn}(): {name} must be a float32 tensor of {kv} per-head scales for an FP8 cache, "
+                                f"got {s if not isinstance(s, torch.Tensor) else (s.dtype, list(s.shape))}")
+            if s.device != q.device:
+                raise ValueError(f"{fn}(): {name} is on {s.device}, q on {q.device}")
+    elif k_cache.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"{fn}(): k_scale/v_scale apply to an FP8 cache only; the cache is {k_cache.dtype}")
+    else:
+        raise TypeError(f"{fn}(): the cache must be float8_e4m3fn, bfloat16, float16 or float32, got {k_cache.dtype}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.device != q.device:
+            raise ValueError(f"{fn}(): {name} is on {t.device}, q on {q.device}")
+    return fp8
+
+
+def decode_attention_reference(q, k_cache, v_cache, length: int, k_scale=None, v_scale=None,
+                               softmax_scale: Optional[float] = None) -> torch.Tensor:
+    """float32 reference: dequantize K/V [0, length) and compute softmax(q K^T * softmax_scale) V."""
+    fp8 = _check(q, k_cache, v_cache, length, k_scale, v_scale, "decode_attention_reference")
+    b, h, hd = q.shape
+    kv = k_cache.shape[1]
+    k = k_cache[:, :, :length].float()
+    v = v_cache[:, :, :length].float()
+    if fp8:
+        k = k * k_scale.view(1, kv, 1, 1)
+        v = v * v_scale.view(1, kv, 1, 1)
+    scale = 1.0 / math.sqrt(hd) if softmax_scale is None else float(softmax_scale)
+    qg = q.float().view(b, kv, h // kv, hd)                          # query heads grouped by their K/V head
+    scores = torch.einsum("bgqd,bgld->bgql", qg, k) * scale          # [b, kv, h/kv, length]
+    p = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bgql,bgld->bgqd", p, v)
+    return out.reshape(b, h, hd).to(q.dtype)
+
+
+def decode_attention(q, k_cache, v_cache, length: int, k_scale=None, v_scale=None,
+                     softmax_scale: Optional[float] = None) -> torch.Tensor:
+    """Attention of one query token per sequence over positions [0, length) of the cache (see the module
+    docstring). Returns [batch, n_heads, head_dim] in q's dtype."""
+    fp8 = _check(q, k_cache, v_cache, length, k_scale, v_scale)
+    if q.is_cuda and fp8:
+        from .. import _C
+        from .._boundary import dl, dl_fp8
+        b, h, hd = q.shape
+        kv = k_cache.shape[1]
+        if not k_cache.is_contiguous() or not v_cache.is_contiguous():
+            raise ValueError("decode_attention(): k_cache and v_cache must be contiguous on a GPU")
+        scale = 1.0 / math.sqrt(hd) if softmax_scale is None else float(softmax_scale)
+        splits = _splits(b, h, kv, length, q.device)
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        workspace = torch.empty(b * h * splits * (hd + 2), dtype=torch.float32, device=q.device)
+        _C.decode_attention(dl(q), dl_fp8(k_cache), dl_fp8(v_cache), dl(k_scale.contiguous()),
+                            dl(v_scale.contiguous()), dl(out), dl(workspace), length, scale, splits,
+                            torch.cuda.current_stream(q.device).cuda_stream)
+        return out
+    return decode_attention_reference(q, k_cache, v_cache, length, k_scale, v_scale, softmax_scale)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _splits(b: int, h: int, kv: int, length: int, device) -> int:
+    """How many thread blocks share one K/V head's positions: enough blocks for 4 per multiprocessor, at least
+    64 positions per block, and at most 12288 / (h / kv) positions per block (its scores sit in shared memory)."""
+    group = h // kv
+    want = -(-4 * _num_sms(device.index if device.index is not None else torch.cuda.current_device()) // (b * kv))
+    splits = max(1, min(want, -(-length // 64)))
+    return max(splits, -(-length // (12288 // group)))
