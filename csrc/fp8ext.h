@@ -143,6 +143,27 @@ typedef struct {
     float softmax_scale;
 } fp8ext_decode_attention_args;
 
+/* Weight-only matrix multiply for few tokens: out [m, n] (bf16) = x [m, k] (bf16) times W^T, W [n, k] stored
+ * as fmt's codes (rows of k * bits / 8 bytes) with block_scales (E8M0 per 32 values for the MX formats, E4M3
+ * per 16 for NVFP4), channel_scale [n] (FP8) and tensor_scale [1] (NVFP4) or NULL. m <= 16, n % 64 == 0,
+ * k % 256 == 0. K is split over `splits` blocks per column group; workspace holds splits * m * n floats and
+ * counters n / 64 ints that are zero before the call and zero again after it. GPU only. */
+enum { FP8EXT_WO_FP8 = 0, FP8EXT_WO_MXFP8 = 1, FP8EXT_WO_MXFP6_E3M2 = 2, FP8EXT_WO_MXFP6_E2M3 = 3,
+       FP8EXT_WO_MXFP4 = 4, FP8EXT_WO_NVFP4 = 5 };
+typedef struct {
+    const void *x;
+    const uint8_t *w;
+    const uint8_t *block_scales;
+    const float *channel_scale;
+    const float *tensor_scale;
+    float *workspace;
+    int *counters;
+    void *out;
+    int64_t m, n, k;
+    int fmt;
+    int splits;
+} fp8ext_weight_only_args;
+
 /* CPU reference (csrc/cpu_ops.c). Pure computation: no allocation, no failure. */
 void fp8ext_cpu_quantize(const fp8ext_quantize_args *a);
 void fp8ext_cpu_dequantize(const fp8ext_dequantize_args *a);
@@ -163,6 +184,7 @@ int fp8ext_cuda_quantize_blocks(const fp8ext_quantize_blocks_args *a, void *stre
 int fp8ext_cuda_scale_update(const fp8ext_scale_update_args *a, void *stream, int num_sms);
 int fp8ext_cuda_scale_from_amax(const fp8ext_scale_from_amax_args *a, void *stream, int num_sms);
 int fp8ext_cuda_decode_attention(const fp8ext_decode_attention_args *a, void *stream, int num_sms);
+int fp8ext_cuda_weight_only(const fp8ext_weight_only_args *a, void *stream, int num_sms);
 int fp8ext_cuda_write_reciprocal(const float *scale_ptr, float scale_value, float *out, void *stream);
 
 #ifdef __cplusplus

@@ -26,6 +26,7 @@ from .formats import E2M1, E2M3, E3M2, E4M3, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0, FP8
 from .linear import FP8Linear, Linear
 from .normalization import LayerNorm, RMSNorm
 from .mx import dequantize_mx, dequantize_nvfp4, quantize_mx, quantize_nvfp4
+from .weight_only import WEIGHT_ONLY_FORMATS, WeightOnlyLinear
 from .packing import pack_fp4, pack_fp6, unpack_fp4, unpack_fp6
 from .ops import amax, cast_transpose, dequantize, quantize, quantize_blockwise, quantize_rowwise, scale_from_amax
 from .recipe import CurrentScaling, DelayedScaling, Float8CurrentScaling
@@ -46,6 +47,8 @@ __all__ = [
     "E4M3FNUZ",
     "E5M2FNUZ",
     "quantize_mx",
+    "WeightOnlyLinear",
+    "WEIGHT_ONLY_FORMATS",
     "dequantize_mx",
     "quantize_nvfp4",
     "dequantize_nvfp4",

@@ -13,8 +13,9 @@ NVFP4: blocks of 16 E2M1 values with an E4M3 block scale and one float32 scale f
     tensor_scale = amax(x) / (448 * 6), block scale s = fp8_E4M3(amax(block) / 6 / tensor_scale),
     elements = E2M1(x / (s * tensor_scale)),   x ~= element * s * tensor_scale.
 
-The roundings are fp8ext's (fp8ext.quantize); this module only arranges blocks and scales. Codes come one per
-byte (fp8ext.pack_fp4 / pack_fp6 pack them). GPU kernels for these are not written yet.
+The roundings are fp8ext's (fp8ext.quantize); this module only arranges blocks and scales, with torch operations,
+so the same code runs on the CPU and on a GPU and gives the same bytes (a few passes over the tensor, not one).
+Codes come one per byte (fp8ext.pack_fp4 / pack_fp6 pack them).
 """
 
 from __future__ import annotations
@@ -37,8 +38,6 @@ def _blocks(x: torch.Tensor, block: int, fn: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"{fn}(): x must be a float32, bfloat16 or float16 tensor, got "
                         f"{getattr(x, 'dtype', type(x).__name__)}")
-    if x.device.type != "cpu":
-        raise NotImplementedError(f"{fn}(): block scaling runs on the CPU only in this version")
     if x.dim() == 0 or x.shape[-1] % block:
         raise ValueError(f"{fn}(): the last dimension of x must be a multiple of block={block}, got shape "
                          f"{list(x.shape)}")

@@ -1,4 +1,5 @@
-"""MX (OCP Microscaling) and NVFP4 block scaling on the CPU, against an independent numpy / ml_dtypes reference."""
+"""MX (OCP Microscaling) and NVFP4 block scaling, against an independent numpy / ml_dtypes reference on the CPU, and
+on a GPU against the CPU bit for bit."""
 import math
 
 import ml_dtypes
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 import fp8ext
+from conftest import requires_cuda
 
 ML = {"E4M3": ml_dtypes.float8_e4m3fn, "E5M2": ml_dtypes.float8_e5m2, "E3M2": ml_dtypes.float6_e3m2fn,
       "E2M3": ml_dtypes.float6_e2m3fn, "E2M1": ml_dtypes.float4_e2m1fn}
@@ -108,3 +110,33 @@ def test_block_scaling_refuses_bad_arguments():
         fp8ext.quantize_mx(torch.randn(32), scale_rule="round")
     with pytest.raises(TypeError, match="x must be a float32"):
         fp8ext.quantize_nvfp4(torch.zeros(16, dtype=torch.int32))
+
+
+def _u8(t):
+    return t.view(torch.uint8) if t.dtype != torch.uint8 else t
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("f", ELEMS, ids=lambda f: f.name)
+@pytest.mark.parametrize("rule", ["floor", "rceil"])
+def test_mx_on_the_gpu_gives_the_cpu_bytes(f, rule):
+    x = sample(seed=3, rows=64, cols=1024)
+    x[3, 7] = float("nan")
+    for dtype in (torch.float32, torch.bfloat16):
+        e_cpu, s_cpu = fp8ext.quantize_mx(x.to(dtype), f, scale_rule=rule)
+        e_gpu, s_gpu = fp8ext.quantize_mx(x.to(dtype).cuda(), f, scale_rule=rule)
+        assert torch.equal(_u8(e_gpu).cpu(), _u8(e_cpu)) and torch.equal(s_gpu.cpu(), s_cpu)
+        back = fp8ext.dequantize_mx(e_gpu, s_gpu, f).cpu()
+        want = fp8ext.dequantize_mx(e_cpu, s_cpu, f)
+        assert torch.equal(back.nan_to_num(7.0), want.nan_to_num(7.0))
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_nvfp4_on_the_gpu_gives_the_cpu_bytes():
+    x = sample(seed=4, rows=32, cols=512) * 1e-3
+    e_cpu, b_cpu, t_cpu = fp8ext.quantize_nvfp4(x)
+    e_gpu, b_gpu, t_gpu = fp8ext.quantize_nvfp4(x.cuda())
+    assert torch.equal(e_gpu.cpu(), e_cpu) and torch.equal(_u8(b_gpu).cpu(), _u8(b_cpu))
+    assert t_gpu.cpu().view(torch.int32) == t_cpu.view(torch.int32)

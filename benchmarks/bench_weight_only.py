@@ -1,0 +1,93 @@
+"""Decode-sized matrix multiplies (M = 1..16 tokens) with weight-only FP8 / MXFP6 / MXFP4 / NVFP4 weights against
+bf16 F.linear, in one run on one GPU, with the device's copy bandwidth as the ceiling.
+
+Each layer is held in several copies, more than the L2 cache holds together, and the timed loop cycles through
+them, so every call reads its weights from HBM as a decode step does. Timing: CUDA events around a loop of calls
+(no synchronisation inside), medians of 5 repeats, after warm-up; random weights and inputs.
+
+    python benchmarks/bench_weight_only.py [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _harness import copy_tbps, device_header, save, steady_ms, table  # noqa: E402
+
+from fp8ext.weight_only import WeightOnlyLinear  # noqa: E402
+
+SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]  # (K, N)
+FORMATS = ["fp8", "mxfp6", "mxfp4", "nvfp4"]
+GOALS = {"fp8": 1.8, "mxfp6": 2.2, "mxfp4": 3.0, "nvfp4": 3.0}
+L2_BYTES = 256 << 20  # the copies of one layer together: well past H100's 50 MB L2
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="one shape, M in (1, 16)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_weight_only: no CUDA device; nothing to measure")
+        return
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    ms = [1, 16] if args.quick else [1, 4, 16]
+    head = device_header()
+    copy_bw = copy_tbps()
+    print(f"# weight-only decode GEMMs, {head['device']}, {head['date']}; copy bandwidth {copy_bw:.2f} TB/s "
+          f"(read + write)")
+    rows = []
+    for k, n in shapes:
+        torch.manual_seed(0)
+        w = torch.randn(n, k) * 0.02
+        reps = max(2, -(-L2_BYTES // (n * k * 2)))
+        bf16 = [w.to("cuda", torch.bfloat16) for _ in range(reps)]
+        lin = torch.nn.Linear(k, n, bias=False, device="cuda")
+        with torch.no_grad():
+            lin.weight.copy_(w)  # packed on the GPU (fp8ext.mx runs there too)
+        layers = {}
+        for fmt in FORMATS:
+            one = WeightOnlyLinear.from_linear(lin, fmt).cuda()
+            layers[fmt] = [one] + [copy_layer(one) for _ in range(reps - 1)]
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            times = {"bf16": cycle_ms(lambda i: F.linear(x, bf16[i]), reps)}
+            for fmt in FORMATS:
+                assert layers[fmt][0].uses_kernel(x)
+                times[fmt] = cycle_ms(lambda i, L=layers[fmt]: L[i](x), reps)
+            for name, t in times.items():
+                nbytes = n * k * 2 if name == "bf16" else layers[name][0].nbytes
+                rows.append({"K": k, "N": n, "M": m, "weights": name, "us": t * 1e3,
+                             "speedup": times["bf16"] / t, "goal": GOALS.get(name, ""),
+                             "TB/s": nbytes / t / 1e9, "of copy": nbytes / t / 1e9 / (copy_bw / 2)})
+        del bf16, layers
+        torch.cuda.empty_cache()
+    print(table(rows, ["K", "N", "M", "weights", "us", "speedup", "goal", "TB/s", "of copy"],
+                {"us": "{:.1f}", "speedup": "{:.2f}x", "TB/s": "{:.2f}", "of copy": "{:.0%}"}))
+    print("(TB/s: weight bytes read per second; 'of copy': that over the copy's read bandwidth, copy / 2)")
+    save("bench_weight_only.json", {"header": head, "copy_tbps": copy_bw, "rows": rows})
+
+
+def copy_layer(layer):
+    """An independent copy of a layer's buffers on the same device (another place in memory)."""
+    return copy.deepcopy(layer)
+
+
+def cycle_ms(call, reps: int) -> float:
+    """Milliseconds per call, cycling through `reps` copies of the weights (4 passes per timed loop)."""
+    state = {"i": 0}
+
+    def step():
+        call(state["i"])
+        state["i"] = (state["i"] + 1) % reps
+
+    return steady_ms(step, steps=4 * reps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""Weight-only quantized linear layers: FP8, MXFP8, MXFP6, MXFP4 and NVFP4 weights, bf16 activations.
+
+A decode step reads every weight once, so its time is about (weight bytes) / (memory bandwidth): bf16 stores
+16 bits per weight, FP8 8 (plus a float32 scale per output channel), MXFP6 6.25, MXFP4 4.25 and NVFP4 4.5 (the
+block scales included). Hopper has no FP4/FP6 tensor cores, so the saving is in the bytes moved, not in the math.
+
+    layer = fp8ext.WeightOnlyLinear.from_linear(linear, "mxfp4")   # packs on the CPU, keeps linear's device
+    y = layer(x)                                                   # x [..., in_features], bf16
+
+Formats:
+    "fp8"         E4M3, one float32 scale per output channel (448 / amax of the row)
+    "mxfp8"       E4M3 in OCP MX blocks of 32 values along K with an E8M0 (power-of-two) scale each
+    "mxfp6"       E3M2 (max 28) in MX blocks of 32, codes packed 4 in 3 bytes
+    "mxfp6_e2m3"  E2M3 (max 7.5) in MX blocks of 32
+    "mxfp4"       E2M1 (max 6) in MX blocks of 32, codes packed 2 per byte
+    "nvfp4"       E2M1 in blocks of 16 with an E4M3 scale each and one float32 scale for the tensor
+Quantization follows fp8ext.mx (round to nearest even, saturating; MX scales by the specification's floor rule).
+The layer holds only the packed codes and the scales: no high-precision copy of the weight.
+
+Forward: on a GPU with bf16 input and at most 16 tokens (decode), a CUDA kernel streams the packed weights once,
+dequantizes them in registers and multiplies on the tensor cores (bf16 in, float32 accumulation); it needs
+in_features % 256 == 0 and out_features % 64 == 0. Otherwise (more tokens, another dtype, the CPU, other sizes) the
+weight is dequantized to x's dtype and F.linear runs: the same values, through cuBLAS's GEMM. Each call on the GPU
+path uses a per-layer counter buffer: do not run one layer on two CUDA streams at the same time.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .formats import E2M1, E2M3, E3M2, E4M3
+from .mx import dequantize_mx, dequantize_nvfp4, quantize_mx, quantize_nvfp4
+from .ops import quantize
+from .packing import pack_fp4, pack_fp6, unpack_fp4, unpack_fp6
+
+__all__ = ["WeightOnlyLinear", "WEIGHT_ONLY_FORMATS", "bits_per_weight"]
+
+# name -> (kernel code, element format, block size, bits per stored code)
+_FORMATS = {
+    "fp8": (0, E4M3, None, 8), "mxfp8": (1, E4M3, 32, 8), "mxfp6": (2, E3M2, 32, 6),
+    "mxfp6_e2m3": (3, E2M3, 32, 6), "mxfp4": (4, E2M1, 32, 4), "nvfp4": (5, E2M1, 16, 4),
+}
+WEIGHT_ONLY_FORMATS = tuple(_FORMATS)
+
+
+def bits_per_weight(fmt: str, in_features: int = 4096) -> float:
+    """Stored bits per weight, scales included (per-channel scales spread over in_features)."""
+    _, _, block, bits = _fmt(fmt, "bits_per_weight")
+    return bits + (32 / in_features if block is None else 8 / block)
+
+
+def _fmt(fmt, fn):
+    if fmt not in _FORMATS:
+        raise ValueError(f"{fn}(): fmt must be one of {list(_FORMATS)}, got {fmt!r}")
+    return _FORMATS[fmt]
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+class WeightOnlyLinear(nn.Module):
+    """y = x W^T (+ bias) with W held as packed low-precision codes and scales (see the module docstring)."""
+
+    def __init__(self, in_features: int, out_features: int, fmt: str, bias: bool = False, device=None):
+        super().__init__()
+        code, elem, block, bits = _fmt(fmt, "WeightOnlyLinear")
+        if in_features <= 0 or out_features <= 0:
+            raise ValueError(f"WeightOnlyLinear: in_features and out_features must be positive, got "
+                             f"{in_features}, {out_features}")
+        if block and in_features % block:
+            raise ValueError(f"WeightOnlyLinear: in_features ({in_features}) must be a multiple of {fmt}'s block "
+                             f"size {block}")
+        if fmt == "mxfp6" or fmt == "mxfp6_e2m3":
+            if in_features % 4:
+                raise ValueError("WeightOnlyLinear: FP6 packs 4 codes in 3 bytes: in_features must be a multiple of 4")
+        self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
+        row_bytes = in_features * bits // 8
+        self.register_buffer("codes", torch.zeros(out_features, row_bytes, dtype=torch.uint8, device=device))
+        nblk = in_features // block if block else 0
+        self.register_buffer("block_scales", torch.zeros(out_features, nblk, dtype=torch.uint8, device=device)
+                             if block else None)
+        self.register_buffer("channel_scale", torch.ones(out_features, device=device) if fmt == "fp8" else None)
+        self.register_buffer("tensor_scale", torch.ones(1, device=device) if fmt == "nvfp4" else None)
+        self.register_buffer("bias", torch.zeros(out_features, dtype=torch.bfloat16, device=device) if bias else None)
+        self.register_buffer("_counters", torch.zeros(max(1, out_features // 64), dtype=torch.int32, device=device),
+                             persistent=False)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt!r}, " \
+               f"bias={self.bias is not None}"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored weight: codes and scales (the bias not counted)."""
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.block_scales, self.channel_scale,
+                                                           self.tensor_scale) if t is not None)
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Module, fmt: str) -> "WeightOnlyLinear":
+        """Quantizes and packs `linear`'s weight into a new layer on the weight's device (the packing runs there
+        too, on the CPU or a GPU, with the same result)."""
+        if not hasattr(linear, "weight") or not isinstance(linear.weight, torch.Tensor) or linear.weight.dim() != 2:
+            raise TypeError(f"WeightOnlyLinear.from_linear(): linear must have a 2-D weight, got "
+                            f"{type(linear).__name__}")
+        w = linear.weight.detach()
+        out_f, in_f = w.shape
+        bias = getattr(linear, "bias", None)
+        layer = cls(in_f, out_f, fmt, bias=bias is not None, device=w.device)
+        layer.pack_(w)
+        if bias is not None:
+            layer.bias.copy_(bias.detach().to(torch.bfloat16))
+        return layer
+
+    @torch.no_grad()
+    def pack_(self, weight: torch.Tensor) -> "WeightOnlyLinear":
+        """Quantizes `weight` [out_features, in_features] into this layer's codes and scales."""
+        if weight.shape != (self.out_features, self.in_features):
+            raise ValueError(f"WeightOnlyLinear.pack_(): weight must be [{self.out_features}, {self.in_features}], "
+                             f"got {list(weight.shape)}")
+        w = weight.detach().to(self.codes.device, torch.float32).contiguous()
+        if not bool(torch.isfinite(w).all()):
+            raise ValueError("WeightOnlyLinear.pack_(): weight holds NaN or Inf")
+        code, elem, block, bits = _FORMATS[self.fmt]
+        dev = self.codes.device  # w is there too
+        if self.fmt == "fp8":
+            amax = w.abs().amax(dim=1)
+            scale = torch.where(amax > 0, E4M3.max / amax, torch.ones_like(amax))
+            q = quantize((w * scale[:, None]).contiguous(), E4M3, 1.0)
+            self.codes.copy_(q.view(torch.uint8).to(dev))
+            self.channel_scale.copy_((1.0 / scale).to(dev))
+        elif self.fmt == "nvfp4":
+            codes, bscales, tscale = quantize_nvfp4(w)
+            self.codes.copy_(pack_fp4(codes).to(dev))
+            self.block_scales.copy_(bscales.view(torch.uint8).to(dev))
+            self.tensor_scale.copy_(tscale.reshape(1).to(dev))
+        else:
+            elements, scales = quantize_mx(w, elem, block=32)
+            codes = elements.view(torch.uint8) if elements.dtype != torch.uint8 else elements
+            packed = pack_fp4(codes) if bits == 4 else pack_fp6(codes) if bits == 6 else codes
+            self.codes.copy_(packed.to(dev))
+            self.block_scales.copy_(scales.to(dev))
+        return self
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight these codes and scales stand for, [out_features, in_features], rounded to dtype."""
+        code, elem, block, bits = _FORMATS[self.fmt]
+        if self.fmt == "fp8":
+            w = self.codes.view(torch.float8_e4m3fn).float() * self.channel_scale[:, None]
+            return w.to(dtype)
+        codes = unpack_fp4(self.codes) if bits == 4 else unpack_fp6(self.codes) if bits == 6 else self.codes
+        if self.fmt == "nvfp4":
+            return dequantize_nvfp4(codes, self.block_scales.view(torch.float8_e4m3fn), self.tensor_scale[0], dtype)
+        elements = codes.view(torch.float8_e4m3fn) if self.fmt == "mxfp8" else codes
+        return dequantize_mx(elements, self.block_scales, elem, 32, dtype)
+
+    def uses_kernel(self, x: torch.Tensor) -> bool:
+        """Whether forward(x) runs the few-token CUDA kernel (see the module docstring)."""
+        m = x.numel() // max(1, x.shape[-1])
+        return (x.is_cuda and x.dtype == torch.bfloat16 and 1 <= m <= 16 and self.in_features % 256 == 0
+                and self.out_features % 64 == 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"WeightOnlyLinear: x's last dimension must be {self.in_features}, got {list(x.shape)}")
+        if x.device != self.codes.device:
+            raise ValueError(f"WeightOnlyLinear: x is on {x.device}, the weights on {self.codes.device}")
+        if not self.uses_kernel(x):
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return F.linear(x, self.dequantized_weight(x.dtype), bias)
+        from . import _C
+        from ._boundary import dl
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        m, n, k = x2.shape[0], self.out_features, self.in_features
+        dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        splits = max(1, min(k // 256, -(-2 * _num_sms(dev) // (n // 64))))
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+        workspace = torch.empty(splits * m * n, dtype=torch.float32, device=x.device)
+        opt = lambda t: None if t is None else dl(t)  # noqa: E731
+        _C.weight_only(dl(x2), dl(self.codes), opt(self.block_scales), opt(self.channel_scale),
+                       opt(self.tensor_scale), dl(workspace), dl(self._counters), dl(out), _FORMATS[self.fmt][0],
+                       splits, torch.cuda.current_stream(x.device).cuda_stream)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], n)
