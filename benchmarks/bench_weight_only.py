@@ -2,8 +2,10 @@
 bf16 F.linear, in one run on one GPU, with the device's copy bandwidth as the ceiling.
 
 Each layer is held in several copies, more than the L2 cache holds together, and the timed loop cycles through
-them, so every call reads its weights from HBM as a decode step does. Timing: CUDA events around a loop of calls
-(no synchronisation inside), medians of 5 repeats, after warm-up; random weights and inputs.
+them, so every call reads its weights from HBM as a decode step does. Two timings per row: "eager" (CUDA events
+around a loop of calls from Python: includes the host's work per call when it exceeds the GPU's) and "graph" (the
+same loop captured once as a CUDA graph and replayed, as decode servers run it: the GPU time alone). Medians of 5
+repeats after warm-up; random weights and inputs.
 
     python benchmarks/bench_weight_only.py [--quick]
 """
@@ -56,19 +58,24 @@ def main() -> None:
             layers[fmt] = [one] + [copy_layer(one) for _ in range(reps - 1)]
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            times = {"bf16": cycle_ms(lambda i: F.linear(x, bf16[i]), reps)}
+            calls = {"bf16": lambda i: F.linear(x, bf16[i])}
             for fmt in FORMATS:
                 assert layers[fmt][0].uses_kernel(x)
-                times[fmt] = cycle_ms(lambda i, L=layers[fmt]: L[i](x), reps)
-            for name, t in times.items():
+                calls[fmt] = lambda i, L=layers[fmt]: L[i](x)
+            eager = {name: cycle_ms(call, reps) for name, call in calls.items()}
+            graph = {name: graphed_ms(call, reps) for name, call in calls.items()}
+            for name, t in graph.items():
                 nbytes = n * k * 2 if name == "bf16" else layers[name][0].nbytes
-                rows.append({"K": k, "N": n, "M": m, "weights": name, "us": t * 1e3,
-                             "speedup": times["bf16"] / t, "goal": GOALS.get(name, ""),
-                             "TB/s": nbytes / t / 1e9, "of copy": nbytes / t / 1e9 / (copy_bw / 2)})
+                rows.append({"K": k, "N": n, "M": m, "weights": name, "graph us": t * 1e3,
+                             "speedup": graph["bf16"] / t, "goal": GOALS.get(name, ""),
+                             "TB/s": nbytes / t / 1e9, "of copy": nbytes / t / 1e9 / (copy_bw / 2),
+                             "eager us": eager[name] * 1e3, "eager speedup": eager["bf16"] / eager[name]})
         del bf16, layers
         torch.cuda.empty_cache()
-    print(table(rows, ["K", "N", "M", "weights", "us", "speedup", "goal", "TB/s", "of copy"],
-                {"us": "{:.1f}", "speedup": "{:.2f}x", "TB/s": "{:.2f}", "of copy": "{:.0%}"}))
+    print(table(rows, ["K", "N", "M", "weights", "graph us", "speedup", "goal", "TB/s", "of copy", "eager us",
+                       "eager speedup"],
+                {"graph us": "{:.1f}", "speedup": "{:.2f}x", "TB/s": "{:.2f}", "of copy": "{:.0%}",
+                 "eager us": "{:.1f}", "eager speedup": "{:.2f}x"}))
     print("(TB/s: weight bytes read per second; 'of copy': that over the copy's read bandwidth, copy / 2)")
     save("bench_weight_only.json", {"header": head, "copy_tbps": copy_bw, "rows": rows})
 
@@ -87,6 +94,21 @@ def cycle_ms(call, reps: int) -> float:
         state["i"] = (state["i"] + 1) % reps
 
     return steady_ms(step, steps=4 * reps)
+
+
+def graphed_ms(call, reps: int) -> float:
+    """Milliseconds per call of one pass over the `reps` copies captured as a CUDA graph, replayed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture (workspaces, cuBLAS handles)
+        for i in range(reps):
+            call(i)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(reps):
+            call(i)
+    return steady_ms(graph.replay, steps=8) / reps
 
 
 if __name__ == "__main__":

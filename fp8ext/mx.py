@@ -44,6 +44,14 @@ def _blocks(x: torch.Tensor, block: int, fn: str) -> torch.Tensor:
     return x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
 
+def _pow2(k: torch.Tensor) -> torch.Tensor:
+    """2^k as float32 for integer k in [-127, 127], built from its bits (exact; pow and ldexp on a GPU need not
+    be): the exponent field for k >= -126, the subnormal 2^-127 below."""
+    k = k.to(torch.int32)
+    bits = torch.where(k >= -126, (k + 127) << 23, torch.full_like(k, 0x00400000))
+    return bits.view(torch.float32)
+
+
 def _elem_format(elem, fn: str):
     if elem not in MX_ELEMENT_FORMATS:
         raise ValueError(f"{fn}(): elem must be one of {list(MX_ELEMENT_FORMATS)}, got {elem!r}")
@@ -69,7 +77,7 @@ def quantize_mx(x: torch.Tensor, elem=E4M3, block: int = 32, scale_rule: str = "
     e = torch.where(amax > 0, e, torch.full_like(e, -127)).clamp(-127, 127)
     scales = (e + 127).to(torch.uint8)
     scales = torch.where(amax.isnan(), torch.full_like(scales, 0xFF), scales)
-    scaled = torch.ldexp(xb, (-e).to(torch.float32)[..., None])  # exact: a power of two
+    scaled = xb * _pow2(-e)[..., None]  # one rounding of x * 2^-e, the same on the CPU and a GPU
     elements = quantize(scaled.reshape(x.shape).contiguous(), f, 1.0, saturate=True)
     return elements, scales
 

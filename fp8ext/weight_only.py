@@ -36,6 +36,8 @@ import torch.nn.functional as F
 from .formats import E2M1, E2M3, E3M2, E4M3
 from .mx import dequantize_mx, dequantize_nvfp4, quantize_mx, quantize_nvfp4
 from .ops import quantize
+from . import _C
+from ._boundary import dl
 from .packing import pack_fp4, pack_fp6, unpack_fp4, unpack_fp6
 
 __all__ = ["WeightOnlyLinear", "WEIGHT_ONLY_FORMATS", "bits_per_weight"]
@@ -89,8 +91,14 @@ class WeightOnlyLinear(nn.Module):
         self.register_buffer("channel_scale", torch.ones(out_features, device=device) if fmt == "fp8" else None)
         self.register_buffer("tensor_scale", torch.ones(1, device=device) if fmt == "nvfp4" else None)
         self.register_buffer("bias", torch.zeros(out_features, dtype=torch.bfloat16, device=device) if bias else None)
+        self._kernel_cache = {}
         self.register_buffer("_counters", torch.zeros(max(1, out_features // 64), dtype=torch.int32, device=device),
                              persistent=False)
+
+    def __getstate__(self):  # copies and pickles leave the per-call cache (DLPack capsules) behind
+        state = self.__dict__.copy()
+        state["_kernel_cache"] = {}
+        return state
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt!r}, " \
@@ -175,18 +183,31 @@ class WeightOnlyLinear(nn.Module):
         if not self.uses_kernel(x):
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(x, self.dequantized_weight(x.dtype), bias)
-        from . import _C
-        from ._boundary import dl
         x2 = x.reshape(-1, self.in_features).contiguous()
-        m, n, k = x2.shape[0], self.out_features, self.in_features
-        dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        splits = max(1, min(k // 256, -(-2 * _num_sms(dev) // (n // 64))))
+        m, n = x2.shape[0], self.out_features
         out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-        workspace = torch.empty(splits * m * n, dtype=torch.float32, device=x.device)
-        opt = lambda t: None if t is None else dl(t)  # noqa: E731
-        _C.weight_only(dl(x2), dl(self.codes), opt(self.block_scales), opt(self.channel_scale),
-                       opt(self.tensor_scale), dl(workspace), dl(self._counters), dl(out), _FORMATS[self.fmt][0],
-                       splits, torch.cuda.current_stream(x.device).cuda_stream)
+        head, counters, splits = self._kernel_args(m)
+        _C.weight_only(dl(x2), *head, counters, dl(out), _FORMATS[self.fmt][0], splits,
+                       torch.cuda.current_stream(x.device).cuda_stream)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], n)
+
+    def _kernel_args(self, m: int):
+        """The kernel's per-layer arguments, kept between calls (the host work of a decode step is mostly this):
+        DLPack capsules of the weight buffers and of a workspace for m tokens, and the split of K. Rebuilt when a
+        buffer moves (.to(), load_state_dict)."""
+        key = (m,) + tuple(t.data_ptr() for t in (self.codes, self.block_scales, self.channel_scale,
+                                                   self.tensor_scale, self._counters) if t is not None)
+        cached = self._kernel_cache.get(m)
+        if cached is None or cached[0] != key:
+            n, k = self.out_features, self.in_features
+            dev = self.codes.device.index if self.codes.device.index is not None else torch.cuda.current_device()
+            splits = max(1, min(k // 256, -(-2 * _num_sms(dev) // (n // 64))))
+            workspace = torch.empty(splits * m * n, dtype=torch.float32, device=self.codes.device)
+            opt = lambda t: None if t is None else dl(t)  # noqa: E731
+            weights = (dl(self.codes), opt(self.block_scales), opt(self.channel_scale), opt(self.tensor_scale))
+            cached = (key, weights + (dl(workspace),), dl(self._counters), splits, workspace)
+            self._kernel_cache[m] = cached
+        _, head, counters, splits, _ = cached
+        return head, counters, splits

@@ -84,9 +84,13 @@ decode_partial_kernel(fp8ext_decode_attention_args a, int chunk) {
 
     // 1. scores
     const uint8_t *kp = a.k + (row0 + s0) * HD + part * 16;
-    for (int p = grp; p < n; p += NG) {
+    // the loop runs the same number of times in every lane (the shuffles below need the whole warp)
+    for (int base = 0; base < n; base += NG) {
+        const int p = base + grp;
+        const bool valid = p < n;
         float kf[16];
-        e4m3x16_to_float(__ldcs(reinterpret_cast<const uint4 *>(kp + static_cast<int64_t>(p) * HD)), kf);
+        e4m3x16_to_float(valid ? __ldcs(reinterpret_cast<const uint4 *>(kp + static_cast<int64_t>(p) * HD))
+                               : make_uint4(0, 0, 0, 0), kf);
         float s[G];
 #pragma unroll
         for (int g = 0; g < G; ++g) {
@@ -99,7 +103,7 @@ decode_partial_kernel(fp8ext_decode_attention_args a, int chunk) {
         for (int o = LP / 2; o > 0; o >>= 1)
 #pragma unroll
             for (int g = 0; g < G; ++g) s[g] += __shfl_xor_sync(0xFFFFFFFFu, s[g], o);
-        if (part == 0)
+        if (part == 0 && valid)
 #pragma unroll
             for (int g = 0; g < G; ++g) smem[g * chunk + p] = s[g];
     }
