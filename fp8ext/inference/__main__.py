@@ -3,11 +3,14 @@
     python -m fp8ext.inference quantize --checkpoint runs/x --calib_batches 16 --weights channel \\
         --activations static --out runs/x-fp8
     python -m fp8ext.inference eval --model runs/x-fp8 [--data FILE_OR_DIR]   # bf16 and FP8 perplexity side by side
+    python -m fp8ext.inference eval --model runs/x-fp8 --kv_cache            # + decoding through bf16 / FP8 caches
     python -m fp8ext.inference generate --model runs/x-fp8 --prompt "def " --kv_cache fp8
 
 quantize reads a training checkpoint (a run directory or checkpoint.pt), calibrates on training text, packs the
 weights and writes a compressed-tensors checkpoint; it runs on a CPU. eval loads the FP8 checkpoint and the
-training checkpoint it came from and prints both models' loss and perplexity on the same held-out batches.
+training checkpoint it came from and prints both models' loss and perplexity on the same held-out batches;
+with --kv_cache also the FP8 model's, reading the same text one token per step through a bf16 KV cache and an
+FP8 one (its calibrated K/V scales, or scales from a one-token prefill when the checkpoint has none).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 from ..models.transformer import Transformer, TransformerConfig, preset
 from ..train.checkpoint import CHECKPOINT_NAME
 from ..train.data import batch, load_corpus
-from . import calibrate, load_quantized, quantize_model, save_quantized
+from . import calibrate, decode_loss, load_quantized, model_kv_scales, quantize_model, save_quantized
 from .layers import ACTIVATION_SCHEMES, WEIGHT_SCHEMES
 
 
@@ -56,8 +59,10 @@ def _quantize(args) -> None:
     info["fp8ext_source"] = {"training_checkpoint": path, "calib_batches": args.calib_batches, "seq_len": seq,
                              "data": args.data if args.data is not None else train_args.get("data")}
     (out / "config.json").write_text(json.dumps(info, indent=2))
+    kv = len(model.fp8_quantization.get("kv_amax") or {})
     print(f"quantized {len(model.fp8_quantization['layers'])} linear layers (weights {args.weights}, activations "
           f"{args.activations}), calibrated on {args.calib_batches} x {args.batch_size} x {seq} tokens; "
+          f"FP8 KV-cache scales (per KV head) for {kv} attention layers; "
           f"kept in high precision: {', '.join(model.fp8_quantization['ignored_modules'])}; wrote {out}")
 
 
@@ -71,11 +76,16 @@ def _eval(args) -> None:
     corpus = load_corpus(args.data if args.data is not None else src.get("data"))
     seq = args.seq_len or src.get("seq_len") or train_args["seq_len"]
     totals = {"bf16": 0.0, "fp8": 0.0}
+    if args.kv_cache:
+        totals.update({"fp8, bf16 KV cache": 0.0, "fp8, fp8 KV cache": 0.0})
     for i in range(args.eval_batches):
         x, y = batch(corpus.val, args.batch_size, seq, seed=20_011, step=i, device=device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             totals["bf16"] += ref(x, y)[1].item()
             totals["fp8"] += fp8(x, y)[1].item()
+            if args.kv_cache:  # one token per step through the cache (a one-token prompt)
+                totals["fp8, bf16 KV cache"] += decode_loss(fp8, x, y, kv_cache="bf16")
+                totals["fp8, fp8 KV cache"] += decode_loss(fp8, x, y, kv_cache="fp8")
     q = fp8.fp8_quantization
     print(f"held-out loss over {args.eval_batches} x {args.batch_size} x {seq} bytes ({corpus.description}):")
     for name, total in totals.items():
@@ -84,6 +94,10 @@ def _eval(args) -> None:
     change = totals["fp8"] / totals["bf16"] - 1
     print(f"  FP8 ({q['weights']} weights, {q['activations']} activations) vs bf16: perplexity "
           f"{math.exp((totals['fp8'] - totals['bf16']) / args.eval_batches) - 1:+.2%}, loss {change:+.2%}")
+    if args.kv_cache:
+        scales = "calibrated" if model_kv_scales(fp8) is not None else "from the prefill"
+        d = (totals["fp8, fp8 KV cache"] - totals["fp8, bf16 KV cache"]) / args.eval_batches
+        print(f"  FP8 KV cache ({scales} scales) vs bf16 KV cache, same FP8 model: perplexity {math.exp(d) - 1:+.2%}")
 
 
 @torch.no_grad()
@@ -98,7 +112,8 @@ def _generate(args) -> None:
     dec = stats["decode_tokens_per_s"]
     print(f"--\nprefill {stats['prefill_tokens_per_s']:,.0f} tokens/s, decode "
           f"{'n/a' if dec is None else f'{dec:,.1f}'} tokens/s, KV cache {args.kv_cache}: "
-          f"{stats['cache_bytes'] / 2**20:.2f} MiB ({device})")
+          f"{stats['cache_bytes'] / 2**20:.2f} MiB" + (f", {stats['kv_scales']} scales" if stats["kv_scales"] else "")
+          + f" ({device})")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -114,6 +129,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     e.add_argument("--model", required=True, help="a directory written by `quantize`")
     e.add_argument("--reference", default=None, help="the training checkpoint (default: the one it came from)")
     e.add_argument("--eval_batches", type=int, default=16)
+    e.add_argument("--kv_cache", action="store_true",
+                   help="also decode the held-out text one token per step through a bf16 and an FP8 KV cache")
     g = sub.add_parser("generate", help="generate text from a prompt with a bf16 or FP8 KV cache")
     g.add_argument("--model", required=True, help="a directory written by `quantize`")
     g.add_argument("--prompt", required=True)

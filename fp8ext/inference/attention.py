@@ -109,9 +109,10 @@ def _num_sms(index: int) -> int:
 
 
 def _splits(b: int, h: int, kv: int, length: int, device) -> int:
-    """How many thread blocks share one K/V head's positions: enough blocks for 4 per multiprocessor, at least
-    64 positions per block, and at most 12288 / (h / kv) positions per block (its scores sit in shared memory)."""
+    """How many thread blocks share one K/V head's positions: enough blocks for 16 per multiprocessor (several
+    waves, so the last one is a small part of the time), at least 64 positions per block, and at most
+    12288 / (h / kv) positions per block (its scores sit in shared memory)."""
     group = h // kv
-    want = -(-4 * _num_sms(device.index if device.index is not None else torch.cuda.current_device()) // (b * kv))
+    want = -(-16 * _num_sms(device.index if device.index is not None else torch.cuda.current_device()) // (b * kv))
     splits = max(1, min(want, -(-length // 64)))
     return max(splits, -(-length // (12288 // group)))

@@ -10,6 +10,13 @@ Its header's metadata keeps fp8ext's own record: the format, layout, schemes and
 layer (the seed of an amax history, were the model fine-tuned in FP8 again). config.json holds the model's
 config and `quantization_config` (quant_method "compressed-tensors", format "float-quantized").
 
+FP8 KV cache: when quantize_model set calibrated K/V scales, each attention layer's `k_scale` and `v_scale`
+(F32 [n_kv_heads], dequantizing: amax / 448 of that head's K after RoPE, and of its V) are in the file under
+the attention module's name (`blocks.N.attn.k_scale`, fp8ext's counterpart of a Llama checkpoint's
+`model.layers.N.self_attn.k_scale`), quantization_config's `kv_cache_scheme` is {num_bits 8, type float,
+symmetric, dynamic false, strategy "attn_head"} (one scale per KV head: what vLLM reads for per-head scales;
+vLLM backends that take one scale per layer use the largest), and the metadata keeps the K/V amaxes.
+
 Loading builds the model on the meta device (no memory), swaps in the FP8 layers, and takes the tensors from
 the file straight to the target device (safetensors reads them into device memory without a CPU copy of the
 whole model).
@@ -91,7 +98,7 @@ def save_quantized(model: nn.Module, out_dir: Union[str, pathlib.Path], config: 
                   "activations": q["activations"], "input_amax": q["input_amax"].get(n),
                   "out_dtype": str(model.get_submodule(n).out_dtype).replace("torch.", "")} for n in q["layers"]}
     meta = {"format": "pt", "producer": f"fp8ext {__version__}",
-            "fp8ext": json.dumps({"layers": layers, "tied": tied})}
+            "fp8ext": json.dumps({"layers": layers, "tied": tied, "kv_cache": q.get("kv_amax") or {}})}
     st.save_file(tensors, str(out / WEIGHTS_FILE), metadata=meta)
     cfg = {"architectures": [type(model).__name__], "model_config": config or {},
            "quantization_config": quantization_config(q), "torch_dtype": "bfloat16"}
@@ -135,6 +142,14 @@ def load_quantized(model_dir: Union[str, pathlib.Path], model_or_factory: Union[
     state = {k: v if v.data_ptr() % 16 == 0 else v.clone() for k, v in state.items()}
     for alias, target in tied.items():
         state[alias] = state[target]
+    for key in [k for k in state if k.endswith((".k_scale", ".v_scale"))]:  # FP8 KV-cache scales
+        mod_name, _, leaf = key.rpartition(".")
+        mod = model.get_submodule(mod_name)
+        if not hasattr(mod, leaf):
+            raise ValueError(f"load_quantized: {d / WEIGHTS_FILE} holds KV-cache scales {key} but {mod_name} "
+                             f"({type(mod).__name__}) has no {leaf}")
+        if getattr(mod, leaf) is None:  # an unset buffer (the model as built): give it the file's tensor
+            setattr(mod, leaf, state[key])
     missing = [k for k in model.load_state_dict(state, strict=False, assign=True).missing_keys
                if not k.endswith("_extra_state")]  # high-precision fp8ext.Linear layers' FP8 state is not saved
     if missing:
@@ -153,7 +168,8 @@ def load_quantized(model_dir: Union[str, pathlib.Path], model_or_factory: Union[
     first = next(iter(layers))
     model.fp8_quantization = {"weights": layers[first]["weights"], "activations": layers[first]["activations"],
                               "ignore": [], "ignored_modules": qc.get("ignore", []), "layers": sorted(layers),
-                              "input_amax": {n: s["input_amax"] for n, s in layers.items() if s["input_amax"]}}
+                              "input_amax": {n: s["input_amax"] for n, s in layers.items() if s["input_amax"]},
+                              "kv_cache_scheme": qc.get("kv_cache_scheme"), "kv_amax": record.get("kv_cache", {})}
     return model.eval()
 
 

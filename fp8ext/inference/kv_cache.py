@@ -1,27 +1,53 @@
 """A KV cache for generation with fp8ext's transformer, in bf16 or in FP8 (E4M3) with per-head scales.
 
-FP8 storage halves the cache's memory: K and V are kept as E4M3 bytes, each KV head with its own scale
-(k_scale / v_scale [n_kv_heads], which dequantize, as in compressed-tensors checkpoints). The scales are given
-(from calibration) or set from the prompt: max|K| and max|V| of each head over the prefill, with a margin of
-one binade for later tokens; values beyond saturate. Attention runs on the dequantized cache through SDPA on the
-CPU; a decode-attention kernel that reads the FP8 bytes directly is not written yet, so the bytes are
-dequantized per step here (the memory held between steps is the FP8 cache).
+FP8 storage halves the cache's memory: K and V are kept as E4M3 bytes, each KV head of each layer with its own
+scale (k_scale / v_scale, which dequantize: K ~= k_byte * k_scale, as in compressed-tensors checkpoints). The
+scales come, in this order of preference:
+  - from calibration: `KVCache.from_model(model, ...)` takes the model's calibrated scales (amax / 448 of each
+    head's K after RoPE and V over the calibration passes; set by fp8ext.inference.calibrate + quantize_model,
+    saved in the checkpoint); values beyond the calibrated range saturate at +-448 * scale;
+  - given: k_scale / v_scale of shape [n_kv_heads] (every layer) or [n_layers, n_kv_heads];
+  - from the prompt: max|K| and max|V| of each head over the prefill, with a margin of one binade for later
+    tokens (margin=1.0); values beyond saturate.
+`scale_source` says which ("calibrated", "given", "prefill"; None for a bf16 cache).
 
-    cache = KVCache(model.cfg, batch=1, max_len=1024, dtype="fp8")
+Prefill (several positions at once) goes through `update`, which stores the step's K/V and returns the cached
+K/V dequantized for SDPA. A decode step over an FP8 cache goes through `append`, which stores the step's K/V and
+returns the raw E4M3 storage with the layer's scales for fp8ext.inference.attention.decode_attention (on a GPU a
+kernel that reads the bytes directly; no dequantized copy of the cache is made).
+
+    cache = KVCache.from_model(model, batch=1, max_len=1024, dtype="fp8")
     logits = model(prompt, kv_cache=cache, start_pos=0)           # prefill
     logits = model(next_token, kv_cache=cache, start_pos=n)       # one decode step
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
 from ..formats import E4M3
 from ..ops import dequantize, quantize
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "model_kv_scales"]
+
+
+def model_kv_scales(model) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """The calibrated KV-cache scales a model carries, (k_scale, v_scale) each [n_layers, n_kv_heads] float32,
+    from its attention modules' `k_scale` / `v_scale` buffers (ordered by their `layer_idx`); None when the model
+    carries none. Some layers with scales and some without is an error."""
+    attns = sorted(((m.layer_idx, n, m) for n, m in model.named_modules()
+                    if hasattr(m, "layer_idx") and hasattr(m, "k_scale") and hasattr(m, "v_scale")),
+                   key=lambda t: t[0])
+    have = [(n, m) for _, n, m in attns if m.k_scale is not None and m.v_scale is not None]
+    if not have:
+        return None
+    if len(have) != len(attns):
+        missing = [n for _, n, m in attns if m.k_scale is None or m.v_scale is None]
+        raise ValueError(f"model_kv_scales: the attention layers {missing} carry no KV-cache scales while others do")
+    return (torch.stack([m.k_scale.detach().float().reshape(-1) for _, m in have]),
+            torch.stack([m.v_scale.detach().float().reshape(-1) for _, m in have]))
 
 
 class KVCache:
@@ -38,15 +64,66 @@ class KVCache:
         self.k = torch.empty(shape, dtype=store, device=device)
         self.v = torch.empty(shape, dtype=store, device=device)
         self._lengths = [0] * cfg.n_layers  # positions stored per layer
-        self.k_scale = None if k_scale is None else k_scale.float().reshape(-1).to(device)
-        self.v_scale = None if v_scale is None else v_scale.float().reshape(-1).to(device)
-        self._k_scales = [self.k_scale] * cfg.n_layers  # per layer: [n_kv_heads] dequantizing scales
-        self._v_scales = [self.v_scale] * cfg.n_layers
+        if (k_scale is None) != (v_scale is None):
+            raise ValueError("KVCache: give both k_scale and v_scale, or neither (then the prefill sets them)")
+        if k_scale is not None and dtype != "fp8":
+            raise ValueError(f"KVCache: k_scale/v_scale apply to an FP8 cache only; dtype is {dtype!r}")
+        device = self.k.device
+        self._k_scales: List[Optional[torch.Tensor]] = self._per_layer(k_scale, "k_scale", device)
+        self._v_scales: List[Optional[torch.Tensor]] = self._per_layer(v_scale, "v_scale", device)
+        self.scale_source = None if dtype != "fp8" else "prefill" if k_scale is None else "given"
+
+    @classmethod
+    def from_model(cls, model, batch: int, max_len: int, dtype: str = "fp8", device=None, *,
+                   scales: str = "auto", margin: float = 1.0) -> "KVCache":
+        """A cache for `model`. With dtype "fp8", scales="auto" takes the model's calibrated scales when it
+        carries them (model_kv_scales) and sets them from the prefill otherwise; "calibrated" requires them;
+        "prefill" ignores them."""
+        if scales not in ("auto", "calibrated", "prefill"):
+            raise ValueError(f"KVCache.from_model: scales must be 'auto', 'calibrated' or 'prefill', got {scales!r}")
+        found = model_kv_scales(model) if dtype == "fp8" and scales != "prefill" else None
+        if scales == "calibrated" and found is None:
+            raise ValueError("KVCache.from_model: scales='calibrated' but the model carries no KV-cache scales: "
+                             "run fp8ext.inference.calibrate and quantize_model (or load such a checkpoint)")
+        if device is None:
+            device = next(iter(model.parameters()), torch.empty(0)).device
+        cache = cls(model.cfg, batch, max_len, dtype, device, *(found or (None, None)), margin=margin)
+        if found is not None:
+            cache.scale_source = "calibrated"
+        return cache
+
+    def _per_layer(self, scale, name, device) -> List[Optional[torch.Tensor]]:
+        n_layers, kv = self.cfg.n_layers, self.cfg.n_kv_heads
+        if scale is None:
+            return [None] * n_layers
+        if not isinstance(scale, torch.Tensor):
+            raise TypeError(f"KVCache: {name} must be a tensor, got {type(scale).__name__}")
+        s = scale.detach().to(device=device, dtype=torch.float32)
+        if s.numel() == kv:
+            s = s.reshape(1, kv).expand(n_layers, kv)
+        elif tuple(s.shape) != (n_layers, kv):
+            raise ValueError(f"KVCache: {name} must be [n_kv_heads] = [{kv}] or [n_layers, n_kv_heads] = "
+                             f"[{n_layers}, {kv}], got {list(scale.shape)}")
+        if not (torch.isfinite(s).all() and (s > 0).all()):
+            raise ValueError(f"KVCache: {name} must be finite and positive, got {scale}")
+        return [s[i].contiguous() for i in range(n_layers)]
 
     @property
     def nbytes(self) -> int:
         """Bytes held by the cache's K and V storage."""
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    @property
+    def lengths(self) -> List[int]:
+        """Positions stored, per layer."""
+        return list(self._lengths)
+
+    def truncate(self, length: int) -> None:
+        """Forgets positions [length, ...) of every layer (the next step stores at `length`): a rollback, e.g.
+        for rejected speculative tokens, or to time one decode step repeatedly. Scales are kept."""
+        if not 0 <= length <= min(self._lengths):
+            raise ValueError(f"KVCache.truncate: length must be in [0, {min(self._lengths)}], got {length}")
+        self._lengths = [length] * len(self._lengths)
 
     def _scale_from(self, x: torch.Tensor) -> torch.Tensor:
         """Per-head dequantizing scale from x [b, kv, s, hd]: max|x| * 2^margin / 448 (1 for a zero head)."""
@@ -69,12 +146,17 @@ class KVCache:
         x = dequantize(part.contiguous(), 1.0, torch.float32)
         return (x * scale[None, :, None, None]).to(dtype)
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Stores k, v [b, n_kv_heads, s, head_dim] at positions start_pos .. start_pos + s of `layer` and returns
-        the whole cached K and V up to there, dequantized, in k's dtype."""
+    def _put(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int, fn: str) -> int:
+        if not 0 <= layer < len(self._lengths):
+            raise ValueError(f"KVCache.{fn}: layer must be in [0, {len(self._lengths)}), got {layer}")
+        if k.dim() != 4 or v.shape != k.shape or k.shape[1] != self.cfg.n_kv_heads or \
+                k.shape[3] != self.cfg.head_dim or k.shape[0] != self.k.shape[1]:
+            raise ValueError(f"KVCache.{fn}: k and v must be [batch {self.k.shape[1]}, n_kv_heads "
+                             f"{self.cfg.n_kv_heads}, s, head_dim {self.cfg.head_dim}], got {list(k.shape)} "
+                             f"and {list(v.shape)}")
         s = k.shape[2]
         if start_pos != self._lengths[layer]:
-            raise ValueError(f"KVCache.update: layer {layer} holds {self._lengths[layer]} positions; "
+            raise ValueError(f"KVCache.{fn}: layer {layer} holds {self._lengths[layer]} positions; "
                              f"start_pos {start_pos} must continue it")
         if start_pos + s > self.max_len:
             raise ValueError(f"KVCache: {start_pos + s} positions exceed max_len {self.max_len}")
@@ -83,9 +165,22 @@ class KVCache:
         self._store(self.k[layer], k, self._k_scales[layer], start_pos)
         self._store(self.v[layer], v, self._v_scales[layer], start_pos)
         self._lengths[layer] = start_pos + s
-        end = start_pos + s
+        return start_pos + s
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Stores k, v [b, n_kv_heads, s, head_dim] at positions start_pos .. start_pos + s of `layer` and returns
+        the whole cached K and V up to there, dequantized, in k's dtype (the prefill's path, into SDPA)."""
+        end = self._put(layer, k, v, start_pos, "update")
         return (self._load(self.k[layer], self._k_scales[layer], end, k.dtype),
                 self._load(self.v[layer], self._v_scales[layer], end, v.dtype))
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int):
+        """Stores k, v [b, n_kv_heads, s, head_dim] (s = 1 for a decode step) at start_pos of `layer` and returns
+        what fp8ext.inference.attention.decode_attention reads: (k_cache, v_cache, length, k_scale, v_scale),
+        the layer's raw storage [b, n_kv_heads, max_len, head_dim] (E4M3 bytes, or bf16), the positions now
+        stored, and the layer's dequantizing scales [n_kv_heads] float32 (None for a bf16 cache)."""
+        end = self._put(layer, k, v, start_pos, "append")
+        return self.k[layer], self.v[layer], end, self._k_scales[layer], self._v_scales[layer]
 
     def scales(self, layer: int) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """(k_scale, v_scale) [n_kv_heads] of `layer` (None before the prefill sets them, or for bf16)."""

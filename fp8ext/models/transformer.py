@@ -97,6 +97,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * c - x2 * n, x1 * n + x2 * c], dim=-1).to(x.dtype)
 
 
+# scaled_dot_product_attention(..., enable_gqa=True) (torch >= 2.5): grouped-query attention without repeating K/V
+_SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
 def _init_out(std: float):
     return lambda w: nn.init.normal_(w, std=std)
 
@@ -115,8 +119,17 @@ class GroupedQueryAttention(nn.Module):
             self.v_proj = te.Linear(cfg.d_model, kv * hd, bias=False, device=device, init_method=init)
         self.o_proj = te.Linear(h * hd, cfg.d_model, bias=False, device=device,
                                 init_method=_init_out(0.02 / math.sqrt(2 * cfg.n_layers)))
+        # An FP8 KV cache's calibrated scales, [n_kv_heads] float32, dequantizing (K ~= k_byte * k_scale): None
+        # unless fp8ext.inference.quantize_model set them from calibration; then in the state dict as
+        # blocks.N.attn.k_scale / v_scale, which KVCache.from_model and generate use.
+        self.register_buffer("k_scale", None)
+        self.register_buffer("v_scale", None)
 
     layer_idx = 0  # set by Transformer: which layer of a KV cache is this attention's
+    # Calibration hook: when set (fp8ext.inference.calibrate installs it for its passes and removes it after),
+    # called as kv_observer(k, v) with this layer's K (after RoPE) and V, each [batch, n_kv_heads, seq, head_dim].
+    # None otherwise: one attribute test per forward.
+    kv_observer = None
 
     def forward(self, x, cos, sin, is_first_microbatch=None, kv_cache=None, start_pos: int = 0):
         b, s, _ = x.shape
@@ -129,11 +142,23 @@ class GroupedQueryAttention(nn.Module):
         q = apply_rope(q.view(b, s, h, hd).transpose(1, 2), cos, sin)
         k = apply_rope(k.view(b, s, kv, hd).transpose(1, 2), cos, sin)
         v = v.view(b, s, kv, hd).transpose(1, 2)
+        if self.kv_observer is not None:
+            self.kv_observer(k, v)
         if kv_cache is not None:  # generation: store this step's K/V, attend over everything cached
             if s > 1 and start_pos > 0:
                 raise NotImplementedError("Transformer: a prompt continued in chunks (s > 1 after position 0) "
                                           "is not supported with a KV cache; prefill once, then decode")
+            if s == 1 and kv_cache.dtype == "fp8":
+                # decode step over an FP8 cache: attention reads the E4M3 bytes with the per-head scales (a CUDA
+                # kernel on a GPU, no dequantized copy of the cache; a float32 reference elsewhere)
+                from ..inference import attention
+                k_cache, v_cache, length, k_scale, v_scale = kv_cache.append(self.layer_idx, k, v, start_pos)
+                y = attention.decode_attention(q[:, :, 0], k_cache, v_cache, length, k_scale, v_scale)
+                return self.o_proj(y.reshape(b, 1, h * hd), **mb)
             k, v = kv_cache.update(self.layer_idx, k, v, start_pos)
+            if kv != h and _SDPA_GQA:  # the cache's K/V heads are read in place, not repeated
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=s > 1, enable_gqa=True)
+                return self.o_proj(y.transpose(1, 2).reshape(b, s, h * hd), **mb)
         if kv != h:  # grouped-query attention: each K/V head serves h / kv query heads
             k, v = k.repeat_interleave(h // kv, dim=1), v.repeat_interleave(h // kv, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=s > 1)  # one new token attends to all before it
