@@ -203,7 +203,8 @@ class WeightOnlyLinear(nn.Module):
         if cached is None or cached[0] != key:
             n, k = self.out_features, self.in_features
             dev = self.codes.device.index if self.codes.device.index is not None else torch.cuda.current_device()
-            splits = max(1, min(k // 256, -(-2 * _num_sms(dev) // (n // 64))))
+            # enough blocks for about 6 per multiprocessor: all the weight loads of a small layer in flight at once
+            splits = max(1, min(k // 256, -(-6 * _num_sms(dev) // (n // 64))))
             workspace = torch.empty(splits * m * n, dtype=torch.float32, device=self.codes.device)
             opt = lambda t: None if t is None else dl(t)  # noqa: E731
             weights = (dl(self.codes), opt(self.block_scales), opt(self.channel_scale), opt(self.tensor_scale))

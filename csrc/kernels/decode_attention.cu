@@ -11,7 +11,7 @@
 // Memory traffic: the K and V bytes of positions [0, length) once (head_dim bytes each per position and
 // KV head), plus the query, the output and (splits x heads x (head_dim + 2)) floats of workspace.
 // Thread layout: LP = head_dim / 16 consecutive lanes hold one position (16 cache bytes each, one 16-byte
-// load), so a warp reads 32 / LP consecutive positions: contiguous rows of the cache.
+// load, kU of them in flight), so a warp reads 32 / LP consecutive positions: contiguous rows of the cache.
 #include "common.cuh"
 
 namespace fp8ext {
@@ -19,6 +19,7 @@ namespace {
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
+constexpr int kU = 4;  // cache rows loaded per lane before use
 
 __device__ __forceinline__ void e4m3x16_to_float(const uint4 &w, float *f) {
     const uint32_t u[4] = {w.x, w.y, w.z, w.w};
@@ -82,30 +83,37 @@ decode_partial_kernel(fp8ext_decode_attention_args a, int chunk) {
         for (int i = 0; i < 16; ++i) qr[g][i] = load_q(a.q, a.q_dtype, base + i) * qs;
     }
 
-    // 1. scores
+    // 1. scores. kU positions per lane are loaded before any is used (bytes in flight); the loop runs the same
+    // number of times in every lane (the shuffles below need the whole warp).
     const uint8_t *kp = a.k + (row0 + s0) * HD + part * 16;
-    // the loop runs the same number of times in every lane (the shuffles below need the whole warp)
-    for (int base = 0; base < n; base += NG) {
-        const int p = base + grp;
-        const bool valid = p < n;
-        float kf[16];
-        e4m3x16_to_float(valid ? __ldcs(reinterpret_cast<const uint4 *>(kp + static_cast<int64_t>(p) * HD))
-                               : make_uint4(0, 0, 0, 0), kf);
-        float s[G];
+    for (int base = 0; base < n; base += NG * kU) {
+        uint4 raw[kU];
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-            float acc = 0.0f;
-#pragma unroll
-            for (int i = 0; i < 16; ++i) acc = fmaf(qr[g][i], kf[i], acc);
-            s[g] = acc;
+        for (int u = 0; u < kU; ++u) {
+            const int p = base + u * NG + grp;
+            raw[u] = p < n ? __ldcs(reinterpret_cast<const uint4 *>(kp + static_cast<int64_t>(p) * HD)) : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
-        for (int o = LP / 2; o > 0; o >>= 1)
+        for (int u = 0; u < kU; ++u) {
+            const int p = base + u * NG + grp;
+            float kf[16];
+            e4m3x16_to_float(raw[u], kf);
+            float s[G];
 #pragma unroll
-            for (int g = 0; g < G; ++g) s[g] += __shfl_xor_sync(0xFFFFFFFFu, s[g], o);
-        if (part == 0 && valid)
+            for (int g = 0; g < G; ++g) {
+                float acc = 0.0f;
 #pragma unroll
-            for (int g = 0; g < G; ++g) smem[g * chunk + p] = s[g];
+                for (int i = 0; i < 16; ++i) acc = fmaf(qr[g][i], kf[i], acc);
+                s[g] = acc;
+            }
+#pragma unroll
+            for (int o = LP / 2; o > 0; o >>= 1)
+#pragma unroll
+                for (int g = 0; g < G; ++g) s[g] += __shfl_xor_sync(0xFFFFFFFFu, s[g], o);
+            if (part == 0 && p < n)
+#pragma unroll
+                for (int g = 0; g < G; ++g) smem[g * chunk + p] = s[g];
+        }
     }
     __syncthreads();
 
@@ -133,14 +141,25 @@ decode_partial_kernel(fp8ext_decode_attention_args a, int chunk) {
 #pragma unroll
         for (int i = 0; i < 16; ++i) acc[g][i] = 0.0f;
     const uint8_t *vp = a.v + (row0 + s0) * HD + part * 16;
-    for (int p = grp; p < n; p += NG) {
-        float vf[16];
-        e4m3x16_to_float(__ldcs(reinterpret_cast<const uint4 *>(vp + static_cast<int64_t>(p) * HD)), vf);
+    for (int base = 0; base < n; base += NG * kU) {
+        uint4 raw[kU];
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-            const float w = smem[g * chunk + p];
+        for (int u = 0; u < kU; ++u) {
+            const int p = base + u * NG + grp;
+            raw[u] = p < n ? __ldcs(reinterpret_cast<const uint4 *>(vp + static_cast<int64_t>(p) * HD)) : make_uint4(0, 0, 0, 0);
+        }
 #pragma unroll
-            for (int i = 0; i < 16; ++i) acc[g][i] = fmaf(w, vf[i], acc[g][i]);
+        for (int u = 0; u < kU; ++u) {
+            const int p = base + u * NG + grp;
+            if (p >= n) break;
+            float vf[16];
+            e4m3x16_to_float(raw[u], vf);
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                const float w = smem[g * chunk + p];
+#pragma unroll
+                for (int i = 0; i < 16; ++i) acc[g][i] = fmaf(w, vf[i], acc[g][i]);
+            }
         }
     }
     // the positions of a warp's groups, then of the warps

@@ -62,6 +62,11 @@ template <> struct Fmt<FP8EXT_WO_MXFP6_E2M3> { static constexpr int kBytes = 24,
 template <> struct Fmt<FP8EXT_WO_MXFP4> { static constexpr int kBytes = 16, kElem = FPX_E2M1; static constexpr bool kMX = true; };
 template <> struct Fmt<FP8EXT_WO_NVFP4> { static constexpr int kBytes = 16, kElem = FPX_E2M1; static constexpr bool kMX = false; };
 
+// bf16 bytes of the E2M1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040,
+// 0x4080, 0x40C0): low bytes and high bytes, 8 entries each as two words (__byte_perm's table).
+__constant__ const uint32_t kE2M1Lo[2] = {0xC0800000u, 0xC0804000u};
+__constant__ const uint32_t kE2M1Hi[2] = {0x3F3F3F00u, 0x40404040u};
+
 struct Raw {
     uint32_t w[8];
     uint32_t scale;  // E8M0 byte (MX) or two E4M3 bytes (NVFP4)
@@ -110,8 +115,20 @@ __device__ __forceinline__ void decode(const Raw &r, const uint32_t *lut, uint32
             b[2 * g + 1] = lut[(word >> 12) & 0x3F] | (lut[(word >> 18) & 0x3F] << 16);
         }
     } else {
+        // E2M1 -> bf16 with byte permutes, 4 codes at a time: the 3 magnitude bits select the bf16's low and high
+        // bytes from two 8-entry tables, the sign bit moves to bit 15 of each half.
 #pragma unroll
-        for (int j = 0; j < 16; ++j) b[j] = lut[(r.w[j / 4] >> (8 * (j % 4))) & 0xFF];
+        for (int i = 0; i < 4; ++i) {
+            const uint32_t w = r.w[i], idx = w & 0x77777777u;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {  // codes 4h .. 4h + 3 of this word
+                const uint32_t sel = (idx >> (16 * h)) & 0xFFFFu;
+                const uint32_t lo = __byte_perm(kE2M1Lo[0], kE2M1Lo[1], sel), hi = __byte_perm(kE2M1Hi[0], kE2M1Hi[1], sel);
+                const uint32_t ws = w >> (16 * h);
+                b[4 * i + 2 * h] = __byte_perm(lo, hi, 0x5140) | ((ws << 12) & 0x8000u) | ((ws << 24) & 0x80000000u);
+                b[4 * i + 2 * h + 1] = __byte_perm(lo, hi, 0x7362) | ((ws << 4) & 0x8000u) | ((ws << 16) & 0x80000000u);
+            }
+        }
     }
     if constexpr (Fmt<F>::kMX) {
         const float s = fpx_decode(static_cast<uint8_t>(r.scale), FPX_E8M0);
@@ -130,17 +147,14 @@ __device__ __forceinline__ void decode(const Raw &r, const uint32_t *lut, uint32
 template <int F>
 __global__ void __launch_bounds__(kThreads) weight_only_kernel(fp8ext_weight_only_args a) {
     __shared__ __align__(16) __nv_bfloat16 xs[16 * kXStride];
-    __shared__ uint32_t lut[256];
+    __shared__ uint32_t lut[64];
     __shared__ int last;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kCols;
     const int split = blockIdx.y, splits = gridDim.y;
 
-    // lookup tables: FP4 byte -> bf16 pair; FP6 code -> bf16 (low half)
-    if constexpr (Fmt<F>::kBytes == 16) {
-        for (int i = threadIdx.x; i < 256; i += kThreads)
-            lut[i] = bf16x2_bits(fpx_decode(static_cast<uint8_t>(i & 0xF), FPX_E2M1), fpx_decode(static_cast<uint8_t>(i >> 4), FPX_E2M1));
-    } else if constexpr (Fmt<F>::kBytes == 24) {
+    // lookup table: FP6 code -> bf16 (low half)
+    if constexpr (Fmt<F>::kBytes == 24) {
         for (int i = threadIdx.x; i < 64; i += kThreads)
             lut[i] = bf16x2_bits(fpx_decode(static_cast<uint8_t>(i), Fmt<F>::kElem), 0.0f) & 0xFFFFu;
     }
