@@ -140,7 +140,7 @@ class WeightOnlyLinear(nn.Module):
         dev = self.codes.device  # w is there too
         if self.fmt == "fp8":
             amax = w.abs().amax(dim=1)
-            scale = torch.where(amax > 0, E4M3.max / amax, torch.ones_like(amax))
+            scale = torch.where(amax > 0, torch.full_like(amax, E4M3.max) / amax, torch.ones_like(amax))  # the quotient
             q = quantize((w * scale[:, None]).contiguous(), E4M3, 1.0)
             self.codes.copy_(q.view(torch.uint8).to(dev))
             self.channel_scale.copy_((1.0 / scale).to(dev))

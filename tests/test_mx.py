@@ -126,7 +126,12 @@ def test_mx_on_the_gpu_gives_the_cpu_bytes(f, rule):
     for dtype in (torch.float32, torch.bfloat16):
         e_cpu, s_cpu = fp8ext.quantize_mx(x.to(dtype), f, scale_rule=rule)
         e_gpu, s_gpu = fp8ext.quantize_mx(x.to(dtype).cuda(), f, scale_rule=rule)
-        assert torch.equal(_u8(e_gpu).cpu(), _u8(e_cpu)) and torch.equal(s_gpu.cpu(), s_cpu)
+        bad_s = (s_gpu.cpu() != s_cpu).nonzero().tolist()
+        assert not bad_s, f"{dtype}: scales differ at blocks {bad_s[:4]}: gpu {[int(s_gpu[r, c]) for r, c in bad_s[:4]]}, " \
+                          f"cpu {[int(s_cpu[r, c]) for r, c in bad_s[:4]]}"
+        bad = (_u8(e_gpu).cpu() != _u8(e_cpu)).nonzero().tolist()
+        assert not bad, f"{dtype}: {len(bad)} elements differ, first at {bad[:4]}: x {[x[r, c].item() for r, c in bad[:4]]}, " \
+                        f"gpu {[int(_u8(e_gpu)[r, c]) for r, c in bad[:4]]}, cpu {[int(_u8(e_cpu)[r, c]) for r, c in bad[:4]]}"
         back = fp8ext.dequantize_mx(e_gpu, s_gpu, f).cpu()
         want = fp8ext.dequantize_mx(e_cpu, s_cpu, f)
         assert torch.equal(back.nan_to_num(7.0), want.nan_to_num(7.0))

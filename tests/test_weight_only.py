@@ -25,7 +25,8 @@ def test_dequantized_weight_is_the_formats_own_rounding(fmt):
     layer = WeightOnlyLinear.from_linear(lin, fmt)
     got = layer.dequantized_weight()
     if fmt == "fp8":  # per row: x * (448 / amax) rounded to E4M3, times amax / 448
-        scale = 448.0 / w.abs().amax(dim=1)
+        amax = w.abs().amax(dim=1)
+        scale = torch.full_like(amax, 448.0) / amax
         want = fp8ext.quantize((w * scale[:, None]).contiguous()).float() * (1.0 / scale)[:, None]
     elif fmt == "nvfp4":
         want = fp8ext.dequantize_nvfp4(*fp8ext.quantize_nvfp4(w))
