@@ -21,6 +21,7 @@ import torch
 
 import fp8ext
 from _harness import device_header, host_us, rounds, save, table
+from _harness import fp8_gemm_operands as operands
 
 E4 = torch.float8_e4m3fn
 
@@ -30,15 +31,6 @@ def shapes(quick: bool):
     llm = [(m, k, n) for m in (2048, 8192, 16384)
            for (k, n) in ((4096, 4096), (4096, 11008), (11008, 4096), (4096, 14336), (14336, 4096))]
     return (squares[:4] + llm[5:8]) if quick else squares + llm
-
-
-def operands(m, k, n):
-    x = torch.randn(m, k, device="cuda")
-    w = torch.randn(n, k, device="cuda") * 0.05
-    sx = torch.tensor(448.0 / x.abs().max().item(), device="cuda")
-    sw = torch.tensor(448.0 / w.abs().max().item(), device="cuda")
-    x8, w8 = fp8ext.quantize(x, fp8ext.E4M3, sx), fp8ext.quantize(w, fp8ext.E4M3, sw)
-    return x.bfloat16(), w.bfloat16(), x8, w8, sx.reciprocal(), sw.reciprocal()
 
 
 def sweep(quick):

@@ -20,14 +20,13 @@ Goals (issue 4, H100): >= 1.6x bf16 at (8192,4096,16384), >= 1.25x at (8192,4096
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 
 import torch
 from torch import nn
 
 import fp8ext
-from _harness import device_header, host_us, rounds, save, table
+from _harness import device_header, host_us, rounds, save, saved_bytes, steady_ms, table
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 SHAPES = [(8192, 4096, 4096), (8192, 4096, 16384), (16384, 8192, 8192), (4096, 1024, 1024)]
@@ -57,41 +56,6 @@ class TorchFP8(torch.autograd.Function):
         dw = torch._scaled_mm(g8.t().contiguous(), x8.t().contiguous().t(), scale_a=sg, scale_b=sx,
                               out_dtype=torch.bfloat16)
         return dx, dw
-
-
-def steady_ms(fn, steps=20, repeats=5):
-    """Milliseconds per step with `steps` steps back to back (no synchronisation between them, as in a training
-    loop, so the host runs ahead of the GPU), median over repeats."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / steps)
-    return statistics.median(times)
-
-
-def saved_bytes(fn, weight_numel):
-    """(activation bytes, weight-copy bytes) autograd keeps for backward: storages counted once, parameters
-    left out, and tensors of the weight's size (fp8ext's cast weight, reused across micro-batches) apart."""
-    seen = {}
-
-    def pack(t):
-        if not isinstance(t, torch.nn.Parameter):
-            seen[t.untyped_storage().data_ptr()] = (t.numel(), t.untyped_storage().nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = fn()
-    del y
-    act = sum(b for n, b in seen.values() if n != weight_numel)
-    return act, sum(b for n, b in seen.values() if n == weight_numel)
 
 
 def main():

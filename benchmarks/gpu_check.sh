@@ -53,10 +53,16 @@ finally:
 PYEOF
             then echo "$nb: ran in $(( $(date +%s) - start )) s"; else echo "$nb: FAILED"; status=1; fi
         done ;;
+    inference)
+        echo "== bench_inference"
+        $PY benchmarks/bench_inference.py 2>&1 | tee "$OUT/bench_inference.log" || status=1 ;;
     train)
         echo "== bench_train"
         bash benchmarks/bench_train.sh ${TRAIN_STAGES:-eager quality} || status=1 ;;
-    quantize|gemm|linear)
+    validate)
+        echo "== validate"
+        $PY -m fp8ext.validate --report "$OUT/validate" | tee "$OUT/validate.log" || status=1 ;;
+    quantize|gemm|linear|weight_only|decode_attention)
         echo "== bench_$step"
         $PY benchmarks/bench_$step.py 2>&1 | tee "$OUT/bench_$step.log" || status=1 ;;
     *) echo "unknown step $step"; status=1 ;;

@@ -78,6 +78,7 @@ def quantize_mx(x: torch.Tensor, elem=E4M3, block: int = 32, scale_rule: str = "
     scales = (e + 127).to(torch.uint8)
     scales = torch.where(amax.isnan(), torch.full_like(scales, 0xFF), scales)
     scaled = xb * _pow2(-e)[..., None]  # one rounding of x * 2^-e, the same on the CPU and a GPU
+    scaled = torch.where(scaled.isnan(), xb, scaled)  # a NaN keeps x's sign (arithmetic's NaN sign is not portable)
     elements = quantize(scaled.reshape(x.shape).contiguous(), f, 1.0, saturate=True)
     return elements, scales
 

@@ -15,7 +15,9 @@ from fp8ext.models.transformer import PRESETS, Transformer, TransformerConfig, p
 from fp8ext.train import cli, data, trainer
 from fp8ext.train.compare import compare
 
-RUN = ["--preset", "tiny", "--batch_size", "4", "--seq_len", "32", "--eval_batches", "2", "--no_progress"]
+# on the CPU everywhere (a GPU machine too): these tests check the script's behaviour, not a device's speed
+RUN = ["--preset", "tiny", "--batch_size", "4", "--seq_len", "32", "--eval_batches", "2", "--no_progress",
+       "--device", "cpu"]
 
 
 def metrics(run_dir):
