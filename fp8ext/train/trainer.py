@@ -80,10 +80,12 @@ def _recipe(args):
 
 def _wrap(model, args, device, world):
     if world > 1 and args.fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh(device.type, (world,))  # the training device's, not the machine's default (--device cpu)
         for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     elif world > 1:
         from torch.nn.parallel import DistributedDataParallel
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
