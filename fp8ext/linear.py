@@ -78,7 +78,7 @@ class _FP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, w8, w8t, w_sinv, x_scale, x_amax, g_scale, g_amax, fwd_code, bwd_code, margin,
-                out_dtype, grad_slot):
+                out_dtype, grad_slot, main_grad=None):
         in_features = weight.shape[1]
         x2 = x.reshape(-1, in_features)
         if not x2.is_contiguous():
@@ -96,6 +96,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         ctx.m, ctx.x_shape, ctx.x_dtype = m, x.shape, x.dtype
         ctx.bwd, ctx.margin = format_of_code(bwd_code), margin
         ctx.w_dtype, ctx.b_dtype = weight.dtype, (bias.dtype if bias is not None else None)
+        ctx.main_grad, ctx.weight_ref = main_grad, (weight if main_grad is not None else None)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -118,17 +119,53 @@ class _FP8LinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = _gemm(g8, w8t, g_sinv, w_sinv, ctx.x_dtype)[: ctx.m]
             dx = dx.reshape(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
+        if ctx.main_grad is not None:  # fuse_wgrad_accumulation: main_grad += dW in the GEMM itself (beta = 1)
+            if torch.compiler.is_compiling():
+                ctx.main_grad.add_(_gemm(g8t, x8t, g_sinv, x_sinv, torch.float32))
+            else:
+                gemm_eager(g8t, x8t, g_sinv, x_sinv, torch.float32, None, False, ctx.main_grad, True, None, None)
+            dw = _wgrad_placeholder(ctx.weight_ref)
+        elif ctx.needs_input_grad[1]:
             dw = _gemm(g8t, x8t, g_sinv, x_sinv, ctx.w_dtype)
         if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2.sum(0, dtype=torch.float32).to(ctx.b_dtype)
-        return dx, dw, db, None, None, None, None, None, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None, None, None, None, None
+
+
+def _wgrad_placeholder(weight):
+    """What backward returns as the weight's gradient once it went into main_grad: None, or, for a weight marked
+    with `grad_added_to_main_grad` (Megatron-LM's convention, which Transformer Engine follows), zeros after
+    setting that flag, so that frameworks expecting a gradient tensor get one that adds nothing."""
+    if hasattr(weight, "grad_added_to_main_grad"):
+        weight.grad_added_to_main_grad = True
+        return torch.zeros_like(weight)
+    return None
+
+
+class _MainGradLinearFunction(torch.autograd.Function):
+    """Outside fp8_autocast with fuse_wgrad_accumulation: y = x W^T + b in high precision, with the weight's
+    gradient added into main_grad (float32) instead of returned."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, main_grad):
+        ctx.save_for_backward(x, weight)
+        ctx.main_grad, ctx.has_bias = main_grad, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = (dy @ weight.to(dy.dtype)) if ctx.needs_input_grad[0] else None
+        ctx.main_grad.addmm_(dy2.t().float(), x.reshape(-1, x.shape[-1]).float())
+        db = dy2.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, _wgrad_placeholder(weight), db, None
 
 
 _ids = itertools.count()  # FP8Linear slot names are unique for the life of the process (id() is reused)
 
 # Transformer Engine's te.Linear arguments that fp8ext takes only at their defaults (no tensor or sequence
-# parallelism, no userbuffers overlap, no fused fp32 weight-gradient accumulation yet): what each would need.
+# parallelism, no userbuffers overlap): what each would need.
 _TE_DEFAULTS = {
     "sequence_parallel": (False, "sequence parallelism"),
     "tp_group": (None, "tensor parallelism"),
@@ -136,7 +173,6 @@ _TE_DEFAULTS = {
     "parallel_mode": (None, "tensor parallelism (column/row parallel layers)"),
     "get_rng_state_tracker": (None, "tensor-parallel RNG tracking"),
     "rng_tracker_name": (None, "tensor-parallel RNG tracking"),
-    "fuse_wgrad_accumulation": (False, "weight-gradient accumulation into main_grad"),
     "skip_weight_param_allocation": (False, "externally allocated weights"),
     "parameters_split": (None, "split parameters"),
     "ub_overlap_ag": (False, "userbuffers communication overlap"),
@@ -168,6 +204,10 @@ class FP8Linear(nn.Module):
     to "cuda"); init_method(weight), when given, initialises the weight and the bias starts at zero (as in
     TE; without it, nn.Linear's initialisation); return_bias=True returns (x W^T, b) with the bias not added.
     TE's parallelism and communication-overlap arguments are accepted only at their defaults.
+    fuse_wgrad_accumulation=True (TE's and Megatron-LM's convention): the weight's gradient is added into
+    `weight.main_grad` (float32, the weight's shape, allocated by the caller) by the weight-gradient GEMM itself
+    (cuBLASLt with beta = 1: no extra pass per micro-batch), and weight.grad is left alone (zeros are returned
+    instead when the weight has a `grad_added_to_main_grad` attribute, which is then set to True).
 
     in_features and out_features must be multiples of 16 for FP8 (cuBLASLt's rule; convert_to_fp8 skips
     layers that are not). Inside torch.autocast the output has the autocast dtype. An empty batch gives an
@@ -178,9 +218,11 @@ class FP8Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
                  params_dtype: Optional[torch.dtype] = None, *, dtype: Optional[torch.dtype] = None,
-                 init_method=None, return_bias: bool = False, name: Optional[str] = None, **te_kwargs):
+                 init_method=None, return_bias: bool = False, name: Optional[str] = None,
+                 fuse_wgrad_accumulation: bool = False, **te_kwargs):
         super().__init__()
         _check_te_kwargs(te_kwargs)
+        self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
         if dtype is not None and params_dtype is not None and dtype != params_dtype:
             raise TypeError(f"FP8Linear: dtype={dtype} and params_dtype={params_dtype} disagree; give one")
         self.in_features, self.out_features = in_features, out_features
@@ -330,7 +372,10 @@ class FP8Linear(nn.Module):
         False reuses the kept cast for the next micro-batches of the same step."""
         ctx = current_context()
         bias = None if self.return_bias else self.bias
+        main_grad = self._main_grad() if self.fuse_wgrad_accumulation and torch.is_grad_enabled() else None
         if ctx is None or not (ctx.enabled or ctx.calibrating):
+            if main_grad is not None:
+                return self._output(_MainGradLinearFunction.apply(input, self.weight, bias, main_grad))
             return self._output(F.linear(input, self.weight, bias))
         if input.dim() == 0 or input.numel() == 0 or input.is_meta or self.weight.is_meta:
             return self._output(self._no_gemm(input, bias))
@@ -362,8 +407,22 @@ class FP8Linear(nn.Module):
             self._debug_checks(input, xs, ws, gs)
         w8, w8t, w_sinv = self._weight_fp8(fwd, ws, wa, recipe.margin, is_first_microbatch)
         y = _FP8LinearFunction.apply(input, self.weight, bias, w8, w8t, w_sinv, xs, xa, gs, ga, fwd.code, bwd.code,
-                                     float(recipe.margin), activation_dtype(input), grad_slot)
+                                     float(recipe.margin), activation_dtype(input), grad_slot, main_grad)
         return self._output(y)
+
+    def _main_grad(self) -> torch.Tensor:
+        """weight.main_grad, checked: fuse_wgrad_accumulation adds the weight's gradient into it (a float32 tensor of
+        the weight's shape on its device, allocated by the training framework, as Megatron-LM does)."""
+        mg = getattr(self.weight, "main_grad", None)
+        if not isinstance(mg, torch.Tensor):
+            raise RuntimeError("FP8Linear(fuse_wgrad_accumulation=True): weight.main_grad is not set; allocate it "
+                               "(weight.main_grad = torch.zeros_like(weight, dtype=torch.float32)) before the forward")
+        if mg.dtype != torch.float32 or mg.shape != self.weight.shape or mg.device != self.weight.device \
+                or not mg.is_contiguous():
+            raise ValueError(f"FP8Linear(fuse_wgrad_accumulation=True): weight.main_grad must be a contiguous float32 "
+                             f"tensor of shape {list(self.weight.shape)} on {self.weight.device}, got {mg.dtype} "
+                             f"{list(mg.shape)} on {mg.device}")
+        return mg
 
     def _output(self, y):
         return (y, self.bias) if self.return_bias else y

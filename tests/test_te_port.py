@@ -127,7 +127,7 @@ def test_te_names():
 
 
 @pytest.mark.parametrize("kwargs", [dict(parallel_mode="column"), dict(tp_size=2), dict(sequence_parallel=True),
-                                    dict(fuse_wgrad_accumulation=True), dict(ub_overlap_ag=True)])
+                                    dict(delay_wgrad_compute=True), dict(ub_overlap_ag=True)])
 def test_te_linear_parallel_arguments_only_at_their_defaults(kwargs):
     with pytest.raises(NotImplementedError, match=f"{next(iter(kwargs))}=.*fp8ext does not have"):
         fp8ext.Linear(32, 16, **kwargs)
