@@ -25,6 +25,7 @@ from .profiling import profiling_enabled, set_profiling
 from .formats import E2M1, E2M3, E3M2, E4M3, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0, FP8Format, Format, SmallFormat
 from .linear import FP8Linear, Linear
 from .normalization import LayerNorm, RMSNorm
+from .layernorm_modules import LayerNormLinear, LayerNormMLP
 from .mx import dequantize_mx, dequantize_nvfp4, quantize_mx, quantize_nvfp4
 from .weight_only import WEIGHT_ONLY_FORMATS, WeightOnlyLinear
 from .packing import pack_fp4, pack_fp6, unpack_fp4, unpack_fp6
@@ -79,6 +80,8 @@ __all__ = [
     "Linear",
     "RMSNorm",
     "LayerNorm",
+    "LayerNormLinear",
+    "LayerNormMLP",
     "convert_to_fp8",
     "prepare_fp8",
     "FP8ConversionWarning",
