@@ -42,7 +42,7 @@ def _scale_parts(scale: Scale) -> Tuple[Optional[torch.Tensor], float]:
 @profiled("fp8ext.quantize")
 def quantize(x: Any, fmt: Any = E4M3, scale: Scale = 1.0, *, saturate: bool = True, stochastic: bool = False,
              seed: Optional[int] = None, amax_out: Optional[torch.Tensor] = None,
-             scale_inv_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+             scale_inv_out: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q = fp8(x * scale), as a torch.float8_e4m3fn or torch.float8_e5m2 tensor of x's shape.
 
     x: float32, bfloat16 or float16, contiguous, on the CPU or a CUDA device (a numpy array works on
@@ -54,26 +54,48 @@ def quantize(x: Any, fmt: Any = E4M3, scale: Scale = 1.0, *, saturate: bool = Tr
     scaling) in the same pass; NaN in x makes it NaN. scale_inv_out: a one-element float32 tensor set to
     1 / scale in the same launch (so a saved FP8 tensor keeps the exact factor that dequantizes it).
 
+    out: a preallocated result (x's shape and device, the format's float8 dtype, or uint8 for the small
+    formats, contiguous) written in place and returned, so a training loop can cast into the same buffer every
+    step (Transformer Engine's update_quantized); it must not overlap x.
+
     fmt may also be one of the small formats (fp8ext.E2M1, E2M3, E3M2, E8M0, E4M3FNUZ, E5M2FNUZ; see
     fp8ext.SmallFormat): the result is then uint8 codes, one per byte (pack them with fp8ext.pack_fp4 /
     pack_fp6), computed with round to nearest even (the same bytes on the CPU and on a GPU).
     """
     if isinstance(fmt, SmallFormat):
-        return _quantize_small(x, fmt, scale, saturate, stochastic, amax_out, scale_inv_out)
+        return _quantize_small(x, fmt, scale, saturate, stochastic, amax_out, scale_inv_out, out)
     f = resolve_format(fmt, "quantize")
     seed = _check_seed(seed, "quantize") if stochastic else 0
     if torch.compiler.is_compiling():
         scale_t, scale_v = _scale_parts(scale)
         q, new_amax = torch.ops.fp8ext.quantize(x, f.code, scale_t, scale_v, saturate, stochastic, seed, amax_out)
         _write_back(amax_out, new_amax, scale_inv_out, scale)
-        return q
-    return quantize_eager(x, f, scale, saturate, stochastic, seed, amax_out, scale_inv_out)
+        return q if out is None else out.copy_(q)
+    return quantize_eager(x, f, scale, saturate, stochastic, seed, amax_out, scale_inv_out, out)
 
 
-def _quantize_small(x, f: SmallFormat, scale, saturate, stochastic, amax_out, scale_inv_out) -> torch.Tensor:
+def _check_out(out: Any, shape, device, dtype: torch.dtype, fn: str, arg: str = "out") -> torch.Tensor:
+    """A caller's output buffer: a torch tensor of `dtype`, `shape`, on `device` (the C layer checks the rest:
+    contiguity, writability, no overlap with the inputs)."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{fn}(): {arg} must be a torch.Tensor, got {type(out).__name__}")
+    if out.dtype != dtype:
+        raise TypeError(f"{fn}(): {arg} must be {dtype}, got {out.dtype}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{fn}(): {arg} must have shape {list(shape)}, got {list(out.shape)}")
+    if out.device != torch.device(device):
+        raise ValueError(f"{fn}(): {arg} is on {out.device}, x on {device}")
+    return out
+
+
+def _quantize_small(x, f: SmallFormat, scale, saturate, stochastic, amax_out, scale_inv_out, out=None
+                    ) -> torch.Tensor:
     """quantize() into one of the small formats: uint8 codes (see SmallFormat)."""
     shape, device = describe(x, "quantize")
-    out = torch.empty(shape, dtype=torch.uint8, device=device)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.uint8, device=device)
+    else:
+        _check_out(out, shape, device, torch.uint8, "quantize")
     _C.quantize(dl(x), _to_dl(out), f.code, scale_arg(scale), amax_out=dl_opt(amax_out), saturate=saturate,
                 stochastic=stochastic, seed=0, stream=stream_of(device), scale_inv_out=dl_opt(scale_inv_out))
     return out
@@ -91,11 +113,12 @@ def _write_back(amax_out, new_amax, scale_inv_out, scale) -> None:
 
 
 def quantize_eager(x: Any, f: FP8Format, scale: Any, saturate: bool, stochastic: bool, seed: int,
-                   amax_out: Optional[torch.Tensor], scale_inv_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   amax_out: Optional[torch.Tensor], scale_inv_out: Optional[torch.Tensor] = None,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
     shape, device = describe(x, "quantize")
     if debug.enabled():
         _debug_check("quantize", x, scale, "scale")
-    out = _fp8_empty(shape, f, device)
+    out = _fp8_empty(shape, f, device) if out is None else _check_out(out, shape, device, f.torch_dtype, "quantize")
     _C.quantize(dl(x), dl_fp8(out), f.code, scale_arg(scale), amax_out=dl_opt(amax_out), saturate=saturate,
                 stochastic=stochastic, seed=seed, stream=stream_of(device), scale_inv_out=dl_opt(scale_inv_out))
     return out
@@ -152,32 +175,39 @@ def amax_eager(x: Any) -> torch.Tensor:
 
 @profiled("fp8ext.cast_transpose")
 def cast_transpose(x: Any, fmt: Any = E4M3, scale: Scale = 1.0, amax_out: Optional[torch.Tensor] = None, *,
-                   saturate: bool = True, scale_inv_out: Optional[torch.Tensor] = None
-                   ) -> Tuple[torch.Tensor, torch.Tensor]:
+                   saturate: bool = True, scale_inv_out: Optional[torch.Tensor] = None,
+                   out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(q, q_t): q = fp8(x * scale) of a 2-D x [M, N] and its transpose q_t [N, M], in one pass over x.
 
     Rounding, saturation, scale, amax_out and scale_inv_out as in quantize (round to nearest even only).
     The transposed copy is what a GEMM needs when the FP8 operand must be K-major the other way
-    (FP8Linear's weight gradient).
+    (FP8Linear's weight gradient). out: a preallocated pair (q [M, N], q_t [N, M]) written in place and returned
+    (see quantize's `out`).
     """
     f = resolve_format(fmt, "cast_transpose")
+    if out is not None and (not isinstance(out, (tuple, list)) or len(out) != 2):
+        raise TypeError(f"cast_transpose(): out must be a pair (q, q_t) of tensors, got {type(out).__name__}")
     if torch.compiler.is_compiling():
         scale_t, scale_v = _scale_parts(scale)
         q, qt, new_amax = torch.ops.fp8ext.cast_transpose(x, f.code, scale_t, scale_v, saturate, amax_out)
         _write_back(amax_out, new_amax, scale_inv_out, scale)
-        return q, qt
-    return cast_transpose_eager(x, f, scale, saturate, amax_out, scale_inv_out)
+        return (q, qt) if out is None else (out[0].copy_(q), out[1].copy_(qt))
+    return cast_transpose_eager(x, f, scale, saturate, amax_out, scale_inv_out, out)
 
 
 def cast_transpose_eager(x: Any, f: FP8Format, scale: Any, saturate: bool, amax_out: Optional[torch.Tensor],
-                         scale_inv_out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                         scale_inv_out: Optional[torch.Tensor] = None, out=None) -> Tuple[torch.Tensor, torch.Tensor]:
     shape, device = describe(x, "cast_transpose")
     if len(shape) != 2:
         raise ValueError(f"cast_transpose(): x must be 2-D, got shape {list(shape)}")
     if debug.enabled():
         _debug_check("cast_transpose", x, scale, "scale")
-    q = _fp8_empty(shape, f, device)
-    qt = _fp8_empty((shape[1], shape[0]), f, device)
+    if out is None:
+        q = _fp8_empty(shape, f, device)
+        qt = _fp8_empty((shape[1], shape[0]), f, device)
+    else:
+        q = _check_out(out[0], shape, device, f.torch_dtype, "cast_transpose", "out[0]")
+        qt = _check_out(out[1], (shape[1], shape[0]), device, f.torch_dtype, "cast_transpose", "out[1]")
     _C.cast_transpose(dl(x), dl_fp8(q), dl_fp8(qt), f.code, scale_arg(scale), amax_out=dl_opt(amax_out),
                       saturate=saturate, stream=stream_of(device), scale_inv_out=dl_opt(scale_inv_out))
     return q, qt
