@@ -19,8 +19,9 @@ The layer holds only the packed codes and the scales: no high-precision copy of 
 
 Forward: on a GPU with bf16 input and at most 16 tokens (decode), a CUDA kernel streams the packed weights once,
 dequantizes them in registers and multiplies on the tensor cores (bf16 in, float32 accumulation); it needs
-in_features % 256 == 0 and out_features % 64 == 0. Otherwise (more tokens, another dtype, the CPU, other sizes) the
-weight is dequantized to x's dtype and F.linear runs: the same values, through cuBLAS's GEMM. Each call on the GPU
+in_features % 256 == 0 and out_features % 64 == 0. Otherwise (more tokens, another dtype, the CPU, other sizes, or
+an input that needs a gradient) the weight is dequantized to x's dtype and F.linear runs: the same values, through
+cuBLAS's GEMM, differentiable with respect to x (the packed weight itself is not trained). Each call on the GPU
 path uses a per-layer counter buffer: do not run one layer on two CUDA streams at the same time.
 """
 
@@ -172,8 +173,9 @@ class WeightOnlyLinear(nn.Module):
     def uses_kernel(self, x: torch.Tensor) -> bool:
         """Whether forward(x) runs the few-token CUDA kernel (see the module docstring)."""
         m = x.numel() // max(1, x.shape[-1])
+        needs_grad = x.requires_grad and torch.is_grad_enabled()  # the kernel computes no gradient for x
         return (x.is_cuda and x.dtype == torch.bfloat16 and 1 <= m <= 16 and self.in_features % 256 == 0
-                and self.out_features % 64 == 0)
+                and self.out_features % 64 == 0 and not needs_grad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:

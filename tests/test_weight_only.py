@@ -60,6 +60,13 @@ def test_cpu_forward_is_f_linear_with_the_dequantized_weight_and_bias():
     assert layer(x).shape == (3, 5, 64)
 
 
+def test_gradients_flow_to_the_input_through_the_dequantized_weight():
+    layer = WeightOnlyLinear.from_linear(linear(256, 64), "mxfp4")
+    x = torch.randn(2, 256, requires_grad=True)
+    layer(x).sum().backward()
+    torch.testing.assert_close(x.grad, layer.dequantized_weight().sum(0).expand(2, 256))
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="fmt must be one of"):
         WeightOnlyLinear(256, 64, "int4")
@@ -105,7 +112,8 @@ def test_kernel_equals_the_float64_product(fmt, m, k, n):
 @pytest.mark.cuda
 def test_many_tokens_and_other_dtypes_take_the_dequantized_gemm():
     layer = WeightOnlyLinear.from_linear(linear(256, 64), "mxfp6").cuda()
-    for x in (torch.randn(17, 256, dtype=torch.bfloat16, device="cuda"), torch.randn(2, 256, device="cuda")):
+    for x in (torch.randn(17, 256, dtype=torch.bfloat16, device="cuda"), torch.randn(2, 256, device="cuda"),
+              torch.randn(2, 256, dtype=torch.bfloat16, device="cuda", requires_grad=True)):
         assert not layer.uses_kernel(x)
         want = torch.nn.functional.linear(x, layer.dequantized_weight(x.dtype))
         assert torch.equal(layer(x), want)

@@ -9,7 +9,8 @@ Positions [0, length) are attended; the softmax uses softmax_scale (1 / sqrt(hea
 
 On a GPU with an FP8 cache, a CUDA kernel reads the FP8 bytes directly (no dequantized copy of the cache is made),
 splits the cached positions over thread blocks and merges the partial softmaxes (flash-decoding). Elsewhere the
-reference below runs: dequantize the used part of the cache to float32 and compute softmax(q K^T) V in float32.
+reference below runs: dequantize the used part of the cache to float32 and compute softmax(q K^T) V in float32
+(also on a GPU when q needs a gradient: the kernel computes none).
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def decode_attention(q, k_cache, v_cache, length: int, k_scale=None, v_scale=Non
     """Attention of one query token per sequence over positions [0, length) of the cache (see the module
     docstring). Returns [batch, n_heads, head_dim] in q's dtype."""
     fp8 = _check(q, k_cache, v_cache, length, k_scale, v_scale)
-    if q.is_cuda and fp8:
+    if q.is_cuda and fp8 and not (q.requires_grad and torch.is_grad_enabled()):  # the kernel has no backward
         from .. import _C
         from .._boundary import dl, dl_fp8
         b, h, hd = q.shape
