@@ -29,7 +29,8 @@ import fp8ext
 from _harness import device_header, host_us, rounds, save, saved_bytes, steady_ms, table
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
-SHAPES = [(8192, 4096, 4096), (8192, 4096, 16384), (16384, 8192, 8192), (4096, 1024, 1024)]
+SHAPES = [(8192, 4096, 4096), (8192, 4096, 16384), (16384, 8192, 8192), (4096, 1024, 1024), (2048, 2048, 2048)]
+SMALL = [(4096, 1024, 1024), (2048, 2048, 2048)]
 
 
 def _to8(t, dt):
@@ -115,18 +116,23 @@ def main():
     print("copy, which serves every micro-batch until the weight changes):")
     print(table(mem_rows, list(mem_rows[0]), {"bf16 activations MiB": "{:.1f}", "fp8ext activations MiB": "{:.1f}",
                                                "saved": "{:.0%}", "fp8ext weight copy MiB": "{:.1f}"}))
-    graphs = graph_small(recipe)
-    print(f"CUDA graphs at (4096,1024,1024): bf16 {graphs['bf16_ms']:.4f} ms, fp8ext {graphs['fp8ext_ms']:.4f} ms "
-          f"-> {graphs['ratio']:.2f}x of bf16's speed")
+    graphs = {f"{m},{k},{n}": graph_small(recipe, (m, k, n)) for (m, k, n) in SMALL}
+    for shape, g in graphs.items():
+        print(f"CUDA graphs at ({shape}): bf16 {g['bf16_ms']:.4f} ms, fp8ext {g['fp8ext_ms']:.4f} ms "
+              f"-> {g['ratio']:.2f}x of bf16's speed")
     host = host_times(recipe)
     print(f"host time per step (4096,1024,1024, no sync): bf16 {host['bf16_us']:.0f} us, fp8ext "
-          f"{host['fp8ext_us']:.0f} us")
-    save("bench_linear.json", {"header": head, "steps": rows, "memory": mem_rows, "graphs": graphs, "host": host})
+          f"{host['fp8ext_us']:.0f} us ({host['fp8ext_us'] / host['bf16_us']:.2f}x bf16's)")
+    lab = lab_mlp()
+    print("the seed lab's SimpleMLP (768-3072-768, batch 32, AdamW, loss.item() every step):")
+    print(table(lab, list(lab[0]), {"ms/step": "{:.3f}", "vs bf16 eager": "{:.3f}x", "vs bf16 graphed": "{:.3f}x"}))
+    save("bench_linear.json", {"header": head, "steps": rows, "memory": mem_rows, "graphs": graphs, "host": host,
+                               "lab_mlp": lab})
 
 
-def small_layer(recipe):
-    """The (4096, 1024, 1024) layer of the launch-overhead measurements: (bf16 step, fp8ext step)."""
-    m, k, n = 4096, 1024, 1024
+def small_layer(recipe, shape=(4096, 1024, 1024)):
+    """A small layer of the launch-overhead measurements: (bf16 step, fp8ext step)."""
+    m, k, n = shape
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     gy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     lin = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
@@ -144,10 +150,10 @@ def small_layer(recipe):
     return bf16_step, fp8_step
 
 
-def graph_small(recipe):
+def graph_small(recipe, shape):
     """Both steps captured as CUDA graphs and replayed."""
     out = {}
-    for name, fn in zip(("bf16", "fp8ext"), small_layer(recipe)):
+    for name, fn in zip(("bf16", "fp8ext"), small_layer(recipe, shape)):
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -165,6 +171,89 @@ def graph_small(recipe):
 def host_times(recipe):
     bf16_step, fp8_step = small_layer(recipe)
     return {"bf16_us": host_us(bf16_step, calls=50), "fp8ext_us": host_us(fp8_step, calls=50)}
+
+
+def lab_mlp(steps=100):
+    """The seed lab's model: SimpleMLP 768-3072-768 (GELU, biases), batch 32, AdamW, MSE, loss.item() every step
+    (so every step waits for the GPU), bf16 next to fp8ext (the lab's recipe: HYBRID, history 16, most_recent)
+    with the lab's fp32 parameters and with bf16 ones; and forward+backward captured with make_graphed_callables
+    (torch's for bf16, fp8ext's for FP8) where fp8ext has it."""
+    import statistics
+    import time
+    import torch.nn.functional as F
+
+    class MLP(nn.Module):
+        def __init__(self, lin):
+            super().__init__()
+            self.fc1, self.fc2 = lin(768, 3072), lin(3072, 768)
+
+        def forward(self, x):
+            return self.fc2(F.gelu(self.fc1(x)))
+
+    recipe = fp8ext.DelayedScaling(fp8_format=fp8ext.Format.HYBRID, amax_history_len=16, amax_compute_algo="most_recent")
+    x = torch.randn(32, 768, device="cuda", dtype=torch.bfloat16)
+    target = torch.randn(32, 768, device="cuda", dtype=torch.bfloat16)
+
+    def make(kind):
+        torch.manual_seed(0)
+        if kind == "bf16":
+            return MLP(nn.Linear).cuda().to(torch.bfloat16), None
+        if kind == "fp8ext, fp32 parameters (the lab's)":
+            return MLP(lambda i, o: fp8ext.Linear(i, o, device="cuda")), recipe
+        return MLP(lambda i, o: fp8ext.Linear(i, o, device="cuda", params_dtype=torch.bfloat16)), recipe
+
+    def run(model, rec, graphed):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        fwd = model
+        if graphed:
+            sample = (x.clone().requires_grad_(False),)
+            if rec is None:
+                fwd = torch.cuda.make_graphed_callables(model, sample)
+            else:
+                fwd = fp8ext.make_graphed_callables(model, sample, fp8_enabled=True, fp8_recipe=rec)
+
+        def one():
+            opt.zero_grad(set_to_none=not graphed)
+            if rec is None or graphed:
+                loss = F.mse_loss(fwd(x), target)
+            else:
+                with fp8ext.fp8_autocast(fp8_recipe=rec):
+                    loss = F.mse_loss(fwd(x), target)
+            loss.backward()
+            opt.step()
+            return loss.item()
+
+        for _ in range(10):
+            one()
+        times = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(steps // 5):
+                one()
+            times.append((time.perf_counter() - t0) / (steps // 5) * 1e3)
+        return statistics.median(times)
+
+    rows = []
+    kinds = ["bf16", "fp8ext, fp32 parameters (the lab's)", "fp8ext, bf16 parameters"]
+    for graphed in (False, True):
+        for kind in kinds:
+            if graphed and kind != "bf16" and not hasattr(fp8ext, "make_graphed_callables"):
+                continue
+            if graphed and kind == "fp8ext, fp32 parameters (the lab's)":
+                continue
+            model, rec = make(kind)
+            try:
+                ms = run(model, rec, graphed)
+            except Exception as e:  # noqa: BLE001 - a failing variant is reported, the others still run
+                print(f"  {kind}{' graphed' if graphed else ''}: {type(e).__name__}: {e}")
+                continue
+            rows.append({"variant": kind + (", fwd+bwd graphed" if graphed else ", eager"), "ms/step": ms})
+    eager = next((r["ms/step"] for r in rows if r["variant"] == "bf16, eager"), float("nan"))
+    graph = next((r["ms/step"] for r in rows if r["variant"] == "bf16, fwd+bwd graphed"), float("nan"))
+    for r in rows:
+        r["vs bf16 eager"], r["vs bf16 graphed"] = eager / r["ms/step"], graph / r["ms/step"]
+    return rows
 
 
 if __name__ == "__main__":

@@ -126,6 +126,7 @@ static int module_exec(PyObject *module) {
     if (PyModule_AddFunctions(module, fp8ext_scaling_methods) < 0) return -1;
     if (PyModule_AddFunctions(module, fp8ext_gemm_methods) < 0) return -1;
     if (PyModule_AddFunctions(module, fp8ext_inference_methods) < 0) return -1;
+    if (PyModule_AddFunctions(module, fp8ext_linear_methods) < 0) return -1;
     if (PyModule_AddIntConstant(module, "E4M3", FP8EXT_E4M3) < 0) return -1;
     if (PyModule_AddIntConstant(module, "E5M2", FP8EXT_E5M2) < 0) return -1;
 #ifdef FP8EXT_WITH_CUDA

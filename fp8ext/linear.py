@@ -32,12 +32,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _C, debug
-from ._boundary import stream_of
+from ._boundary import _raw_stream, stream_of
 from .context import activation_dtype, current_context, get_scaling_manager
 from .formats import FP8Format, format_of_code
 from .ops import amax as _amax
 from .ops import cast_transpose, scale_from_amax
-from ._gemm import gemm_eager
+from ._gemm import _workspace, gemm_eager
 from .profiling import profiled
 from .recipe import DelayedScaling
 
@@ -162,6 +162,123 @@ class _MainGradLinearFunction(torch.autograd.Function):
         return dx, _wgrad_placeholder(weight), db, None
 
 
+# ---- the fast path: one C call per pass ------------------------------------------------------------------
+# In the common training case (eager, delayed scaling, the weight recast every step, contiguous input, a token
+# count that is a multiple of 16, fp8ext.debug off) FP8Linear skips the composed path above and runs each pass
+# as one fp8ext._C call (csrc/py_linear.c): the forward's two cast_transposes and its GEMM, the backward's
+# cast_transpose and its two GEMMs. The FP8 tensors live in two byte buffers per pass (one kept for backward:
+# the scale_invs, x8^T and W8^T; one dropped: x8 and W8), and the capsules of the layer's scale and amax slots
+# are made once and reused. Same kernels, same cuBLASLt calls, same bytes as the composed path (tests compare
+# the two bit for bit); the host work per step is a fraction.
+_LEAN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FAST_PATH = True  # tests switch it off to compare the two paths
+_SINV_BYTES = 256  # the saved buffer starts with the three float32 scale_invs (x, W, dy), padded to 256 bytes
+
+
+def _r256(n: int) -> int:
+    return (n + 255) & ~255
+
+
+class _LeanState:
+    """The layer's FP8 slots as the fast path uses them: the manager, its buffers' generation, and DLPack
+    capsules of the scale and amax slots (long-lived tensors: C borrows a capsule and never consumes it)."""
+
+    __slots__ = ("recipe", "mgr", "generation", "device", "slots", "xs", "xa", "ws", "wa", "gs", "ga", "fwd_code",
+                 "bwd_code")
+
+    def __init__(self, recipe, mgr, views, generation, slots):
+        (xs, _, xa), (ws, _, wa), (gs, _, ga) = views
+        self.recipe, self.mgr, self.generation, self.slots, self.device = recipe, mgr, generation, slots, xs.device
+        self.xs, self.xa, self.ws, self.wa, self.gs, self.ga = (_to_dl(t) for t in (xs, xa, ws, wa, gs, ga))
+        self.fwd_code, self.bwd_code = recipe.fp8_format.fwd.code, recipe.fp8_format.bwd.code
+
+    def grad_slot_capsules(self):
+        """(scale, amax) capsules of the gradient's slot, fresh when the manager's buffers grew since."""
+        if self.mgr.generation == self.generation:
+            return self.gs, self.ga
+        scale, _, amax = self.mgr.views(self.slots[2])
+        return _to_dl(scale), _to_dl(amax)
+
+
+def _fp8_view(buf: torch.Tensor, offset: int, rows: int, cols: int, code: int) -> torch.Tensor:
+    """The FP8 matrix [rows, cols] at `offset` bytes into a byte buffer of the fast path."""
+    return buf[offset:offset + rows * cols].view(format_of_code(code).torch_dtype).view(rows, cols)
+
+
+def _pass_stream(device: torch.device):
+    """(stream, workspace capsule) of a pass on `device`: the caller's current CUDA stream and its cuBLASLt
+    workspace, or (0, None) on the CPU."""
+    if device.type != "cuda":
+        return 0, None
+    stream = _raw_stream(device.index)
+    return stream, _workspace(device, stream)
+
+
+class _LeanLinearFunction(torch.autograd.Function):
+    """FP8Linear's fast path (see above): each pass one fp8ext._C call. On the CPU the C calls do the casts and
+    the GEMMs are emulated here, from the same buffers."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, st, out_dtype, fuse_bias, main_grad):
+        n, k = weight.shape
+        m = x.numel() // k
+        dev = x.device
+        rmk = _r256(m * k)
+        saved = torch.empty(_SINV_BYTES + rmk + n * k, dtype=torch.uint8, device=dev)
+        scratch = torch.empty(rmk + n * k, dtype=torch.uint8, device=dev)
+        y = torch.empty((m, n), dtype=out_dtype, device=dev)
+        stream, ws = _pass_stream(dev)
+        b = bias if fuse_bias else None
+        if not _C.linear_fwd(_to_dl(x.view(m, k)), _to_dl(weight), _to_dl(saved), _to_dl(scratch), _to_dl(y), st.xs,
+                             st.xa, st.ws, st.wa, st.fwd_code, None if b is None else _to_dl(b), ws, stream):
+            sinv = saved[:12].view(torch.float32)
+            gemm_eager(_fp8_view(scratch, 0, m, k, st.fwd_code), _fp8_view(scratch, rmk, n, k, st.fwd_code), sinv[0:1],
+                       sinv[1:2], out_dtype, b, True, y, False, None, None)
+        if bias is not None and not fuse_bias:
+            y = y + bias.to(y.dtype)
+        ctx.save_for_backward(saved)
+        ctx.st, ctx.dims, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = st, (m, k, n), x.shape, x.dtype, weight.dtype
+        ctx.b_dtype = None if bias is None else bias.dtype
+        ctx.main_grad, ctx.weight_ref = main_grad, (weight if main_grad is not None else None)
+        return y.view(*x.shape[:-1], n)
+
+    @staticmethod
+    def backward(ctx, dy):
+        saved, = ctx.saved_tensors
+        st = ctx.st
+        m, k, n = ctx.dims
+        dy2 = dy.reshape(m, n)
+        if not dy2.is_contiguous():
+            dy2 = dy2.contiguous()
+        dev = dy2.device
+        rmn = _r256(m * n)
+        scratch = torch.empty(rmn + m * n, dtype=torch.uint8, device=dev)
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        dx = torch.empty((m, k), dtype=ctx.x_dtype, device=dev) if need_dx else None
+        main_grad = ctx.main_grad
+        if main_grad is not None:
+            dw = main_grad
+        else:
+            dw = torch.empty((n, k), dtype=ctx.w_dtype, device=dev) if need_dw else None
+        gs, ga = st.grad_slot_capsules()
+        stream, ws = _pass_stream(dev)
+        if not _C.linear_bwd(_to_dl(dy2), _to_dl(saved), _to_dl(scratch), m, k, n, st.fwd_code, gs, ga, st.bwd_code,
+                             None if dx is None else _to_dl(dx), None if dw is None else _to_dl(dw),
+                             main_grad is not None, ws, stream):
+            sinv = saved[:12].view(torch.float32)
+            rmk = _r256(m * k)
+            if dx is not None:
+                gemm_eager(_fp8_view(scratch, 0, m, n, st.bwd_code), _fp8_view(saved, _SINV_BYTES + rmk, k, n, st.fwd_code),
+                           sinv[2:3], sinv[1:2], dx.dtype, None, False, dx, False, None, None)
+            if dw is not None:
+                gemm_eager(_fp8_view(scratch, rmn, n, m, st.bwd_code), _fp8_view(saved, _SINV_BYTES, k, m, st.fwd_code),
+                           sinv[2:3], sinv[0:1], dw.dtype, None, False, dw, main_grad is not None, None, None)
+        db = dy2.sum(0, dtype=torch.float32).to(ctx.b_dtype) if ctx.b_dtype is not None and need_db else None
+        if main_grad is not None:
+            dw = _wgrad_placeholder(ctx.weight_ref)
+        return None if dx is None else dx.view(ctx.x_shape), dw, db, None, None, None, None
+
+
 _ids = itertools.count()  # FP8Linear slot names are unique for the life of the process (id() is reused)
 
 # Transformer Engine's te.Linear arguments that fp8ext takes only at their defaults (no tensor or sequence
@@ -243,6 +360,7 @@ class FP8Linear(nn.Module):
         self._leases = {}  # id(manager) -> the finalizer that releases this layer's slots there
         self._manager = None  # the manager of the last recipe used (for get_extra_state)
         self._pending_fp8_state = pending  # loaded extra state, applied when the layer gets its slots
+        self._lean = None  # _LeanState of the fast path, made by the first FP8 step with delayed scaling
 
     def reset_parameters(self) -> None:
         """nn.Linear's initialisation, or init_method(weight) and a zero bias when init_method was given."""
@@ -263,7 +381,7 @@ class FP8Linear(nn.Module):
     # ---- copies: a copy (deepcopy, pickle) is a new layer with its own slots and the same FP8 state ----------
     def __getstate__(self):
         state = self.__dict__.copy()
-        for key in ("_weight_cache", "_fp8_views", "_leases", "_manager", "_fp8_id"):
+        for key in ("_weight_cache", "_fp8_views", "_leases", "_manager", "_fp8_id", "_lean"):
             state.pop(key, None)
         state["_pending_fp8_state"] = self.get_extra_state() or None
         return state
@@ -371,6 +489,13 @@ class FP8Linear(nn.Module):
         Engine's argument): None (default) casts the weight on every call; True casts it and keeps the cast;
         False reuses the kept cast for the next micro-batches of the same step."""
         ctx = current_context()
+        if ctx is not None and ctx.enabled and is_first_microbatch is None and not ctx.calibrating and _FAST_PATH \
+                and not torch.compiler.is_compiling():
+            st = self._lean
+            if st is not None and st.recipe is ctx.recipe and st.mgr.generation == st.generation:
+                y = self._lean_forward(input, st)
+                if y is not None:
+                    return y
         bias = None if self.return_bias else self.bias
         main_grad = self._main_grad() if self.fuse_wgrad_accumulation and torch.is_grad_enabled() else None
         if ctx is None or not (ctx.enabled or ctx.calibrating):
@@ -397,10 +522,14 @@ class FP8Linear(nn.Module):
         fwd, bwd = recipe.fp8_format.fwd, recipe.fp8_format.bwd
         grad_slot = None
         if delayed:
-            mgr, ((xs, _, xa), (ws, _, wa), (gs, _, ga)) = self._manager_views(recipe)
+            mgr, views = self._manager_views(recipe)
+            (xs, _, xa), (ws, _, wa), (gs, _, ga) = views
             mgr.dirty = True
             if not torch.compiler.is_compiling():
                 grad_slot = self._grad_slot(recipe)
+                _, _, generation, slots = self._fp8_views[recipe]
+                if self._lean is None or self._lean.recipe is not recipe or self._lean.generation != generation:
+                    self._lean = _LeanState(recipe, mgr, views, generation, slots)
         else:
             xs = xa = ws = wa = gs = ga = None
         if debug.enabled():
@@ -409,6 +538,30 @@ class FP8Linear(nn.Module):
         y = _FP8LinearFunction.apply(input, self.weight, bias, w8, w8t, w_sinv, xs, xa, gs, ga, fwd.code, bwd.code,
                                      float(recipe.margin), activation_dtype(input), grad_slot, main_grad)
         return self._output(y)
+
+    def _lean_forward(self, input, st: _LeanState):
+        """The fast path's forward (see _LeanLinearFunction), or None when this input needs the composed path."""
+        if debug.enabled() or not isinstance(input, torch.Tensor):
+            return None
+        w = self.weight
+        k = self.in_features
+        if input.dtype not in _LEAN_DTYPES or w.dtype not in _LEAN_DTYPES or input.device != st.device or \
+                w.device != st.device or not input.is_contiguous() or not w.is_contiguous() or input.dim() == 0 or \
+                input.shape[-1] != k:
+            return None
+        m = input.numel() // k
+        if m == 0 or m % 16 or k % 16 or self.out_features % 16:
+            return None
+        if self._weight_cache is not None:
+            self._weight_cache = None
+        out_dtype = activation_dtype(input)
+        bias = None if self.return_bias else self.bias
+        fuse_bias = bias is not None and out_dtype != torch.float32 and bias.dtype == (
+            torch.float16 if out_dtype == torch.float16 else torch.bfloat16) and bias.is_contiguous()
+        main_grad = self._main_grad() if self.fuse_wgrad_accumulation and torch.is_grad_enabled() else None
+        st.mgr.dirty = True
+        y = _LeanLinearFunction.apply(input, w, bias, st, out_dtype, fuse_bias, main_grad)
+        return (y, self.bias) if self.return_bias else y
 
     def _main_grad(self) -> torch.Tensor:
         """weight.main_grad, checked: fuse_wgrad_accumulation adds the weight's gradient into it (a float32 tensor of

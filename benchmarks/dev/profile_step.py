@@ -38,7 +38,9 @@ def main():
         step()
     prof.disable()
     torch.cuda.synchronize()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+    st = pstats.Stats(prof)
+    st.sort_stats("tottime").print_stats(30)
+    st.sort_stats("cumtime").print_stats(40)
 
 
 if __name__ == "__main__":

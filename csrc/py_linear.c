@@ -1,0 +1,328 @@
+/* py_linear.c: one C call per pass of an FP8 linear layer (FP8Linear's eager fast path).
+ *
+ * The forward pass is cast_transpose(x), cast_transpose(W) and the forward GEMM; the backward pass is
+ * cast_transpose(dy), the dgrad GEMM and the wgrad GEMM. Made one Python call each, with their FP8 tensors
+ * carved out of two byte buffers, the layer's host work per step shrinks from a dozen allocations and ~50
+ * DLPack crossings to a handful of each. The bytes are those of the separate calls (same kernels, same
+ * cuBLASLt plans, same arguments); the layer's tests compare the two paths bit for bit.
+ *
+ * Buffers (uint8, allocated by the caller with torch; offsets are multiples of 256 bytes):
+ *   saved   [0, 12)          float32 scale_inv of x, W and dy (dy's written by the backward call)
+ *           [256, +M*K)       x8^T  [K, M]   (kept for the wgrad GEMM)
+ *           [256 + R(M*K), +N*K) W8^T [K, N] (kept for the dgrad GEMM)
+ *   forward scratch  [0, M*K) x8 [M, K], [R(M*K), +N*K) W8 [N, K]    (dropped after the forward)
+ *   backward scratch [0, M*N) dy8 [M, N], [R(M*N), +M*N) dy8^T [N, M]
+ * R(n) rounds n up to a multiple of 256. M, K and N must be nonzero multiples of 16 (cuBLASLt's FP8 rule,
+ * and the wgrad GEMM contracts over M). Scales are per tensor, one float32 each, on the tensors' device.
+ * On the CPU the casts run (the bit-exact reference) and the call returns False: fp8ext.linear emulates the
+ * GEMMs. On a GPU everything is enqueued on `stream` and the call returns True.
+ */
+#include <string.h>
+
+#include "fp8ext.h"
+#include "gemm.h"
+#include "module_state.h"
+#include "third_party/dlpack/dlpack.h"
+
+#define LIN_ALIGN 256
+#define SINV_BYTES 256
+
+static int64_t round_up(int64_t n) { return (n + LIN_ALIGN - 1) / LIN_ALIGN * LIN_ALIGN; }
+
+static int hp_dtype(const fp8ext_view *v) {
+    return v->kind == FP8EXT_KIND_BF16 ? FP8EXT_BF16 : v->kind == FP8EXT_KIND_F16 ? FP8EXT_F16 : FP8EXT_F32;
+}
+
+/* A 2-D contiguous float tensor on ref's device (ref NULL: any device), of shape [rows, cols] when rows >= 0. */
+static int get_matrix(PyObject *o, const fp8ext_view *ref, int64_t rows, int64_t cols, Py_ssize_t stream,
+                      const char *fn, const char *arg, fp8ext_view *v) {
+    if (fp8ext_view_get(o, stream, fn, arg, v) < 0 || fp8ext_check_float(v, fn, arg) < 0 ||
+        fp8ext_check_contiguous(v, fn, arg) < 0 || (ref && fp8ext_check_same_device(v, ref, fn, arg, "x") < 0))
+        return -1;
+    if (v->ndim != 2 || (rows >= 0 && (v->shape[0] != rows || v->shape[1] != cols))) {
+        if (rows >= 0)
+            PyErr_Format(PyExc_ValueError, "%s(): %s must have shape [%lld, %lld]", fn, arg, (long long)rows,
+                         (long long)cols);
+        else
+            PyErr_Format(PyExc_ValueError, "%s(): %s must be 2-D, got %d dimensions", fn, arg, v->ndim);
+        return -1;
+    }
+    return 0;
+}
+
+/* A uint8 byte buffer on ref's device, contiguous, writable, of at least `bytes`, starting on a 16-byte boundary
+ * (cuBLASLt's rule for FP8 operands; the sub-buffers lie at multiples of 256 bytes from the start). */
+static int get_bytes(PyObject *o, const fp8ext_view *ref, int64_t bytes, Py_ssize_t stream, const char *fn,
+                     const char *arg, fp8ext_view *v) {
+    if (fp8ext_view_get(o, stream, fn, arg, v) < 0 || fp8ext_check_kind(v, FP8EXT_KIND_U8, fn, arg) < 0 ||
+        fp8ext_check_contiguous(v, fn, arg) < 0 || fp8ext_check_writable(v, fn, arg) < 0 ||
+        fp8ext_check_same_device(v, ref, fn, arg, "x") < 0)
+        return -1;
+    if (v->numel < bytes) {
+        PyErr_Format(PyExc_ValueError, "%s(): %s holds %lld bytes, needs %lld", fn, arg, (long long)v->numel,
+                     (long long)bytes);
+        return -1;
+    }
+    if ((uintptr_t)v->data % 16) {
+        PyErr_Format(PyExc_ValueError, "%s(): %s must start on a 16-byte boundary", fn, arg);
+        return -1;
+    }
+    return 0;
+}
+
+/* A one-element float32 tensor on ref's device (a scale or an amax slot). */
+static int get_scalar(PyObject *o, const fp8ext_view *ref, Py_ssize_t stream, const char *fn, const char *arg,
+                      fp8ext_view *v) {
+    if (fp8ext_view_get(o, stream, fn, arg, v) < 0 || fp8ext_check_scalar_f32(v, fn, arg) < 0 ||
+        fp8ext_check_same_device(v, ref, fn, arg, "x") < 0)
+        return -1;
+    return 0;
+}
+
+static int check_dims(int64_t m, int64_t k, int64_t n, const char *fn) {
+    if (m <= 0 || k <= 0 || n <= 0 || m % 16 || k % 16 || n % 16) {
+        PyErr_Format(PyExc_ValueError, "%s(): M, K and N must be nonzero multiples of 16, got M=%lld, K=%lld, N=%lld",
+                     fn, (long long)m, (long long)k, (long long)n);
+        return -1;
+    }
+    return 0;
+}
+
+static int check_fmt(int fmt, const char *fn, const char *arg) {
+    if (fmt == FP8EXT_E4M3 || fmt == FP8EXT_E5M2) return 0;
+    PyErr_Format(PyExc_ValueError, "%s(): %s must be 0 (E4M3) or 1 (E5M2), got %d", fn, arg, fmt);
+    return -1;
+}
+
+static int get_int(PyObject *o, const char *fn, const char *arg, long long *out) {
+    *out = PyLong_AsLongLong(o);
+    if (*out == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s(): %s must be an int, got %.100s", fn, arg, Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    return 0;
+}
+
+/* A per-tensor FP8 GEMM of the layer: out[M, N] = (a * sa) @ (b * sb)^T, a [M, K] and b [N, K] FP8. */
+static void gemm_args(fp8ext_gemm_args *g, int64_t m, int64_t n, int64_t k, const void *a, int a_fmt, const float *sa,
+                      const void *b, int b_fmt, const float *sb, const fp8ext_view *out) {
+    memset(g, 0, sizeof *g);
+    g->m = m, g->n = n, g->k = k;
+    g->a = a, g->a_fmt = a_fmt, g->a_scale_inv = sa, g->a_scale_mode = FP8EXT_SCALE_TENSOR;
+    g->b = b, g->b_fmt = b_fmt, g->b_scale_inv = sb, g->b_scale_mode = FP8EXT_SCALE_TENSOR;
+    g->out = out->data, g->out_type = out->kind; /* FP8EXT_KIND_F32/BF16/F16 == FP8EXT_OUT_F32/BF16/F16 */
+}
+
+#ifdef FP8EXT_WITH_CUDA
+static int raise_gemm(const char *fn, const char *which, const fp8ext_gemm_status *s, const fp8ext_gemm_args *g) {
+    if (s->kind == FP8EXT_GEMM_NO_MEMORY) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    char text[160];
+    PyErr_Format(s->kind == FP8EXT_GEMM_NO_KERNEL ? PyExc_ValueError : PyExc_RuntimeError,
+                 "%s(): the %s GEMM: %s returned %s for M=%lld, N=%lld, K=%lld, out %s", fn, which, s->what,
+                 fp8ext_gemm_status_text(s, text, sizeof text), (long long)g->m, (long long)g->n, (long long)g->k,
+                 fp8ext_gemm_type_name(g->out_type));
+    return -1;
+}
+#endif
+
+/* Up to two cast_transposes then up to two GEMMs, on x's device. 1 when the GEMMs ran (GPU), 0 when only the
+ * casts did (CPU), -1 with an exception. */
+static int run(PyObject *module, const char *fn, const fp8ext_view *where, Py_ssize_t stream, fp8ext_view *ws,
+               int n_casts, const fp8ext_cast_transpose_args *casts, int n_gemms, fp8ext_gemm_args *gemms,
+               const char *const *gemm_names) {
+    if (where->device_type == kDLCPU) {
+        Py_BEGIN_ALLOW_THREADS
+        for (int i = 0; i < n_casts; ++i) fp8ext_cpu_cast_transpose(&casts[i]);
+        Py_END_ALLOW_THREADS
+        return 0;
+    }
+#ifdef FP8EXT_WITH_CUDA
+    if (!ws->capsule) {
+        PyErr_Format(PyExc_TypeError, "%s(): workspace (a uint8 CUDA tensor) is required on the GPU", fn);
+        return -1;
+    }
+    fp8ext_cuda_state *cs = &fp8ext_get_state(module)->cuda;
+    fp8ext_cuda_scope scope;
+    if (fp8ext_cuda_enter(cs, where->device_id, fn, &scope) < 0) return -1;
+    int err = 0, failed = -1;
+    fp8ext_gemm_status s = {0};
+    Py_BEGIN_ALLOW_THREADS
+    for (int i = 0; i < n_casts && !err; ++i) err = fp8ext_cuda_cast_transpose(&casts[i], (void *)stream, scope.num_sms);
+    for (int i = 0; i < n_gemms && !err && failed < 0; ++i) {
+        gemms[i].workspace = ws->data, gemms[i].workspace_size = (size_t)ws->numel, gemms[i].device = where->device_id;
+        s = fp8ext_gemm_run(&cs->gemm, &gemms[i], (void *)stream, 0);
+        if (s.kind != FP8EXT_GEMM_OK) failed = i;
+    }
+    Py_END_ALLOW_THREADS
+    fp8ext_cuda_leave(&scope);
+    if (err) return fp8ext_cuda_raise(fn, err);
+    if (failed >= 0) return raise_gemm(fn, gemm_names[failed], &s, &gemms[failed]);
+    return 1;
+#else
+    (void)module, (void)stream, (void)ws, (void)n_gemms, (void)gemms, (void)gemm_names;
+    PyErr_Format(PyExc_RuntimeError, "%s(): got tensors on cuda:%d, but this fp8ext was built without CUDA", fn,
+                 where->device_id);
+    return -1;
+#endif
+}
+
+static int get_workspace(PyObject *o, const fp8ext_view *x, Py_ssize_t stream, const char *fn, fp8ext_view *ws) {
+    if (o == Py_None || x->device_type == kDLCPU) return 0;
+    return get_bytes(o, x, 1, stream, fn, "workspace", ws);
+}
+
+/* linear_fwd(x, w, saved, scratch, y, x_scale, x_amax, w_scale, w_amax, fmt, bias, workspace, stream) -> bool */
+static PyObject *py_linear_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    static const char *fn = "linear_fwd";
+    if (nargs != 13) {
+        PyErr_Format(PyExc_TypeError, "%s() takes 13 arguments, got %zd", fn, nargs);
+        return NULL;
+    }
+    long long fmt, stream_ll;
+    if (get_int(args[9], fn, "fmt", &fmt) < 0 || get_int(args[12], fn, "stream", &stream_ll) < 0) return NULL;
+    const Py_ssize_t stream = (Py_ssize_t)stream_ll;
+    fp8ext_view x = {0}, w = {0}, saved = {0}, scratch = {0}, y = {0}, xs = {0}, xa = {0}, wsc = {0}, wa = {0};
+    fp8ext_view bias = {0}, ws = {0};
+    PyObject *ret = NULL;
+    if (check_fmt((int)fmt, fn, "fmt") < 0 || get_matrix(args[0], NULL, -1, -1, stream, fn, "x", &x) < 0) goto done;
+    const int64_t m = x.shape[0], k = x.shape[1];
+    if (fp8ext_view_get(args[1], stream, fn, "w", &w) < 0 || fp8ext_check_float(&w, fn, "w") < 0 ||
+        fp8ext_check_contiguous(&w, fn, "w") < 0 || fp8ext_check_same_device(&w, &x, fn, "w", "x") < 0)
+        goto done;
+    if (w.ndim != 2 || w.shape[1] != k) {
+        PyErr_Format(PyExc_ValueError, "%s(): w must be [N, %lld]", fn, (long long)k);
+        goto done;
+    }
+    const int64_t n = w.shape[0];
+    if (check_dims(m, k, n, fn) < 0) goto done;
+    const int64_t rmk = round_up(m * k);
+    if (get_bytes(args[2], &x, SINV_BYTES + rmk + n * k, stream, fn, "saved", &saved) < 0 ||
+        get_bytes(args[3], &x, rmk + n * k, stream, fn, "scratch", &scratch) < 0 ||
+        get_matrix(args[4], &x, m, n, stream, fn, "y", &y) < 0 || fp8ext_check_writable(&y, fn, "y") < 0 ||
+        get_scalar(args[5], &x, stream, fn, "x_scale", &xs) < 0 || get_scalar(args[6], &x, stream, fn, "x_amax", &xa) < 0 ||
+        get_scalar(args[7], &x, stream, fn, "w_scale", &wsc) < 0 || get_scalar(args[8], &x, stream, fn, "w_amax", &wa) < 0 ||
+        fp8ext_check_writable(&xa, fn, "x_amax") < 0 || fp8ext_check_writable(&wa, fn, "w_amax") < 0 ||
+        get_workspace(args[11], &x, stream, fn, &ws) < 0)
+        goto done;
+    if (args[10] != Py_None) {
+        if (fp8ext_view_get(args[10], stream, fn, "bias", &bias) < 0 || fp8ext_check_contiguous(&bias, fn, "bias") < 0 ||
+            fp8ext_check_same_device(&bias, &x, fn, "bias", "x") < 0)
+            goto done;
+        const int want = y.kind == FP8EXT_KIND_F16 ? FP8EXT_KIND_F16 : FP8EXT_KIND_BF16;
+        if (y.kind == FP8EXT_KIND_F32 || bias.kind != want || bias.ndim != 1 || bias.shape[0] != n) {
+            PyErr_Format(PyExc_ValueError, "%s(): bias must be [%lld] in the output's dtype (bfloat16 or float16)", fn,
+                         (long long)n);
+            goto done;
+        }
+    }
+    if (fp8ext_check_disjoint(fn, 5, 11, (const fp8ext_view *const[]){&saved, &scratch, &y, &xa, &wa, &x, &w, &xs, &wsc,
+                                                                       &bias, &ws},
+                              (const char *const[]){"saved", "scratch", "y", "x_amax", "w_amax", "x", "w", "x_scale",
+                                                    "w_scale", "bias", "workspace"}) < 0)
+        goto done;
+    uint8_t *sv = saved.data, *sc = scratch.data;
+    float *sinv = (float *)sv;
+    fp8ext_cast_transpose_args casts[2] = {
+        {.x = x.data, .x_dtype = hp_dtype(&x), .rows = m, .cols = k, .q = sc, .qt = sv + SINV_BYTES, .fmt = (int)fmt,
+         .scale_ptr = xs.data, .amax_out = xa.data, .scale_inv_out = sinv, .saturate = 1},
+        {.x = w.data, .x_dtype = hp_dtype(&w), .rows = n, .cols = k, .q = sc + rmk, .qt = sv + SINV_BYTES + rmk,
+         .fmt = (int)fmt, .scale_ptr = wsc.data, .amax_out = wa.data, .scale_inv_out = sinv + 1, .saturate = 1},
+    };
+    fp8ext_gemm_args g;
+    gemm_args(&g, m, n, k, sc, (int)fmt, sinv, sc + rmk, (int)fmt, sinv + 1, &y);
+    g.fast_accum = 1; /* the forward GEMM, as Transformer Engine's */
+    if (bias.capsule) g.bias = bias.data, g.bias_type = bias.kind == FP8EXT_KIND_F16 ? FP8EXT_F16 : FP8EXT_BF16;
+    static const char *const names[] = {"forward"};
+    const int r = run(module, fn, &x, stream, &ws, 2, casts, 1, &g, names);
+    if (r >= 0) ret = Py_NewRef(r ? Py_True : Py_False);
+done:
+    FP8EXT_RELEASE_ALL(&x, &w, &saved, &scratch, &y, &xs, &xa, &wsc, &wa, &bias, &ws);
+    return ret;
+}
+
+/* linear_bwd(dy, saved, scratch, m, k, n, fwd_fmt, g_scale, g_amax, bwd_fmt, dx, dw, accumulate, workspace, stream)
+ * -> bool. dx [M, K] or None; dw [N, K] or None (accumulate: dw += the weight gradient, e.g. a float32 main_grad). */
+static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    static const char *fn = "linear_bwd";
+    if (nargs != 15) {
+        PyErr_Format(PyExc_TypeError, "%s() takes 15 arguments, got %zd", fn, nargs);
+        return NULL;
+    }
+    long long m, k, n, ffmt, bfmt, stream_ll;
+    if (get_int(args[3], fn, "m", &m) < 0 || get_int(args[4], fn, "k", &k) < 0 || get_int(args[5], fn, "n", &n) < 0 ||
+        get_int(args[6], fn, "fwd_fmt", &ffmt) < 0 || get_int(args[9], fn, "bwd_fmt", &bfmt) < 0 ||
+        get_int(args[14], fn, "stream", &stream_ll) < 0)
+        return NULL;
+    const int accumulate = PyObject_IsTrue(args[12]);
+    if (accumulate < 0) return NULL;
+    const Py_ssize_t stream = (Py_ssize_t)stream_ll;
+    fp8ext_view dy = {0}, saved = {0}, scratch = {0}, gs = {0}, ga = {0}, dx = {0}, dw = {0}, ws = {0};
+    PyObject *ret = NULL;
+    if (check_dims(m, k, n, fn) < 0 || check_fmt((int)ffmt, fn, "fwd_fmt") < 0 || check_fmt((int)bfmt, fn, "bwd_fmt") < 0)
+        goto done;
+    if (ffmt == FP8EXT_E5M2 && bfmt == FP8EXT_E5M2) {
+        PyErr_Format(PyExc_ValueError, "%s(): E5M2 x E5M2 has no cuBLASLt GEMM; make one format E4M3", fn);
+        goto done;
+    }
+    const int64_t rmk = round_up(m * k), rmn = round_up(m * n);
+    if (get_matrix(args[0], NULL, m, n, stream, fn, "dy", &dy) < 0 ||
+        get_bytes(args[1], &dy, SINV_BYTES + rmk + n * k, stream, fn, "saved", &saved) < 0 ||
+        get_bytes(args[2], &dy, rmn + m * n, stream, fn, "scratch", &scratch) < 0 ||
+        get_scalar(args[7], &dy, stream, fn, "g_scale", &gs) < 0 || get_scalar(args[8], &dy, stream, fn, "g_amax", &ga) < 0 ||
+        fp8ext_check_writable(&ga, fn, "g_amax") < 0 || get_workspace(args[13], &dy, stream, fn, &ws) < 0)
+        goto done;
+    if (args[10] != Py_None &&
+        (get_matrix(args[10], &dy, m, k, stream, fn, "dx", &dx) < 0 || fp8ext_check_writable(&dx, fn, "dx") < 0))
+        goto done;
+    if (args[11] != Py_None &&
+        (get_matrix(args[11], &dy, n, k, stream, fn, "dw", &dw) < 0 || fp8ext_check_writable(&dw, fn, "dw") < 0))
+        goto done;
+    if (accumulate && !dw.capsule) {
+        PyErr_Format(PyExc_ValueError, "%s(): accumulate=True adds into dw: pass dw", fn);
+        goto done;
+    }
+    if (fp8ext_check_disjoint(fn, 5, 8, (const fp8ext_view *const[]){&saved, &scratch, &ga, &dx, &dw, &dy, &gs, &ws},
+                              (const char *const[]){"saved", "scratch", "g_amax", "dx", "dw", "dy", "g_scale",
+                                                    "workspace"}) < 0)
+        goto done;
+    uint8_t *sv = saved.data, *sc = scratch.data;
+    float *sinv = (float *)sv;
+    fp8ext_cast_transpose_args cast = {.x = dy.data, .x_dtype = hp_dtype(&dy), .rows = m, .cols = n, .q = sc,
+                                       .qt = sc + rmn, .fmt = (int)bfmt, .scale_ptr = gs.data, .amax_out = ga.data,
+                                       .scale_inv_out = sinv + 2, .saturate = 1};
+    fp8ext_gemm_args g[2];
+    const char *names[2];
+    int ng = 0;
+    if (dx.capsule) { /* dx[M, K] = dy8[M, N] @ (W8^T[K, N])^T */
+        gemm_args(&g[ng], m, k, n, sc, (int)bfmt, sinv + 2, sv + SINV_BYTES + rmk, (int)ffmt, sinv + 1, &dx);
+        names[ng++] = "dgrad";
+    }
+    if (dw.capsule) { /* dW[N, K] = dy8^T[N, M] @ (x8^T[K, M])^T */
+        gemm_args(&g[ng], n, k, m, sc + rmn, (int)bfmt, sinv + 2, sv + SINV_BYTES, (int)ffmt, sinv, &dw);
+        g[ng].accumulate = accumulate;
+        names[ng++] = "wgrad";
+    }
+    const int r = run(module, fn, &dy, stream, &ws, 1, &cast, ng, g, names);
+    if (r >= 0) ret = Py_NewRef(r ? Py_True : Py_False);
+done:
+    FP8EXT_RELEASE_ALL(&dy, &saved, &scratch, &gs, &ga, &dx, &dw, &ws);
+    return ret;
+}
+
+PyMethodDef fp8ext_linear_methods[] = {
+    {"linear_fwd", (PyCFunction)(void (*)(void))py_linear_fwd, METH_FASTCALL,
+     "linear_fwd(x, w, saved, scratch, y, x_scale, x_amax, w_scale, w_amax, fmt, bias, workspace, stream) -> bool\n"
+     "An FP8 linear layer's forward pass in one call: cast_transpose of x and w into the saved and scratch byte\n"
+     "buffers (layout in py_linear.c), then y = x8 @ w8^T (+ bias) on a GPU. False on the CPU: the GEMM is left\n"
+     "to the caller."},
+    {"linear_bwd", (PyCFunction)(void (*)(void))py_linear_bwd, METH_FASTCALL,
+     "linear_bwd(dy, saved, scratch, m, k, n, fwd_fmt, g_scale, g_amax, bwd_fmt, dx, dw, accumulate, workspace,\n"
+     "           stream) -> bool\n"
+     "An FP8 linear layer's backward pass in one call: cast_transpose of dy, then the dgrad and wgrad GEMMs on a\n"
+     "GPU. False on the CPU: the GEMMs are left to the caller."},
+    {NULL, NULL, 0, NULL},
+};

@@ -1,0 +1,151 @@
+"""FP8Linear's fast path (one fp8ext._C call per pass) against the composed path (separate casts and GEMMs): the
+same outputs, gradients and scaling state, bit for bit, over several delayed-scaling steps; when each path is
+taken; and the C entry points' argument checks."""
+import pytest
+import torch
+
+import fp8ext
+import fp8ext.linear as L
+from conftest import DEVICES
+
+HYBRID = fp8ext.Format.HYBRID
+
+
+def twins(device, dtype, bias, fuse_wgrad=False, shape=(64, 32)):
+    torch.manual_seed(0)
+    a = fp8ext.Linear(*shape, bias=bias, device=device, params_dtype=dtype, fuse_wgrad_accumulation=fuse_wgrad)
+    b = fp8ext.Linear(*shape, bias=bias, device=device, params_dtype=dtype, fuse_wgrad_accumulation=fuse_wgrad)
+    b.load_state_dict(a.state_dict())
+    if fuse_wgrad:
+        for m in (a, b):
+            m.weight.main_grad = torch.zeros(m.weight.shape, device=device)
+        a.weight.main_grad.normal_()
+        b.weight.main_grad.copy_(a.weight.main_grad)
+    return a, b
+
+
+def run_steps(layer, recipe, xs, gys, fast, monkeypatch, lr=0.05):
+    """Eager steps (fwd, bwd, SGD) with the fast path on or off; everything each step produced."""
+    monkeypatch.setattr(L, "_FAST_PATH", fast)
+    out = []
+    for x, gy in zip(xs, gys):
+        x = x.clone().requires_grad_(True)
+        with fp8ext.fp8_autocast(fp8_recipe=recipe):
+            y = layer(x)
+        y.backward(gy)
+        grads = [p.grad.clone() if p.grad is not None else None for p in layer.parameters()]
+        mg = getattr(layer.weight, "main_grad", None)
+        out.append((y.detach().clone(), x.grad.clone(), grads, None if mg is None else mg.clone()))
+        with torch.no_grad():
+            for p in layer.parameters():
+                if p.grad is not None:
+                    p -= lr * p.grad
+                    p.grad = None
+    return out, layer.get_extra_state()
+
+
+def same(a, b, what):
+    if a is None or b is None:
+        assert a is None and b is None, what
+        return
+    assert a.dtype == b.dtype and a.shape == b.shape, what
+    assert torch.equal(a, b), f"{what} differs (max difference {(a.double() - b.double()).abs().max():.3g})"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("fuse_wgrad", [False, True], ids=["grad", "main_grad"])
+def test_fast_path_matches_composed_path_bit_for_bit(device, dtype, bias, fuse_wgrad, monkeypatch):
+    fast, slow = twins(device, dtype, bias, fuse_wgrad)
+    g = torch.Generator().manual_seed(1)
+    xs = [(torch.randn(2, 24, 64, generator=g) * (1 + i)).to(device, dtype) for i in range(4)]
+    gys = [(torch.randn(2, 24, 32, generator=g) * 1e-3).to(device, dtype) for _ in range(4)]
+    calls = []
+    real = L._C.linear_fwd
+    monkeypatch.setattr(L._C, "linear_fwd", lambda *a: calls.append(1) or real(*a))
+    rf = fp8ext.DelayedScaling(fp8_format=HYBRID, amax_history_len=4)
+    rs = fp8ext.DelayedScaling(fp8_format=HYBRID, amax_history_len=4)
+    steps_fast, state_fast = run_steps(fast, rf, xs, gys, True, monkeypatch)
+    assert len(calls) == len(xs) - 1, "the first step takes the composed path, every later one the fast path"
+    steps_slow, state_slow = run_steps(slow, rs, xs, gys, False, monkeypatch)
+    assert len(calls) == len(xs) - 1
+    for i, (f, s) in enumerate(zip(steps_fast, steps_slow)):
+        same(f[0], s[0], f"step {i}: output")
+        same(f[1], s[1], f"step {i}: input gradient")
+        for j, (gf, gs) in enumerate(zip(f[2], s[2])):
+            same(gf, gs, f"step {i}: gradient of parameter {j}")
+        same(f[3], s[3], f"step {i}: main_grad")
+    for key in ("amax_history", "scale", "scale_inv"):
+        assert torch.equal(state_fast[key], state_slow[key]), f"scaling state {key} differs"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_inputs_the_fast_path_leaves_to_the_composed_one(device, monkeypatch):
+    layer = fp8ext.Linear(64, 32, device=device)
+    recipe = fp8ext.DelayedScaling()
+    calls = []
+    real = L._C.linear_fwd
+    monkeypatch.setattr(L._C, "linear_fwd", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(32, 64, device=device)
+    with fp8ext.fp8_autocast(fp8_recipe=recipe):
+        layer(x)  # registers the slots: composed path
+        layer(x)
+        assert len(calls) == 1
+        layer(torch.randn(24, 64, device=device))  # 24 tokens: not a multiple of 16
+        layer(torch.randn(64, 32, device=device).t())  # not contiguous
+        layer(x, is_first_microbatch=True)  # weight caching
+        with torch.no_grad():
+            layer(x)  # no gradient needed: still the fast path
+        assert len(calls) == 2
+    with fp8ext.fp8_autocast(fp8_recipe=fp8ext.CurrentScaling()):
+        layer(x)
+    assert len(calls) == 2
+
+
+def _call_args():
+    """Valid arguments of _C.linear_fwd and _C.linear_bwd on the CPU (M=32, K=64, N=48)."""
+    dl = torch._C._to_dlpack
+    one = dl(torch.ones(()))
+    saved = torch.empty(256 + 32 * 64 + 48 * 64 + 256, dtype=torch.uint8)
+    fwd = [dl(torch.randn(32, 64)), dl(torch.randn(48, 64)), dl(saved),
+           dl(torch.empty(32 * 64 + 48 * 64 + 256, dtype=torch.uint8)), dl(torch.empty(32, 48)), one,
+           dl(torch.zeros(())), one, dl(torch.zeros(())), 0, None, None, 0]
+    bwd = [dl(torch.randn(32, 48)), dl(saved), dl(torch.empty(32 * 48 * 2 + 256, dtype=torch.uint8)), 32, 64, 48, 0,
+           one, dl(torch.zeros(())), 1, dl(torch.empty(32, 64)), dl(torch.empty(48, 64)), False, None, 0]
+    return fwd, bwd
+
+
+def test_c_entry_points_run_the_casts_on_the_cpu():
+    fwd, bwd = _call_args()
+    assert fp8ext._C.linear_fwd(*fwd) is False  # the casts ran; the GEMMs are left to the caller
+    assert fp8ext._C.linear_bwd(*bwd) is False
+    with pytest.raises(TypeError, match="13 arguments"):
+        fp8ext._C.linear_fwd(*fwd[:-1])
+
+
+_dl = torch._C._to_dlpack
+FWD_ERRORS = [
+    ({3: _dl(torch.empty(16, dtype=torch.uint8))}, "scratch holds 16 bytes"),
+    ({0: _dl(torch.randn(24, 64))}, "multiples of 16"),
+    ({9: 7}, "fmt must be"),
+    ({4: _dl(torch.empty(32, 32))}, r"y must have shape \[32, 48\]"),
+    ({5: _dl(torch.ones(2))}, "x_scale"),
+    ({3: "saved"}, "overlap"),
+]
+BWD_ERRORS = [
+    ({6: 1, 9: 1}, "E5M2 x E5M2"),
+    ({11: None, 12: True}, "accumulate=True adds into dw"),
+    ({10: _dl(torch.empty(64, 32))}, r"dx must have shape \[32, 64\]"),
+]
+
+
+@pytest.mark.parametrize("which,change,message", [("fwd", c, m) for c, m in FWD_ERRORS] +
+                         [("bwd", c, m) for c, m in BWD_ERRORS])
+def test_c_entry_points_check_their_arguments(which, change, message):
+    fwd, bwd = _call_args()
+    args = fwd if which == "fwd" else bwd
+    for i, v in change.items():
+        args[i] = args[2] if v == "saved" else v
+    with pytest.raises((ValueError, TypeError), match=message):
+        (fp8ext._C.linear_fwd if which == "fwd" else fp8ext._C.linear_bwd)(*args)
