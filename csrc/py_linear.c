@@ -7,9 +7,10 @@
  * cuBLASLt plans, same arguments); the layer's tests compare the two paths bit for bit.
  *
  * Buffers (uint8, allocated by the caller with torch; offsets are multiples of 256 bytes):
- *   saved   [0, 12)          float32 scale_inv of x, W and dy (dy's written by the backward call)
- *           [256, +M*K)       x8^T  [K, M]   (kept for the wgrad GEMM)
- *           [256 + R(M*K), +N*K) W8^T [K, N] (kept for the dgrad GEMM)
+ *   saved   0, 256, 512       the float32 scale_inv of x, W and dy (dy's written by the backward call), each
+ *                             on its own 256 bytes (cuBLASLt refuses scale pointers of some alignments)
+ *           [768, +M*K)       x8^T  [K, M]   (kept for the wgrad GEMM)
+ *           [768 + R(M*K), +N*K) W8^T [K, N] (kept for the dgrad GEMM)
  *   forward scratch  [0, M*K) x8 [M, K], [R(M*K), +N*K) W8 [N, K]    (dropped after the forward)
  *   backward scratch [0, M*N) dy8 [M, N], [R(M*N), +M*N) dy8^T [N, M]
  * R(n) rounds n up to a multiple of 256. M, K and N must be nonzero multiples of 16 (cuBLASLt's FP8 rule,
@@ -25,7 +26,8 @@
 #include "third_party/dlpack/dlpack.h"
 
 #define LIN_ALIGN 256
-#define SINV_BYTES 256
+#define SINV_BYTES 768
+#define SINV(buf, i) ((float *)((buf) + 256 * (i))) /* scale_inv i of a saved buffer: 0 x, 1 W, 2 dy */
 
 static int64_t round_up(int64_t n) { return (n + LIN_ALIGN - 1) / LIN_ALIGN * LIN_ALIGN; }
 
@@ -225,15 +227,14 @@ static PyObject *py_linear_fwd(PyObject *module, PyObject *const *args, Py_ssize
                                                     "w_scale", "bias", "workspace"}) < 0)
         goto done;
     uint8_t *sv = saved.data, *sc = scratch.data;
-    float *sinv = (float *)sv;
     fp8ext_cast_transpose_args casts[2] = {
         {.x = x.data, .x_dtype = hp_dtype(&x), .rows = m, .cols = k, .q = sc, .qt = sv + SINV_BYTES, .fmt = (int)fmt,
-         .scale_ptr = xs.data, .amax_out = xa.data, .scale_inv_out = sinv, .saturate = 1},
+         .scale_ptr = xs.data, .amax_out = xa.data, .scale_inv_out = SINV(sv, 0), .saturate = 1},
         {.x = w.data, .x_dtype = hp_dtype(&w), .rows = n, .cols = k, .q = sc + rmk, .qt = sv + SINV_BYTES + rmk,
-         .fmt = (int)fmt, .scale_ptr = wsc.data, .amax_out = wa.data, .scale_inv_out = sinv + 1, .saturate = 1},
+         .fmt = (int)fmt, .scale_ptr = wsc.data, .amax_out = wa.data, .scale_inv_out = SINV(sv, 1), .saturate = 1},
     };
     fp8ext_gemm_args g;
-    gemm_args(&g, m, n, k, sc, (int)fmt, sinv, sc + rmk, (int)fmt, sinv + 1, &y);
+    gemm_args(&g, m, n, k, sc, (int)fmt, SINV(sv, 0), sc + rmk, (int)fmt, SINV(sv, 1), &y);
     g.fast_accum = 1; /* the forward GEMM, as Transformer Engine's */
     if (bias.capsule) g.bias = bias.data, g.bias_type = bias.kind == FP8EXT_KIND_F16 ? FP8EXT_F16 : FP8EXT_BF16;
     static const char *const names[] = {"forward"};
@@ -290,19 +291,18 @@ static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize
                                                     "workspace"}) < 0)
         goto done;
     uint8_t *sv = saved.data, *sc = scratch.data;
-    float *sinv = (float *)sv;
     fp8ext_cast_transpose_args cast = {.x = dy.data, .x_dtype = hp_dtype(&dy), .rows = m, .cols = n, .q = sc,
                                        .qt = sc + rmn, .fmt = (int)bfmt, .scale_ptr = gs.data, .amax_out = ga.data,
-                                       .scale_inv_out = sinv + 2, .saturate = 1};
+                                       .scale_inv_out = SINV(sv, 2), .saturate = 1};
     fp8ext_gemm_args g[2];
     const char *names[2];
     int ng = 0;
     if (dx.capsule) { /* dx[M, K] = dy8[M, N] @ (W8^T[K, N])^T */
-        gemm_args(&g[ng], m, k, n, sc, (int)bfmt, sinv + 2, sv + SINV_BYTES + rmk, (int)ffmt, sinv + 1, &dx);
+        gemm_args(&g[ng], m, k, n, sc, (int)bfmt, SINV(sv, 2), sv + SINV_BYTES + rmk, (int)ffmt, SINV(sv, 1), &dx);
         names[ng++] = "dgrad";
     }
     if (dw.capsule) { /* dW[N, K] = dy8^T[N, M] @ (x8^T[K, M])^T */
-        gemm_args(&g[ng], n, k, m, sc + rmn, (int)bfmt, sinv + 2, sv + SINV_BYTES, (int)ffmt, sinv, &dw);
+        gemm_args(&g[ng], n, k, m, sc + rmn, (int)bfmt, SINV(sv, 2), sv + SINV_BYTES, (int)ffmt, SINV(sv, 0), &dw);
         g[ng].accumulate = accumulate;
         names[ng++] = "wgrad";
     }

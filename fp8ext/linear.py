@@ -172,7 +172,7 @@ class _MainGradLinearFunction(torch.autograd.Function):
 # the two bit for bit); the host work per step is a fraction.
 _LEAN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FAST_PATH = True  # tests switch it off to compare the two paths
-_SINV_BYTES = 256  # the saved buffer starts with the three float32 scale_invs (x, W, dy), padded to 256 bytes
+_SINV_BYTES = 768  # the saved buffer starts with the float32 scale_invs of x, W and dy, 256 bytes apart
 
 
 def _r256(n: int) -> int:
@@ -231,9 +231,9 @@ class _LeanLinearFunction(torch.autograd.Function):
         b = bias if fuse_bias else None
         if not _C.linear_fwd(_to_dl(x.view(m, k)), _to_dl(weight), _to_dl(saved), _to_dl(scratch), _to_dl(y), st.xs,
                              st.xa, st.ws, st.wa, st.fwd_code, None if b is None else _to_dl(b), ws, stream):
-            sinv = saved[:12].view(torch.float32)
+            sinv = saved[:_SINV_BYTES].view(torch.float32)
             gemm_eager(_fp8_view(scratch, 0, m, k, st.fwd_code), _fp8_view(scratch, rmk, n, k, st.fwd_code), sinv[0:1],
-                       sinv[1:2], out_dtype, b, True, y, False, None, None)
+                       sinv[64:65], out_dtype, b, True, y, False, None, None)
         if bias is not None and not fuse_bias:
             y = y + bias.to(y.dtype)
         ctx.save_for_backward(saved)
@@ -265,14 +265,14 @@ class _LeanLinearFunction(torch.autograd.Function):
         if not _C.linear_bwd(_to_dl(dy2), _to_dl(saved), _to_dl(scratch), m, k, n, st.fwd_code, gs, ga, st.bwd_code,
                              None if dx is None else _to_dl(dx), None if dw is None else _to_dl(dw),
                              main_grad is not None, ws, stream):
-            sinv = saved[:12].view(torch.float32)
+            sinv = saved[:_SINV_BYTES].view(torch.float32)
             rmk = _r256(m * k)
             if dx is not None:
                 gemm_eager(_fp8_view(scratch, 0, m, n, st.bwd_code), _fp8_view(saved, _SINV_BYTES + rmk, k, n, st.fwd_code),
-                           sinv[2:3], sinv[1:2], dx.dtype, None, False, dx, False, None, None)
+                           sinv[128:129], sinv[64:65], dx.dtype, None, False, dx, False, None, None)
             if dw is not None:
                 gemm_eager(_fp8_view(scratch, rmn, n, m, st.bwd_code), _fp8_view(saved, _SINV_BYTES, k, m, st.fwd_code),
-                           sinv[2:3], sinv[0:1], dw.dtype, None, False, dw, main_grad is not None, None, None)
+                           sinv[128:129], sinv[0:1], dw.dtype, None, False, dw, main_grad is not None, None, None)
         db = dy2.sum(0, dtype=torch.float32).to(ctx.b_dtype) if ctx.b_dtype is not None and need_db else None
         if main_grad is not None:
             dw = _wgrad_placeholder(ctx.weight_ref)
