@@ -6,6 +6,8 @@ Cases (all on random data, one run, medians of CUDA-event timings):
   quantize  bf16 -> E4M3, 2^28 elements, device scale, fused amax: 3 bytes/element (2 read, 1 written)
   cast_transpose  bf16 16384x16384 -> E4M3 q and q^T, device scale, fused amax: 4 bytes/element; also with
                   16383 and 16380 rows (row counts that are not multiples of 8 or of the tile)
+  cast_transpose_dbias  the same plus dbias = column sums of x: 4 bytes/element counted (the workspace adds
+                  1/8 byte, dbias itself 2 bytes per column)
   dequantize  E4M3 -> bf16, 2^28 elements: 3 bytes/element;  amax  bf16, 2^28: 2 bytes/element
 torch's versions compute the same function ((x.float() * scale).clamp(-448, 448).to(float8_e4m3fn),
 x.abs().amax(), .t().contiguous()); their bytes are checked equal to fp8ext's before timing.
@@ -95,6 +97,16 @@ def main():
         del qa, qta, ta, tta
         rows.append(row(f"cast_transpose {r}x{m}", "fp8ext",
                         bench_ms(lambda: fp8ext.cast_transpose(xr, fp8ext.E4M3, scale, amax_out=acc)), 4 * r * m, copy))
+
+    from fp8ext.ops import cast_transpose_dbias
+    _, _, db = cast_transpose_dbias(x2, fp8ext.E4M3, scale, amax_out=acc)
+    want = x2.float().sum(0)
+    assert ((db.float() - want).abs() <= 1e-2 * x2.float().abs().sum(0)).all(), "dbias far from torch's sum"
+    rows.append(row("cast_transpose_dbias 16384^2", "fp8ext",
+                    bench_ms(lambda: cast_transpose_dbias(x2, fp8ext.E4M3, scale, amax_out=acc)), 4 * n, copy))
+    rows.append(row("cast_transpose_dbias 16384^2", "torch eager",
+                    bench_ms(lambda: (torch_cast_transpose(x2, scale), x2.float().sum(0).to(x2.dtype)), 10),
+                    4 * n, copy))
 
     print(table(rows, ["case", "impl", "ms", "TB/s", "of copy", "spread"],
                 {"ms": "{:.3f}", "TB/s": "{:.2f}", "of copy": "{:.0%}"}))

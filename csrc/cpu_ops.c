@@ -77,6 +77,39 @@ void fp8ext_cpu_cast_transpose(const fp8ext_cast_transpose_args *a) {
     if (a->scale_inv_out) *a->scale_inv_out = 1.0f / scale;
 }
 
+static inline void store_elem(void *out, int dtype, int64_t i, float v) {
+    switch (dtype) {
+    case FP8EXT_BF16: ((uint16_t *)out)[i] = fp8_f32_to_bf16_bits(v); break;
+    case FP8EXT_F16: ((uint16_t *)out)[i] = fp8_f32_to_f16_bits(v); break;
+    default: ((float *)out)[i] = v; break;
+    }
+}
+
+/* The cast as cast_transpose's; dbias in fp8ext.h's two stages and order, which the kernel follows too. */
+void fp8ext_cpu_cast_transpose_dbias(const fp8ext_cast_transpose_dbias_args *a) {
+    const fp8ext_cast_transpose_args *ct = &a->ct;
+    const int64_t rows = ct->rows, cols = ct->cols, tiles = fp8ext_dbias_workspace_rows(rows);
+    fp8ext_cpu_cast_transpose(ct);
+    for (int64_t t = 0; t < tiles; ++t) {
+        float *s = a->workspace + t * cols;
+        for (int64_t c = 0; c < cols; ++c) s[c] = 0.0f;
+        for (int h = 0; h < FP8EXT_DBIAS_GROUPS; ++h) {
+            for (int64_t c = 0; c < cols; ++c) {
+                float p = 0.0f;
+                for (int64_t r = t * FP8EXT_DBIAS_TILE_ROWS + h; r < rows && r < (t + 1) * FP8EXT_DBIAS_TILE_ROWS;
+                     r += FP8EXT_DBIAS_GROUPS)
+                    p += load_elem(ct->x, ct->x_dtype, r * cols + c);
+                s[c] += p;
+            }
+        }
+    }
+    for (int64_t c = 0; c < cols; ++c) {
+        float sum = 0.0f;
+        for (int64_t t = 0; t < tiles; ++t) sum += a->workspace[t * cols + c];
+        store_elem(a->dbias, a->dbias_dtype, c, sum);
+    }
+}
+
 void fp8ext_cpu_quantize_blocks(const fp8ext_quantize_blocks_args *a) {
     for (int64_t r0 = 0; r0 < a->rows; r0 += a->block_rows) {
         for (int64_t c0 = 0; c0 < a->cols; c0 += a->block_cols) {

@@ -74,6 +74,30 @@ typedef struct {
     int saturate;
 } fp8ext_cast_transpose_args;
 
+/* cast_transpose with the bias gradient (Transformer Engine's cast_transpose_dbias): ct's cast and transpose of
+ * x, plus dbias[c] = the sum of column c of x (unscaled) in float32, rounded once to dbias_dtype (x's dtype, as
+ * TE returns it, or FP8EXT_F32). The sum goes in a fixed order so that the CPU reference and the kernel give the
+ * same bits (NaN's bits aside: x86 and GPUs make different NaNs out of arithmetic):
+ *   1. rows in tiles of FP8EXT_DBIAS_TILE_ROWS (64); in tile t, for each of FP8EXT_DBIAS_GROUPS (16) row groups h,
+ *      p_h = (((0 + x[64t + h]) + x[64t + h + 16]) + x[64t + h + 32]) + x[64t + h + 48] (rows past the end left
+ *      out), and workspace[t][c] = ((0 + p_0) + p_1) + ... + p_15;
+ *   2. dbias[c] = ((0 + workspace[0][c]) + workspace[1][c]) + ..., in tile order.
+ * workspace is caller memory on x's device, fp8ext_dbias_workspace_rows(rows) x cols float32; it holds the
+ * per-tile sums afterwards. Rows == 0 gives dbias = 0. */
+#define FP8EXT_DBIAS_TILE_ROWS 64
+#define FP8EXT_DBIAS_GROUPS 16
+
+static inline int64_t fp8ext_dbias_workspace_rows(int64_t rows) {
+    return (rows + FP8EXT_DBIAS_TILE_ROWS - 1) / FP8EXT_DBIAS_TILE_ROWS;
+}
+
+typedef struct {
+    fp8ext_cast_transpose_args ct;
+    void *dbias;     /* [ct.cols] */
+    int dbias_dtype; /* ct.x_dtype or FP8EXT_F32 */
+    float *workspace;
+} fp8ext_cast_transpose_dbias_args;
+
 /* Delayed scaling, all tensors at once. history is [n, len], one row per tensor, entry 0 the amax it
  * recorded this step (slot-major so that each tensor's history is contiguous); scale / scale_inv /
  * fmt_max are [n]. For each tensor i:
@@ -169,6 +193,7 @@ void fp8ext_cpu_quantize(const fp8ext_quantize_args *a);
 void fp8ext_cpu_dequantize(const fp8ext_dequantize_args *a);
 void fp8ext_cpu_amax(const fp8ext_amax_args *a);
 void fp8ext_cpu_cast_transpose(const fp8ext_cast_transpose_args *a);
+void fp8ext_cpu_cast_transpose_dbias(const fp8ext_cast_transpose_dbias_args *a);
 void fp8ext_cpu_quantize_blocks(const fp8ext_quantize_blocks_args *a);
 void fp8ext_cpu_scale_update(const fp8ext_scale_update_args *a);
 void fp8ext_cpu_scale_from_amax(const fp8ext_scale_from_amax_args *a);
@@ -180,6 +205,7 @@ int fp8ext_cuda_quantize(const fp8ext_quantize_args *a, void *stream, int num_sm
 int fp8ext_cuda_dequantize(const fp8ext_dequantize_args *a, void *stream, int num_sms);
 int fp8ext_cuda_amax(const fp8ext_amax_args *a, void *stream, int num_sms);
 int fp8ext_cuda_cast_transpose(const fp8ext_cast_transpose_args *a, void *stream, int num_sms);
+int fp8ext_cuda_cast_transpose_dbias(const fp8ext_cast_transpose_dbias_args *a, void *stream, int num_sms);
 int fp8ext_cuda_quantize_blocks(const fp8ext_quantize_blocks_args *a, void *stream, int num_sms);
 int fp8ext_cuda_scale_update(const fp8ext_scale_update_args *a, void *stream, int num_sms);
 int fp8ext_cuda_scale_from_amax(const fp8ext_scale_from_amax_args *a, void *stream, int num_sms);

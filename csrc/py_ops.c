@@ -77,6 +77,7 @@ static void cpu_quantize(const void *a) { fp8ext_cpu_quantize(a); }
 static void cpu_dequantize(const void *a) { fp8ext_cpu_dequantize(a); }
 static void cpu_amax(const void *a) { fp8ext_cpu_amax(a); }
 static void cpu_cast_transpose(const void *a) { fp8ext_cpu_cast_transpose(a); }
+static void cpu_cast_transpose_dbias(const void *a) { fp8ext_cpu_cast_transpose_dbias(a); }
 static void cpu_quantize_blocks(const void *a) { fp8ext_cpu_quantize_blocks(a); }
 
 #ifdef FP8EXT_WITH_CUDA
@@ -84,6 +85,9 @@ static int cuda_quantize(const void *a, void *s, int n) { return fp8ext_cuda_qua
 static int cuda_dequantize(const void *a, void *s, int n) { return fp8ext_cuda_dequantize(a, s, n); }
 static int cuda_amax(const void *a, void *s, int n) { return fp8ext_cuda_amax(a, s, n); }
 static int cuda_cast_transpose(const void *a, void *s, int n) { return fp8ext_cuda_cast_transpose(a, s, n); }
+static int cuda_cast_transpose_dbias(const void *a, void *s, int n) {
+    return fp8ext_cuda_cast_transpose_dbias(a, s, n);
+}
 static int cuda_quantize_blocks(const void *a, void *s, int n) { return fp8ext_cuda_quantize_blocks(a, s, n); }
 
 #else
@@ -91,6 +95,7 @@ static int cuda_quantize_blocks(const void *a, void *s, int n) { return fp8ext_c
 #define cuda_dequantize NULL
 #define cuda_amax NULL
 #define cuda_cast_transpose NULL
+#define cuda_cast_transpose_dbias NULL
 #define cuda_quantize_blocks NULL
 
 #endif
@@ -197,6 +202,44 @@ done:
     return ret;
 }
 
+/* The views of a cast_transpose (x, out, out_t, scale, amax_out, scale_inv_out), taken and checked. */
+typedef struct {
+    fp8ext_view x, out, outt, scale, amax, sinv;
+} ct_views;
+
+static int get_cast_transpose(PyObject *x_o, PyObject *out_o, PyObject *outt_o, int fmt, PyObject *scale_o,
+                              PyObject *amax_o, PyObject *sinv_o, int saturate, Py_ssize_t stream, const char *fn,
+                              ct_views *v, fp8ext_cast_transpose_args *a) {
+    if (fp8ext_check_fmt(fmt, fn) < 0 || get_input(x_o, stream, fn, "x", &v->x) < 0) return -1;
+    if (v->x.ndim != 2) {
+        PyErr_Format(PyExc_ValueError, "%s(): x must be 2-D, got %d dimensions", fn, v->x.ndim);
+        return -1;
+    }
+    if (get_output(out_o, FP8EXT_KIND_U8, &v->x, "x", stream, fn, "out", &v->out) < 0 ||
+        fp8ext_check_fp8(&v->out, fmt, fn, "out") < 0 || fp8ext_check_same_shape(&v->out, &v->x, fn, "out", "x") < 0 ||
+        get_output(outt_o, FP8EXT_KIND_U8, &v->x, "x", stream, fn, "out_t", &v->outt) < 0 ||
+        fp8ext_check_fp8(&v->outt, fmt, fn, "out_t") < 0)
+        return -1;
+    if (v->outt.ndim != 2 || v->outt.shape[0] != v->x.shape[1] || v->outt.shape[1] != v->x.shape[0]) {
+        PyErr_Format(PyExc_ValueError, "%s(): out_t must have shape [%lld, %lld] (x transposed)", fn,
+                     (long long)v->x.shape[1], (long long)v->x.shape[0]);
+        return -1;
+    }
+    if (get_scale(scale_o, &v->x, "x", stream, fn, "scale", &v->scale, &a->scale_ptr, &a->scale) < 0 ||
+        get_amax(amax_o, &v->x, "x", stream, fn, "amax_out", &v->amax, &a->amax_out) < 0 ||
+        get_amax(sinv_o, &v->x, "x", stream, fn, "scale_inv_out", &v->sinv, &a->scale_inv_out) < 0)
+        return -1;
+    a->x = v->x.data;
+    a->x_dtype = hp_dtype(&v->x);
+    a->rows = v->x.shape[0];
+    a->cols = v->x.shape[1];
+    a->q = v->out.data;
+    a->qt = v->outt.data;
+    a->fmt = fmt;
+    a->saturate = saturate;
+    return 0;
+}
+
 /* cast_transpose(x, out, out_t, fmt, scale, amax_out=None, saturate=True, stream=0, scale_inv_out=None) */
 static PyObject *py_cast_transpose(PyObject *module, PyObject *args, PyObject *kwargs) {
     static const char *fn = "cast_transpose";
@@ -208,42 +251,83 @@ static PyObject *py_cast_transpose(PyObject *module, PyObject *args, PyObject *k
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOiO|OpnO:cast_transpose", kwlist, &x_o, &out_o, &outt_o, &fmt,
                                      &scale_o, &amax_o, &saturate, &stream, &sinv_o))
         return NULL;
-    fp8ext_view x = {0}, out = {0}, outt = {0}, scale = {0}, amax = {0}, sinv = {0};
+    ct_views v = {0};
     PyObject *ret = NULL;
     fp8ext_cast_transpose_args a = {0};
-    if (fp8ext_check_fmt(fmt, fn) < 0 || get_input(x_o, stream, fn, "x", &x) < 0) goto done;
-    if (x.ndim != 2) {
-        PyErr_Format(PyExc_ValueError, "%s(): x must be 2-D, got %d dimensions", fn, x.ndim);
+    if (get_cast_transpose(x_o, out_o, outt_o, fmt, scale_o, amax_o, sinv_o, saturate, stream, fn, &v, &a) < 0 ||
+        fp8ext_check_disjoint(fn, 4, 6, (const fp8ext_view *const[]){&v.sinv, &v.amax, &v.out, &v.outt, &v.x, &v.scale},
+                              (const char *const[]){"scale_inv_out", "amax_out", "out", "out_t", "x", "scale"}) < 0)
         goto done;
-    }
-    if (get_output(out_o, FP8EXT_KIND_U8, &x, "x", stream, fn, "out", &out) < 0 ||
-        fp8ext_check_same_shape(&out, &x, fn, "out", "x") < 0 ||
-        get_output(outt_o, FP8EXT_KIND_U8, &x, "x", stream, fn, "out_t", &outt) < 0)
-        goto done;
-    if (outt.ndim != 2 || outt.shape[0] != x.shape[1] || outt.shape[1] != x.shape[0]) {
-        PyErr_Format(PyExc_ValueError, "%s(): out_t must have shape [%lld, %lld] (x transposed)", fn,
-                     (long long)x.shape[1], (long long)x.shape[0]);
-        goto done;
-    }
-    if (get_scale(scale_o, &x, "x", stream, fn, "scale", &scale, &a.scale_ptr, &a.scale) < 0 ||
-        get_amax(amax_o, &x, "x", stream, fn, "amax_out", &amax, &a.amax_out) < 0 ||
-        get_amax(sinv_o, &x, "x", stream, fn, "scale_inv_out", &sinv, &a.scale_inv_out) < 0 ||
-        fp8ext_check_disjoint(fn, 4, 6, (const fp8ext_view *const[]){&sinv, &amax, &out, &outt, &x, &scale},
-                       (const char *const[]){"scale_inv_out", "amax_out", "out", "out_t", "x", "scale"}) < 0)
-        goto done;
-    a.x = x.data;
-    a.x_dtype = hp_dtype(&x);
-    a.rows = x.shape[0];
-    a.cols = x.shape[1];
-    a.q = out.data;
-    a.qt = outt.data;
-    a.fmt = fmt;
-    a.saturate = saturate;
-    if (fp8ext_run_op(module, &x, stream, fn, cpu_cast_transpose, cuda_cast_transpose, &a) < 0) goto done;
+    if (fp8ext_run_op(module, &v.x, stream, fn, cpu_cast_transpose, cuda_cast_transpose, &a) < 0) goto done;
     ret = Py_NewRef(Py_None);
 done:
-    FP8EXT_RELEASE_ALL(&x, &out, &outt, &scale, &amax, &sinv);
+    FP8EXT_RELEASE_ALL(&v.x, &v.out, &v.outt, &v.scale, &v.amax, &v.sinv);
     return ret;
+}
+
+/* cast_transpose_dbias(x, out, out_t, dbias, workspace, fmt, scale, amax_out=None, saturate=True, stream=0,
+ *                      scale_inv_out=None): cast_transpose, and dbias [cols] (x's dtype or float32) = the column
+ * sums of x through workspace [cast_transpose_dbias_workspace(rows, cols)] float32 (fp8ext.h). */
+static PyObject *py_cast_transpose_dbias(PyObject *module, PyObject *args, PyObject *kwargs) {
+    static const char *fn = "cast_transpose_dbias";
+    static char *kwlist[] = {"x", "out", "out_t", "dbias", "workspace", "fmt", "scale", "amax_out", "saturate",
+                             "stream", "scale_inv_out", NULL};
+    PyObject *x_o, *out_o, *outt_o, *db_o, *ws_o, *scale_o, *amax_o = Py_None, *sinv_o = Py_None;
+    int fmt, saturate = 1;
+    Py_ssize_t stream = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOiO|OpnO:cast_transpose_dbias", kwlist, &x_o, &out_o, &outt_o,
+                                     &db_o, &ws_o, &fmt, &scale_o, &amax_o, &saturate, &stream, &sinv_o))
+        return NULL;
+    ct_views v = {0};
+    fp8ext_view db = {0}, ws = {0};
+    PyObject *ret = NULL;
+    fp8ext_cast_transpose_dbias_args a = {0};
+    char xt[48], dt[48];
+    if (get_cast_transpose(x_o, out_o, outt_o, fmt, scale_o, amax_o, sinv_o, saturate, stream, fn, &v, &a.ct) < 0 ||
+        get_output(db_o, -1, &v.x, "x", stream, fn, "dbias", &db) < 0)
+        goto done;
+    if (db.kind != v.x.kind && db.kind != FP8EXT_KIND_F32) {
+        PyErr_Format(PyExc_TypeError, "%s(): dbias must be %s (x's dtype) or float32, got %s", fn,
+                     fp8ext_view_dtype_name(&v.x, xt, sizeof xt), fp8ext_view_dtype_name(&db, dt, sizeof dt));
+        goto done;
+    }
+    if (db.ndim != 1 || db.shape[0] != a.ct.cols) {
+        PyErr_Format(PyExc_ValueError, "%s(): dbias must have shape [%lld] (x's columns)", fn, (long long)a.ct.cols);
+        goto done;
+    }
+    if (get_output(ws_o, FP8EXT_KIND_F32, &v.x, "x", stream, fn, "workspace", &ws) < 0) goto done;
+    const int64_t tiles = fp8ext_dbias_workspace_rows(a.ct.rows);
+    if (ws.ndim != 2 || ws.shape[0] != tiles || ws.shape[1] != a.ct.cols) {
+        PyErr_Format(PyExc_ValueError, "%s(): workspace must have shape [%lld, %lld] (one row per %d rows of x)", fn,
+                     (long long)tiles, (long long)a.ct.cols, FP8EXT_DBIAS_TILE_ROWS);
+        goto done;
+    }
+    if (fp8ext_check_disjoint(fn, 6, 8,
+                              (const fp8ext_view *const[]){&v.sinv, &v.amax, &v.out, &v.outt, &db, &ws, &v.x, &v.scale},
+                              (const char *const[]){"scale_inv_out", "amax_out", "out", "out_t", "dbias", "workspace",
+                                                    "x", "scale"}) < 0)
+        goto done;
+    a.dbias = db.data;
+    a.dbias_dtype = hp_dtype(&db);
+    a.workspace = ws.data;
+    if (fp8ext_run_op(module, &v.x, stream, fn, cpu_cast_transpose_dbias, cuda_cast_transpose_dbias, &a) < 0) goto done;
+    ret = Py_NewRef(Py_None);
+done:
+    FP8EXT_RELEASE_ALL(&v.x, &v.out, &v.outt, &v.scale, &v.amax, &v.sinv, &db, &ws);
+    return ret;
+}
+
+/* cast_transpose_dbias_workspace(rows, cols) -> the workspace's shape, (tiles of rows, cols). */
+static PyObject *py_cast_transpose_dbias_workspace(PyObject *module, PyObject *args) {
+    (void)module;
+    long long rows, cols;
+    if (!PyArg_ParseTuple(args, "LL:cast_transpose_dbias_workspace", &rows, &cols)) return NULL;
+    if (rows < 0 || cols < 0) {
+        PyErr_Format(PyExc_ValueError, "cast_transpose_dbias_workspace(): rows and cols must be >= 0, got %lld, %lld",
+                     rows, cols);
+        return NULL;
+    }
+    return Py_BuildValue("(LL)", (long long)fp8ext_dbias_workspace_rows(rows), cols);
 }
 
 /* quantize_blocks(x, out, scale_inv, fmt, block_rows, block_cols, stride_r, stride_c, stream=0)
@@ -323,6 +407,12 @@ PyMethodDef fp8ext_op_methods[] = {
     {"cast_transpose", (PyCFunction)(void (*)(void))py_cast_transpose, METH_VARARGS | METH_KEYWORDS,
      "cast_transpose(x, out, out_t, fmt, scale, amax_out=None, saturate=True, stream=0)\n"
      "out = fp8(x * scale) and out_t = out transposed, for a 2-D x."},
+    {"cast_transpose_dbias", (PyCFunction)(void (*)(void))py_cast_transpose_dbias, METH_VARARGS | METH_KEYWORDS,
+     "cast_transpose_dbias(x, out, out_t, dbias, workspace, fmt, scale, amax_out=None, saturate=True, stream=0,\n"
+     "                     scale_inv_out=None)\n"
+     "cast_transpose, and dbias = x summed over its rows in float32 (through workspace), in dbias's dtype."},
+    {"cast_transpose_dbias_workspace", py_cast_transpose_dbias_workspace, METH_VARARGS,
+     "cast_transpose_dbias_workspace(rows, cols) -> (tiles, cols): the float32 workspace's shape."},
     {"quantize_blocks", (PyCFunction)(void (*)(void))py_quantize_blocks, METH_VARARGS | METH_KEYWORDS,
      "quantize_blocks(x, out, scale_inv, fmt, block_rows, block_cols, stride_r, stride_c, stream=0)\n"
      "Block scaling: per block scale = fmt.max / amax, out = fp8(x * scale), scale_inv = 1 / scale."},

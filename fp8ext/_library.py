@@ -1,9 +1,10 @@
 """fp8ext's operations as torch ops (torch.library), with fake implementations for tracing.
 
-torch.ops.fp8ext.{quantize, dequantize, amax, cast_transpose, gemm} run the same code as the eager functions
-in fp8ext.ops; the fake implementations give torch.compile / torch.export the outputs' shapes and dtypes
-without running anything, so compiled code calls fp8ext's kernels without graph breaks. The public
-functions in fp8ext.ops switch to these ops while torch.compile traces; eager calls skip the dispatcher.
+torch.ops.fp8ext.{quantize, dequantize, amax, cast_transpose, cast_transpose_dbias, gemm} run the same code as
+the eager functions in fp8ext.ops; the fake implementations give torch.compile / torch.export the outputs'
+shapes and dtypes without running anything, so compiled code calls fp8ext's kernels without graph breaks.
+The public functions in fp8ext.ops switch to these ops while torch.compile traces; eager calls skip the
+dispatcher.
 
 The ops are functional: instead of updating amax_out in place they take the running amax and return
 the updated one, and the public function copies it back (an ordinary in-place op that the compilers
@@ -83,6 +84,27 @@ def _(x, fmt, scale, scale_value, saturate, amax_in):
     dtype = format_of_code(fmt).torch_dtype
     return (x.new_empty(x.shape, dtype=dtype), x.new_empty((x.shape[1], x.shape[0]), dtype=dtype),
             _fake_amax(x, amax_in))
+
+
+@torch.library.custom_op("fp8ext::cast_transpose_dbias", mutates_args=())
+def _cast_transpose_dbias(x: torch.Tensor, fmt: int, scale: Optional[torch.Tensor], scale_value: float,
+                          saturate: bool, amax_in: Optional[torch.Tensor], dbias_float32: bool
+                          ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    amax = _running_amax(x, amax_in)
+    f = format_of_code(fmt)
+    q, qt = ops._fp8_empty(x.shape, f, x.device), ops._fp8_empty((x.shape[1], x.shape[0]), f, x.device)
+    db = torch.empty((x.shape[1],), dtype=torch.float32 if dbias_float32 else x.dtype, device=x.device)
+    ops.cast_transpose_dbias_eager(x, f, _scale(scale, scale_value), saturate, amax, out=(q, qt, db))
+    return q, qt, db, amax
+
+
+@_cast_transpose_dbias.register_fake
+def _(x, fmt, scale, scale_value, saturate, amax_in, dbias_float32):
+    if x.dim() != 2:
+        raise ValueError(f"cast_transpose_dbias(): x must be 2-D, got shape {list(x.shape)}")
+    dtype = format_of_code(fmt).torch_dtype
+    return (x.new_empty(x.shape, dtype=dtype), x.new_empty((x.shape[1], x.shape[0]), dtype=dtype),
+            x.new_empty((x.shape[1],), dtype=torch.float32 if dbias_float32 else x.dtype), _fake_amax(x, amax_in))
 
 
 @torch.library.custom_op("fp8ext::gemm", mutates_args=())

@@ -1,4 +1,4 @@
-"""FP8 casts: quantize, dequantize, amax and cast_transpose.
+"""FP8 casts: quantize, dequantize, amax, cast_transpose and cast_transpose_dbias.
 
 Each function allocates its outputs with torch and runs fp8ext._C on the inputs' device: the bit-exact
 C reference on the CPU, a CUDA kernel on the caller's current stream on a GPU. Conventions (the same as
@@ -19,8 +19,8 @@ from ._boundary import FP8_DLPACK, describe, dl, dl_fp8, dl_opt, scale_arg, stre
 from .formats import E4M3, FP8Format, SmallFormat, format_of_dtype, resolve_format
 from .profiling import profiled
 
-__all__ = ["quantize", "dequantize", "amax", "cast_transpose", "quantize_rowwise", "quantize_blockwise",
-           "scale_from_amax"]
+__all__ = ["quantize", "dequantize", "amax", "cast_transpose", "cast_transpose_dbias", "quantize_rowwise",
+           "quantize_blockwise", "scale_from_amax"]
 
 Scale = Union[float, torch.Tensor]
 _HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
@@ -211,6 +211,72 @@ def cast_transpose_eager(x: Any, f: FP8Format, scale: Any, saturate: bool, amax_
     _C.cast_transpose(dl(x), dl_fp8(q), dl_fp8(qt), f.code, scale_arg(scale), amax_out=dl_opt(amax_out),
                       saturate=saturate, stream=stream_of(device), scale_inv_out=dl_opt(scale_inv_out))
     return q, qt
+
+
+@profiled("fp8ext.cast_transpose_dbias")
+def cast_transpose_dbias(x: Any, fmt: Any = E4M3, scale: Scale = 1.0, amax_out: Optional[torch.Tensor] = None, *,
+                         saturate: bool = True, scale_inv_out: Optional[torch.Tensor] = None,
+                         out: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+                         ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, q_t, dbias) of a 2-D gradient x = dy [M, N] in one pass over it (Transformer Engine's
+    cast_transpose_dbias): q and q_t exactly as cast_transpose gives them (same bytes, amax_out, scale_inv_out),
+    and dbias [N] = dy summed over its M rows, the bias gradient of y = x W^T + b.
+
+    dbias is accumulated in float32 and rounded once to dy's dtype, which is what TE returns (bfloat16 for a
+    bfloat16 dy); dy itself is summed, not dy * scale. The additions go in a fixed order (csrc/fp8ext.h: per
+    64-row tile, then over tiles), the same on the CPU and on a GPU, so both give the same bits (except a NaN
+    result's payload and sign). M == 0 gives zeros. out: a preallocated (q [M, N], q_t [N, M], dbias [N]) written
+    in place and returned; dbias may be dy's dtype or float32 (the float32 sum before rounding).
+    """
+    fn = "cast_transpose_dbias"
+    f = resolve_format(fmt, fn)
+    if out is not None and (not isinstance(out, (tuple, list)) or len(out) != 3):
+        raise TypeError(f"{fn}(): out must be a triple (q, q_t, dbias) of tensors, got {type(out).__name__}")
+    if torch.compiler.is_compiling():
+        scale_t, scale_v = _scale_parts(scale)
+        db32 = out is not None and isinstance(out[2], torch.Tensor) and out[2].dtype == torch.float32
+        q, qt, db, new_amax = torch.ops.fp8ext.cast_transpose_dbias(x, f.code, scale_t, scale_v, saturate, amax_out,
+                                                                    db32)
+        _write_back(amax_out, new_amax, scale_inv_out, scale)
+        return (q, qt, db) if out is None else (out[0].copy_(q), out[1].copy_(qt), out[2].copy_(db))
+    return cast_transpose_dbias_eager(x, f, scale, saturate, amax_out, scale_inv_out, out)
+
+
+def cast_transpose_dbias_eager(x: Any, f: FP8Format, scale: Any, saturate: bool, amax_out: Optional[torch.Tensor],
+                               scale_inv_out: Optional[torch.Tensor] = None, out=None
+                               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    fn = "cast_transpose_dbias"
+    shape, device = describe(x, fn)
+    if len(shape) != 2:
+        raise ValueError(f"{fn}(): x must be 2-D, got shape {list(shape)}")
+    dtype = _dtype_of(x, fn)
+    if debug.enabled():
+        _debug_check(fn, x, scale, "scale")
+    rows, cols = shape
+    if out is None:
+        q, qt = _fp8_empty(shape, f, device), _fp8_empty((cols, rows), f, device)
+        db = torch.empty((cols,), dtype=dtype, device=device)
+    else:
+        q = _check_out(out[0], shape, device, f.torch_dtype, fn, "out[0]")
+        qt = _check_out(out[1], (cols, rows), device, f.torch_dtype, fn, "out[1]")
+        want = torch.float32 if isinstance(out[2], torch.Tensor) and out[2].dtype == torch.float32 else dtype
+        db = _check_out(out[2], (cols,), device, want, fn, "out[2]")
+    ws = torch.empty(_C.cast_transpose_dbias_workspace(rows, cols), dtype=torch.float32, device=device)
+    _C.cast_transpose_dbias(dl(x), dl_fp8(q), dl_fp8(qt), _to_dl(db), _to_dl(ws), f.code, scale_arg(scale),
+                            amax_out=dl_opt(amax_out), saturate=saturate, stream=stream_of(device),
+                            scale_inv_out=dl_opt(scale_inv_out))
+    return q, qt, db
+
+
+def _dtype_of(x: Any, fn: str) -> torch.dtype:
+    """x's torch dtype (dbias's); for a non-torch array the C layer checks the dtype, so any float is a guess it
+    confirms or refuses."""
+    if isinstance(x, torch.Tensor):
+        if x.dtype not in _HIGH_PRECISION:
+            raise TypeError(f"{fn}(): x must be float32, bfloat16 or float16, got {x.dtype} on {x.device}")
+        return x.dtype
+    name = str(getattr(x, "dtype", ""))
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(name, torch.float32)
 
 
 def _debug_check(fn: str, x: Any, scale: Any, arg: str) -> None:

@@ -16,6 +16,14 @@
 // Tiles on the matrix's edge (the last rows % 64 rows and cols % 64 columns), or data whose x or q
 // is not aligned for the vector accesses, take an element-by-element path in the same kernel (a
 // block-uniform branch) with the same bytes.
+//
+// cast_transpose_dbias (DBIAS = true) also sums each column of x for the bias gradient, in fp8ext.h's order:
+// each thread sums in registers the rows h, h + 16, h + 32, h + 48 of a tile that it holds (a 64x64 tile's
+// threads cover 16 such row groups x 64 columns), parks the sums in a shared 16x64 float array, and 64 threads
+// add the 16 groups of their column in order and write the tile's column sums to a float32 workspace row. A
+// second kernel (one thread per column) adds the workspace rows in tile order and rounds to dbias's dtype. No
+// atomics: the result does not depend on thread timing, and equals the CPU reference bit for bit. Extra
+// traffic: 8 bytes per 64 elements of x (workspace written and read) plus dbias itself.
 #include "common.cuh"
 
 namespace fp8ext {
@@ -24,6 +32,9 @@ namespace {
 constexpr int kTile = 64;
 constexpr int kThreads = 128;
 constexpr int kRowWords = kTile / 4 + 1;  // 64 bytes of a tile row + one word of padding
+constexpr int kGroups = FP8EXT_DBIAS_GROUPS;  // dbias: row groups h, h + 16, ... of a tile, summed first
+constexpr int kGroupRows = kTile / kGroups;
+static_assert(kTile == FP8EXT_DBIAS_TILE_ROWS && kTile % kGroups == 0, "dbias's order is fp8ext.h's");
 
 // Stores bytes 0-3 (lo) and 4-7 (hi) of a piece of qt at dst in accesses of `width` bytes (8, 4, 2 or 1:
 // what dst's alignment allows, the same for every piece of the launch).
@@ -46,13 +57,25 @@ __device__ __forceinline__ void store_piece(uint8_t *dst, uint32_t lo, uint32_t 
     }
 }
 
-template <typename T, int FMT>
+template <typename T, int FMT, bool DBIAS>
 __device__ __forceinline__ void fast_tile(const T *__restrict__ x, uint8_t *__restrict__ q, uint8_t *__restrict__ qt,
                                           int64_t rows, int64_t cols, int64_t row0, int64_t col0, float scale,
-                                          int saturate, int qt_width, int32_t &amax, uint32_t (*tile)[kRowWords]) {
+                                          int saturate, int qt_width, int32_t &amax, uint32_t (*tile)[kRowWords],
+                                          float (*part)[kTile]) {
     constexpr int V = Elem<T>::kVec;
     constexpr int kVecPerRow = kTile / V;
     constexpr int kPerThread = kTile * kVecPerRow / kThreads;
+    // Iteration `it` covers rows it * kRowsPerIt + threadIdx.x / kVecPerRow: row group (row % 16) comes back every
+    // kSlots iterations, so acc[it % kSlots] sums one group's rows in increasing order.
+    constexpr int kRowsPerIt = kThreads / kVecPerRow;
+    constexpr int kSlots = kGroups / kRowsPerIt;
+    static_assert(kThreads % kVecPerRow == 0 && kGroups % kRowsPerIt == 0 && kPerThread == kSlots * kGroupRows,
+                  "each thread holds whole row groups of its columns");
+    float acc[kSlots][V];
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s)
+#pragma unroll
+        for (int j = 0; j < V; ++j) acc[s][j] = 0.0f;
     uint4 in[kPerThread];
 #pragma unroll
     for (int it = 0; it < kPerThread; ++it) {
@@ -66,6 +89,10 @@ __device__ __forceinline__ void fast_tile(const T *__restrict__ x, uint8_t *__re
         const int r = k / kVecPerRow, vc = k % kVecPerRow;
         float f[V];
         Elem<T>::unpack(in[it], f);
+        if constexpr (DBIAS) {
+#pragma unroll
+            for (int j = 0; j < V; ++j) acc[it % kSlots][j] += f[j];
+        }
         uint32_t w[V / 4];
 #pragma unroll
         for (int j = 0; j < V; j += 4) {
@@ -79,6 +106,15 @@ __device__ __forceinline__ void fast_tile(const T *__restrict__ x, uint8_t *__re
         } else {
             *reinterpret_cast<uint32_t *>(dst) = w[0];
         }
+    }
+    if constexpr (DBIAS) {
+        const int h0 = threadIdx.x / kVecPerRow, c0 = (threadIdx.x % kVecPerRow) * V;
+#pragma unroll
+        for (int s = 0; s < kSlots; ++s)
+#pragma unroll
+            for (int j = 0; j < V; j += 4)  // 16-byte stores: a quarter warp's 8 land in distinct bank pairs
+                *reinterpret_cast<float4 *>(&part[h0 + s * kRowsPerIt][c0 + j]) =
+                    make_float4(acc[s][j], acc[s][j + 1], acc[s][j + 2], acc[s][j + 3]);
     }
     __syncthreads();
     // 16 column-words x 8 row-chunks of 8 rows; lanes 0-7 take consecutive column-words.
@@ -108,46 +144,93 @@ __device__ __forceinline__ void fast_tile(const T *__restrict__ x, uint8_t *__re
     }
 }
 
-template <typename T, int FMT>
+// One (row group h, column c) pair per step: rows h, h + 16, h + 32, h + 48 of column c, in that order (dbias's
+// order); a warp covers 32 consecutive columns of one row, so loads of x and stores of q are coalesced.
+template <typename T, int FMT, bool DBIAS>
 __device__ __forceinline__ void edge_tile(const T *__restrict__ x, uint8_t *__restrict__ q, uint8_t *__restrict__ qt,
                                           int64_t rows, int64_t cols, int64_t row0, int64_t col0, float scale,
-                                          int saturate, int32_t &amax) {
-    for (int e = threadIdx.x; e < kTile * kTile; e += kThreads) {
-        const int64_t r = row0 + e / kTile, c = col0 + e % kTile;
-        if (r >= rows || c >= cols) continue;
-        const float v = Elem<T>::load1(x, r * cols + c);
-        amax = max(amax, abs_bits(v));
-        const uint8_t b = static_cast<uint8_t>(cvt1<FMT>(v, scale, saturate));
-        q[r * cols + c] = b;
-        qt[c * rows + r] = b;
+                                          int saturate, int32_t &amax, float (*part)[kTile]) {
+    for (int p = threadIdx.x; p < kGroups * kTile; p += kThreads) {
+        const int h = p / kTile, tc = p % kTile;
+        const int64_t c = col0 + tc;
+        float sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < kGroupRows; ++i) {
+            const int64_t r = row0 + h + i * kGroups;
+            if (r >= rows || c >= cols) continue;
+            const float v = Elem<T>::load1(x, r * cols + c);
+            amax = max(amax, abs_bits(v));
+            const uint8_t b = static_cast<uint8_t>(cvt1<FMT>(v, scale, saturate));
+            q[r * cols + c] = b;
+            qt[c * rows + r] = b;
+            if constexpr (DBIAS) sum += v;
+        }
+        if constexpr (DBIAS) part[h][tc] = sum;
     }
 }
 
-template <typename T, int FMT>
+template <typename T, int FMT, bool DBIAS>
 __global__ void __launch_bounds__(kThreads)
 cast_transpose_kernel(const T *__restrict__ x, uint8_t *__restrict__ q, uint8_t *__restrict__ qt, int64_t rows,
                       int64_t cols, int64_t col_tiles, const float *__restrict__ scale_ptr, float scale_value,
-                      float *amax_out, float *scale_inv_out, int saturate, int vector_ok, int qt_width) {
+                      float *amax_out, float *scale_inv_out, int saturate, int vector_ok, int qt_width,
+                      float *__restrict__ workspace) {
     __shared__ uint32_t tile[kTile][kRowWords];
+    __shared__ __align__(16) float part[DBIAS ? kGroups : 1][kTile];  // dbias: a sum per (row group, column)
     const float scale = load_scale(scale_ptr, scale_value);
     if (scale_inv_out && blockIdx.x == 0 && threadIdx.x == 0) *scale_inv_out = 1.0f / scale;
     const int64_t row0 = (static_cast<int64_t>(blockIdx.x) / col_tiles) * kTile;
     const int64_t col0 = (static_cast<int64_t>(blockIdx.x) % col_tiles) * kTile;
     int32_t amax = 0;
     if (vector_ok && row0 + kTile <= rows && col0 + kTile <= cols)
-        fast_tile<T, FMT>(x, q, qt, rows, cols, row0, col0, scale, saturate, qt_width, amax, tile);
+        fast_tile<T, FMT, DBIAS>(x, q, qt, rows, cols, row0, col0, scale, saturate, qt_width, amax, tile, part);
     else
-        edge_tile<T, FMT>(x, q, qt, rows, cols, row0, col0, scale, saturate, amax);
+        edge_tile<T, FMT, DBIAS>(x, q, qt, rows, cols, row0, col0, scale, saturate, amax, part);
+    if constexpr (DBIAS) {
+        __syncthreads();
+        if (threadIdx.x < kTile && col0 + threadIdx.x < cols) {
+            float sum = 0.0f;
+#pragma unroll
+            for (int h = 0; h < kGroups; ++h) sum += part[h][threadIdx.x];
+            workspace[(row0 / kTile) * cols + col0 + threadIdx.x] = sum;
+        }
+    }
     if (amax_out) block_amax_commit<kThreads>(amax, amax_out);
 }
 
-}  // namespace
-}  // namespace fp8ext
+// dbias's second stage: column c's tile sums added in tile order, then rounded once to dbias's dtype. The loads of
+// a batch are issued before its adds (the adds must stay in order; the loads need not wait for them).
+constexpr int kReduceThreads = 128;
+constexpr int kReduceBatch = 16;
 
-extern "C" int fp8ext_cuda_cast_transpose(const fp8ext_cast_transpose_args *a, void *stream, int /*num_sms*/) {
-    using namespace fp8ext;
+__global__ void __launch_bounds__(kReduceThreads)
+dbias_reduce_kernel(const float *__restrict__ workspace, int64_t tiles, int64_t cols, void *__restrict__ dbias,
+                    int dbias_dtype) {
+    const int64_t c = static_cast<int64_t>(blockIdx.x) * kReduceThreads + threadIdx.x;
+    if (c >= cols) return;
+    const float *w = workspace + c;
+    float sum = 0.0f;
+    int64_t t = 0;
+    for (; t + kReduceBatch <= tiles; t += kReduceBatch) {
+        float v[kReduceBatch];
+#pragma unroll
+        for (int k = 0; k < kReduceBatch; ++k) v[k] = w[(t + k) * cols];
+#pragma unroll
+        for (int k = 0; k < kReduceBatch; ++k) sum += v[k];
+    }
+    for (; t < tiles; ++t) sum += w[t * cols];
+    if (dbias_dtype == FP8EXT_BF16)
+        static_cast<uint16_t *>(dbias)[c] = fp8_f32_to_bf16_bits(sum);
+    else if (dbias_dtype == FP8EXT_F16)
+        static_cast<uint16_t *>(dbias)[c] = fp8_f32_to_f16_bits(sum);
+    else
+        static_cast<float *>(dbias)[c] = sum;
+}
+
+template <bool DBIAS>
+int launch(const fp8ext_cast_transpose_args *a, float *workspace, cudaStream_t s) {
     if (a->rows == 0 || a->cols == 0)
-        return a->scale_inv_out ? fp8ext_cuda_write_reciprocal(a->scale_ptr, a->scale, a->scale_inv_out, stream)
+        return a->scale_inv_out ? fp8ext_cuda_write_reciprocal(a->scale_ptr, a->scale, a->scale_inv_out, s)
                                 : cudaSuccess;
     const int64_t col_tiles = (a->cols + kTile - 1) / kTile;
     const int64_t tiles = col_tiles * ((a->rows + kTile - 1) / kTile);
@@ -157,12 +240,34 @@ extern "C" int fp8ext_cuda_cast_transpose(const fp8ext_cast_transpose_args *a, v
     const int vector_ok = aligned(a->x, 16) && aligned(a->q, 8) && a->cols % 8 == 0;
     int qt_width = 8;
     while (qt_width > 1 && (!aligned(a->qt, qt_width) || a->rows % qt_width)) qt_width /= 2;
-    cudaStream_t s = static_cast<cudaStream_t>(stream);
     FP8EXT_DISPATCH_DTYPE(a->x_dtype, FP8EXT_DISPATCH_FMT(a->fmt, {
-        cast_transpose_kernel<T, FMT><<<static_cast<unsigned>(tiles), kThreads, 0, s>>>(
+        cast_transpose_kernel<T, FMT, DBIAS><<<static_cast<unsigned>(tiles), kThreads, 0, s>>>(
             static_cast<const T *>(a->x), a->q, a->qt, a->rows, a->cols, col_tiles, a->scale_ptr, a->scale,
-            a->amax_out, a->scale_inv_out, a->saturate, vector_ok, qt_width);
+            a->amax_out, a->scale_inv_out, a->saturate, vector_ok, qt_width, workspace);
         return cudaGetLastError();
     }));
     return cudaErrorInvalidValue;
+}
+
+}  // namespace
+}  // namespace fp8ext
+
+extern "C" int fp8ext_cuda_cast_transpose(const fp8ext_cast_transpose_args *a, void *stream, int /*num_sms*/) {
+    return fp8ext::launch<false>(a, nullptr, static_cast<cudaStream_t>(stream));
+}
+
+extern "C" int fp8ext_cuda_cast_transpose_dbias(const fp8ext_cast_transpose_dbias_args *a, void *stream,
+                                                int /*num_sms*/) {
+    using namespace fp8ext;
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    const int64_t cols = a->ct.cols;
+    if (a->dbias_dtype != FP8EXT_F32 && a->dbias_dtype != a->ct.x_dtype) return cudaErrorInvalidValue;
+    const int64_t blocks = (cols + kReduceThreads - 1) / kReduceThreads;
+    if (blocks > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
+    const int err = launch<true>(&a->ct, a->workspace, s);
+    if (err != cudaSuccess || cols == 0) return err;
+    // rows == 0: no tiles, and the reduction writes dbias = 0.
+    dbias_reduce_kernel<<<static_cast<unsigned>(blocks), kReduceThreads, 0, s>>>(
+        a->workspace, fp8ext_dbias_workspace_rows(a->ct.rows), cols, a->dbias, a->dbias_dtype);
+    return cudaGetLastError();
 }
