@@ -101,15 +101,13 @@ def _update_pending(recipe: Recipe, group) -> None:
 def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: Optional[Recipe] = None,
                  fp8_group=None, _graph: bool = False):
     """Compute FP8Linear layers in FP8 inside this context (see the module docstring). Transformer Engine's
-    arguments; `_graph` (TE's internal switch for its graphed callables) only at its default."""
-    if _graph:
-        raise NotImplementedError("fp8_autocast(): _graph=True is Transformer Engine's internal switch for "
-                                  "make_graphed_callables, which fp8ext does not have; capture steps with "
-                                  "torch.cuda.graph instead")
+    arguments. `_graph=True` is internal to fp8ext.make_graphed_callables (as TE's is to its own): the entry then
+    leaves the pending scale update to the caller, which captures it in the graph behind the manager's dirty
+    flag; any other use skips scale updates."""
     recipe = fp8_recipe if fp8_recipe is not None else _DEFAULT_RECIPE
     if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
         raise TypeError(f"fp8_autocast(): fp8_recipe must be DelayedScaling or CurrentScaling, got {type(recipe).__name__}")
-    if (enabled or calibrating) and not _state.stack:
+    if (enabled or calibrating) and not _state.stack and not _graph:
         _update_pending(recipe, fp8_group)
     _state.stack.append(_Context(bool(enabled), recipe, bool(calibrating), fp8_group))
     try:
