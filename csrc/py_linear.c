@@ -134,11 +134,12 @@ static int raise_gemm(const char *fn, const char *which, const fp8ext_gemm_statu
 /* Up to two cast_transposes then up to two GEMMs, on x's device. 1 when the GEMMs ran (GPU), 0 when only the
  * casts did (CPU), -1 with an exception. */
 static int run(PyObject *module, const char *fn, const fp8ext_view *where, Py_ssize_t stream, fp8ext_view *ws,
-               int n_casts, const fp8ext_cast_transpose_args *casts, int n_gemms, fp8ext_gemm_args *gemms,
-               const char *const *gemm_names) {
+               int n_casts, const fp8ext_cast_transpose_args *casts, const fp8ext_cast_transpose_dbias_args *dbias,
+               int n_gemms, fp8ext_gemm_args *gemms, const char *const *gemm_names) {
     if (where->device_type == kDLCPU) {
         Py_BEGIN_ALLOW_THREADS
         for (int i = 0; i < n_casts; ++i) fp8ext_cpu_cast_transpose(&casts[i]);
+        if (dbias) fp8ext_cpu_cast_transpose_dbias(dbias);
         Py_END_ALLOW_THREADS
         return 0;
     }
@@ -154,6 +155,7 @@ static int run(PyObject *module, const char *fn, const fp8ext_view *where, Py_ss
     fp8ext_gemm_status s = {0};
     Py_BEGIN_ALLOW_THREADS
     for (int i = 0; i < n_casts && !err; ++i) err = fp8ext_cuda_cast_transpose(&casts[i], (void *)stream, scope.num_sms);
+    if (dbias && !err) err = fp8ext_cuda_cast_transpose_dbias(dbias, (void *)stream, scope.num_sms);
     for (int i = 0; i < n_gemms && !err && failed < 0; ++i) {
         gemms[i].workspace = ws->data, gemms[i].workspace_size = (size_t)ws->numel, gemms[i].device = where->device_id;
         s = fp8ext_gemm_run(&cs->gemm, &gemms[i], (void *)stream, 0);
@@ -238,19 +240,21 @@ static PyObject *py_linear_fwd(PyObject *module, PyObject *const *args, Py_ssize
     g.fast_accum = 1; /* the forward GEMM, as Transformer Engine's */
     if (bias.capsule) g.bias = bias.data, g.bias_type = bias.kind == FP8EXT_KIND_F16 ? FP8EXT_F16 : FP8EXT_BF16;
     static const char *const names[] = {"forward"};
-    const int r = run(module, fn, &x, stream, &ws, 2, casts, 1, &g, names);
+    const int r = run(module, fn, &x, stream, &ws, 2, casts, NULL, 1, &g, names);
     if (r >= 0) ret = Py_NewRef(r ? Py_True : Py_False);
 done:
     FP8EXT_RELEASE_ALL(&x, &w, &saved, &scratch, &y, &xs, &xa, &wsc, &wa, &bias, &ws);
     return ret;
 }
 
-/* linear_bwd(dy, saved, scratch, m, k, n, fwd_fmt, g_scale, g_amax, bwd_fmt, dx, dw, accumulate, workspace, stream)
- * -> bool. dx [M, K] or None; dw [N, K] or None (accumulate: dw += the weight gradient, e.g. a float32 main_grad). */
+/* linear_bwd(dy, saved, scratch, m, k, n, fwd_fmt, g_scale, g_amax, bwd_fmt, dx, dw, accumulate, workspace, stream,
+ *            db) -> bool. dx [M, K] or None; dw [N, K] or None (accumulate: dw += the weight gradient, e.g. a
+ * float32 main_grad); db: None, or float32 [N] set to the bias gradient (the column sums of dy) by the cast itself
+ * (cast_transpose_dbias; its per-tile sums go in the scratch buffer after dy8^T, R(M*N) + R(4 * ceil(M/64) * N)). */
 static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     static const char *fn = "linear_bwd";
-    if (nargs != 15) {
-        PyErr_Format(PyExc_TypeError, "%s() takes 15 arguments, got %zd", fn, nargs);
+    if (nargs != 16) {
+        PyErr_Format(PyExc_TypeError, "%s() takes 16 arguments, got %zd", fn, nargs);
         return NULL;
     }
     long long m, k, n, ffmt, bfmt, stream_ll;
@@ -261,7 +265,7 @@ static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize
     const int accumulate = PyObject_IsTrue(args[12]);
     if (accumulate < 0) return NULL;
     const Py_ssize_t stream = (Py_ssize_t)stream_ll;
-    fp8ext_view dy = {0}, saved = {0}, scratch = {0}, gs = {0}, ga = {0}, dx = {0}, dw = {0}, ws = {0};
+    fp8ext_view dy = {0}, saved = {0}, scratch = {0}, gs = {0}, ga = {0}, dx = {0}, dw = {0}, ws = {0}, db = {0};
     PyObject *ret = NULL;
     if (check_dims(m, k, n, fn) < 0 || check_fmt((int)ffmt, fn, "fwd_fmt") < 0 || check_fmt((int)bfmt, fn, "bwd_fmt") < 0)
         goto done;
@@ -270,9 +274,11 @@ static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize
         goto done;
     }
     const int64_t rmk = round_up(m * k), rmn = round_up(m * n);
+    const int want_db = args[15] != Py_None;
+    const int64_t scratch_bytes = want_db ? 2 * rmn + 4 * fp8ext_dbias_workspace_rows(m) * n : rmn + m * n;
     if (get_matrix(args[0], NULL, m, n, stream, fn, "dy", &dy) < 0 ||
         get_bytes(args[1], &dy, SINV_BYTES + rmk + n * k, stream, fn, "saved", &saved) < 0 ||
-        get_bytes(args[2], &dy, rmn + m * n, stream, fn, "scratch", &scratch) < 0 ||
+        get_bytes(args[2], &dy, scratch_bytes, stream, fn, "scratch", &scratch) < 0 ||
         get_scalar(args[7], &dy, stream, fn, "g_scale", &gs) < 0 || get_scalar(args[8], &dy, stream, fn, "g_amax", &ga) < 0 ||
         fp8ext_check_writable(&ga, fn, "g_amax") < 0 || get_workspace(args[13], &dy, stream, fn, &ws) < 0)
         goto done;
@@ -282,18 +288,28 @@ static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize
     if (args[11] != Py_None &&
         (get_matrix(args[11], &dy, n, k, stream, fn, "dw", &dw) < 0 || fp8ext_check_writable(&dw, fn, "dw") < 0))
         goto done;
+    if (want_db && (fp8ext_view_get(args[15], stream, fn, "db", &db) < 0 ||
+                    fp8ext_check_kind(&db, FP8EXT_KIND_F32, fn, "db") < 0 || fp8ext_check_contiguous(&db, fn, "db") < 0 ||
+                    fp8ext_check_writable(&db, fn, "db") < 0 || fp8ext_check_same_device(&db, &dy, fn, "db", "dy") < 0))
+        goto done;
+    if (want_db && (db.ndim != 1 || db.shape[0] != n)) {
+        PyErr_Format(PyExc_ValueError, "%s(): db must have shape [%lld]", fn, (long long)n);
+        goto done;
+    }
     if (accumulate && !dw.capsule) {
         PyErr_Format(PyExc_ValueError, "%s(): accumulate=True adds into dw: pass dw", fn);
         goto done;
     }
-    if (fp8ext_check_disjoint(fn, 5, 8, (const fp8ext_view *const[]){&saved, &scratch, &ga, &dx, &dw, &dy, &gs, &ws},
-                              (const char *const[]){"saved", "scratch", "g_amax", "dx", "dw", "dy", "g_scale",
+    if (fp8ext_check_disjoint(fn, 6, 9, (const fp8ext_view *const[]){&saved, &scratch, &ga, &dx, &dw, &db, &dy, &gs, &ws},
+                              (const char *const[]){"saved", "scratch", "g_amax", "dx", "dw", "db", "dy", "g_scale",
                                                     "workspace"}) < 0)
         goto done;
     uint8_t *sv = saved.data, *sc = scratch.data;
     fp8ext_cast_transpose_args cast = {.x = dy.data, .x_dtype = hp_dtype(&dy), .rows = m, .cols = n, .q = sc,
                                        .qt = sc + rmn, .fmt = (int)bfmt, .scale_ptr = gs.data, .amax_out = ga.data,
                                        .scale_inv_out = SINV(sv, 2), .saturate = 1};
+    const fp8ext_cast_transpose_dbias_args cast_db = {.ct = cast, .dbias = db.data, .dbias_dtype = FP8EXT_F32,
+                                                      .workspace = (float *)(sc + 2 * rmn)};
     fp8ext_gemm_args g[2];
     const char *names[2];
     int ng = 0;
@@ -306,10 +322,11 @@ static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize
         g[ng].accumulate = accumulate;
         names[ng++] = "wgrad";
     }
-    const int r = run(module, fn, &dy, stream, &ws, 1, &cast, ng, g, names);
+    const int r = want_db ? run(module, fn, &dy, stream, &ws, 0, NULL, &cast_db, ng, g, names)
+                        : run(module, fn, &dy, stream, &ws, 1, &cast, NULL, ng, g, names);
     if (r >= 0) ret = Py_NewRef(r ? Py_True : Py_False);
 done:
-    FP8EXT_RELEASE_ALL(&dy, &saved, &scratch, &gs, &ga, &dx, &dw, &ws);
+    FP8EXT_RELEASE_ALL(&dy, &saved, &scratch, &gs, &ga, &dx, &dw, &ws, &db);
     return ret;
 }
 
@@ -321,8 +338,9 @@ PyMethodDef fp8ext_linear_methods[] = {
      "to the caller."},
     {"linear_bwd", (PyCFunction)(void (*)(void))py_linear_bwd, METH_FASTCALL,
      "linear_bwd(dy, saved, scratch, m, k, n, fwd_fmt, g_scale, g_amax, bwd_fmt, dx, dw, accumulate, workspace,\n"
-     "           stream) -> bool\n"
-     "An FP8 linear layer's backward pass in one call: cast_transpose of dy, then the dgrad and wgrad GEMMs on a\n"
+     "           stream, db) -> bool\n"
+     "An FP8 linear layer's backward pass in one call: cast_transpose (with the bias gradient into db) of dy, then\n"
+     "the dgrad and wgrad GEMMs on a\n"
      "GPU. False on the CPU: the GEMMs are left to the caller."},
     {NULL, NULL, 0, NULL},
 };

@@ -20,6 +20,7 @@ from . import recipe  # noqa: F401  (fp8ext.recipe, as transformer_engine.common
 from ._gemm import gemm, gemm_cache_info, set_gemm_autotune
 from .context import autocast, fp8_autocast, get_fp8_recipe, get_scaling_manager, is_fp8_enabled
 from .convert import FP8ConversionWarning, convert_to_fp8, prepare_fp8
+from .graphs import make_graphed_callables
 from .debug import debug_checks_enabled, set_debug_checks
 from .profiling import profiling_enabled, set_profiling
 from .formats import E2M1, E2M3, E3M2, E4M3, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0, FP8Format, Format, SmallFormat
@@ -29,7 +30,8 @@ from .layernorm_modules import LayerNormLinear, LayerNormMLP
 from .mx import dequantize_mx, dequantize_nvfp4, quantize_mx, quantize_nvfp4
 from .weight_only import WEIGHT_ONLY_FORMATS, WeightOnlyLinear
 from .packing import pack_fp4, pack_fp6, unpack_fp4, unpack_fp6
-from .ops import amax, cast_transpose, dequantize, quantize, quantize_blockwise, quantize_rowwise, scale_from_amax
+from .ops import (amax, cast_transpose, cast_transpose_dbias, dequantize, quantize, quantize_blockwise,
+                  quantize_rowwise, scale_from_amax)
 from .recipe import CurrentScaling, DelayedScaling, Float8CurrentScaling
 from .scaling import FP8ScalingManager
 
@@ -60,7 +62,7 @@ __all__ = [
     "quantize",
     "dequantize",
     "amax",
-    "cast_transpose",
+    "cast_transpose", "cast_transpose_dbias", "make_graphed_callables",
     "quantize_rowwise",
     "quantize_blockwise",
     "scale_from_amax",

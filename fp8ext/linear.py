@@ -36,7 +36,7 @@ from ._boundary import _raw_stream, stream_of
 from .context import activation_dtype, current_context, get_scaling_manager
 from .formats import FP8Format, format_of_code
 from .ops import amax as _amax
-from .ops import cast_transpose, scale_from_amax
+from .ops import cast_transpose, cast_transpose_dbias, scale_from_amax
 from ._gemm import _workspace, gemm_eager
 from .profiling import profiled
 from .recipe import DelayedScaling
@@ -55,6 +55,21 @@ def _cast(t2d: torch.Tensor, fmt: FP8Format, scale: Optional[torch.Tensor], amax
     scale_inv = torch.empty((), dtype=torch.float32, device=t2d.device)
     q, qt = cast_transpose(t2d, fmt, scale, amax_out=amax_slot, scale_inv_out=scale_inv)
     return q, qt, scale_inv
+
+
+def _cast_dbias(t2d: torch.Tensor, fmt: FP8Format, scale: Optional[torch.Tensor], amax_slot: Optional[torch.Tensor],
+                margin: float):
+    """_cast of the output gradient with the bias gradient from the same pass: (q, q^T, scale_inv, dbias), dbias the
+    float32 column sums of t2d (cast_transpose_dbias)."""
+    if scale is None:
+        scale, _ = scale_from_amax(_amax(t2d), fmt, margin)
+    dev = t2d.device
+    m, n = t2d.shape
+    scale_inv = torch.empty((), dtype=torch.float32, device=dev)
+    out = (torch.empty((m, n), dtype=fmt.torch_dtype, device=dev), torch.empty((n, m), dtype=fmt.torch_dtype, device=dev),
+           torch.empty((n,), dtype=torch.float32, device=dev))
+    q, qt, db = cast_transpose_dbias(t2d, fmt, scale, amax_slot, scale_inv_out=scale_inv, out=out)
+    return q, qt, scale_inv, db
 
 
 def _gemm(a, b, a_sinv, b_sinv, out_dtype, bias=None, fast=False):
@@ -114,7 +129,11 @@ class _FP8LinearFunction(torch.autograd.Function):
         if debug.enabled():
             debug.check_finite(dy2, "FP8Linear backward", "grad_output")
             debug.check_scale(g_scale, "FP8Linear backward", "the gradient's scale")
-        g8, g8t, g_sinv = _cast(_pad_rows(dy2), ctx.bwd, g_scale, g_amax, ctx.margin)
+        want_db = ctx.b_dtype is not None and ctx.needs_input_grad[2]
+        if want_db:  # the bias gradient from the cast's own pass over dy
+            g8, g8t, g_sinv, db32 = _cast_dbias(_pad_rows(dy2), ctx.bwd, g_scale, g_amax, ctx.margin)
+        else:
+            g8, g8t, g_sinv = _cast(_pad_rows(dy2), ctx.bwd, g_scale, g_amax, ctx.margin)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx = _gemm(g8, w8t, g_sinv, w_sinv, ctx.x_dtype)[: ctx.m]
@@ -127,8 +146,8 @@ class _FP8LinearFunction(torch.autograd.Function):
             dw = _wgrad_placeholder(ctx.weight_ref)
         elif ctx.needs_input_grad[1]:
             dw = _gemm(g8t, x8t, g_sinv, x_sinv, ctx.w_dtype)
-        if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
-            db = dy2.sum(0, dtype=torch.float32).to(ctx.b_dtype)
+        if want_db:
+            db = db32.to(ctx.b_dtype)
         return dx, dw, db, None, None, None, None, None, None, None, None, None, None, None, None, None
 
 
@@ -166,9 +185,9 @@ class _MainGradLinearFunction(torch.autograd.Function):
 # In the common training case (eager, delayed scaling, the weight recast every step, contiguous input, a token
 # count that is a multiple of 16, fp8ext.debug off) FP8Linear skips the composed path above and runs each pass
 # as one fp8ext._C call (csrc/py_linear.c): the forward's two cast_transposes and its GEMM, the backward's
-# cast_transpose and its two GEMMs. The FP8 tensors live in two byte buffers per pass (one kept for backward:
-# the scale_invs, x8^T and W8^T; one dropped: x8 and W8), and the capsules of the layer's scale and amax slots
-# are made once and reused. Same kernels, same cuBLASLt calls, same bytes as the composed path (tests compare
+# cast_transpose (cast_transpose_dbias with a bias) and its two GEMMs. The FP8 tensors live in two byte buffers
+# per pass (one kept for backward: the scale_invs, x8^T and W8^T; one dropped: x8 and W8), and the capsules of
+# the layer's scale and amax slots are made once and reused. Same kernels, same cuBLASLt calls, same bytes as the composed path (tests compare
 # the two bit for bit); the host work per step is a fraction.
 _LEAN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FAST_PATH = True  # tests switch it off to compare the two paths
@@ -252,8 +271,12 @@ class _LeanLinearFunction(torch.autograd.Function):
             dy2 = dy2.contiguous()
         dev = dy2.device
         rmn = _r256(m * n)
-        scratch = torch.empty(rmn + m * n, dtype=torch.uint8, device=dev)
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        want_db = ctx.b_dtype is not None and need_db
+        # dy8 and dy8^T, then (with a bias) the float32 per-64-row-tile column sums of cast_transpose_dbias
+        scratch = torch.empty(2 * rmn + 4 * ((m + 63) // 64) * n if want_db else rmn + m * n, dtype=torch.uint8,
+                              device=dev)
+        db32 = torch.empty((n,), dtype=torch.float32, device=dev) if want_db else None
         dx = torch.empty((m, k), dtype=ctx.x_dtype, device=dev) if need_dx else None
         main_grad = ctx.main_grad
         if main_grad is not None:
@@ -264,7 +287,7 @@ class _LeanLinearFunction(torch.autograd.Function):
         stream, ws = _pass_stream(dev)
         if not _C.linear_bwd(_to_dl(dy2), _to_dl(saved), _to_dl(scratch), m, k, n, st.fwd_code, gs, ga, st.bwd_code,
                              None if dx is None else _to_dl(dx), None if dw is None else _to_dl(dw),
-                             main_grad is not None, ws, stream):
+                             main_grad is not None, ws, stream, None if db32 is None else _to_dl(db32)):
             sinv = saved[:_SINV_BYTES].view(torch.float32)
             rmk = _r256(m * k)
             if dx is not None:
@@ -273,7 +296,7 @@ class _LeanLinearFunction(torch.autograd.Function):
             if dw is not None:
                 gemm_eager(_fp8_view(scratch, rmn, n, m, st.bwd_code), _fp8_view(saved, _SINV_BYTES, k, m, st.fwd_code),
                            sinv[128:129], sinv[0:1], dw.dtype, None, False, dw, main_grad is not None, None, None)
-        db = dy2.sum(0, dtype=torch.float32).to(ctx.b_dtype) if ctx.b_dtype is not None and need_db else None
+        db = db32.to(ctx.b_dtype) if want_db else None
         if main_grad is not None:
             dw = _wgrad_placeholder(ctx.weight_ref)
         return None if dx is None else dx.view(ctx.x_shape), dw, db, None, None, None, None

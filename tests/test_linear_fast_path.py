@@ -111,8 +111,8 @@ def _call_args():
     fwd = [dl(torch.randn(32, 64)), dl(torch.randn(48, 64)), dl(saved),
            dl(torch.empty(32 * 64 + 48 * 64 + 256, dtype=torch.uint8)), dl(torch.empty(32, 48)), one,
            dl(torch.zeros(())), one, dl(torch.zeros(())), 0, None, None, 0]
-    bwd = [dl(torch.randn(32, 48)), dl(saved), dl(torch.empty(32 * 48 * 2 + 256, dtype=torch.uint8)), 32, 64, 48, 0,
-           one, dl(torch.zeros(())), 1, dl(torch.empty(32, 64)), dl(torch.empty(48, 64)), False, None, 0]
+    bwd = [dl(torch.randn(32, 48)), dl(saved), dl(torch.empty(32 * 48 * 2, dtype=torch.uint8)), 32, 64, 48, 0,
+           one, dl(torch.zeros(())), 1, dl(torch.empty(32, 64)), dl(torch.empty(48, 64)), False, None, 0, None]
     return fwd, bwd
 
 
@@ -137,6 +137,8 @@ BWD_ERRORS = [
     ({6: 1, 9: 1}, "E5M2 x E5M2"),
     ({11: None, 12: True}, "accumulate=True adds into dw"),
     ({10: _dl(torch.empty(64, 32))}, r"dx must have shape \[32, 64\]"),
+    ({15: _dl(torch.empty(48))}, "scratch holds 3072 bytes, needs 3264"),  # db needs room for the per-tile sums
+    ({2: _dl(torch.empty(8192, dtype=torch.uint8)), 15: _dl(torch.empty(48, dtype=torch.bfloat16))}, "db must be"),
 ]
 
 
