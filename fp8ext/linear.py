@@ -194,6 +194,15 @@ _FAST_PATH = True  # tests switch it off to compare the two paths
 _SINV_BYTES = 768  # the saved buffer starts with the float32 scale_invs of x, W and dy, 256 bytes apart
 
 
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph: graphs take the composed path (a captured step has
+    no host work to save, and the composed path is the one graph capture is tested with)."""
+    return _graphs_possible and torch.cuda.is_current_stream_capturing()
+
+
+_graphs_possible = torch.cuda.is_available()
+
+
 def _r256(n: int) -> int:
     return (n + 255) & ~255
 
@@ -513,7 +522,7 @@ class FP8Linear(nn.Module):
         False reuses the kept cast for the next micro-batches of the same step."""
         ctx = current_context()
         if ctx is not None and ctx.enabled and is_first_microbatch is None and not ctx.calibrating and _FAST_PATH \
-                and not torch.compiler.is_compiling():
+                and not torch.compiler.is_compiling() and not _capturing():
             st = self._lean
             if st is not None and st.recipe is ctx.recipe and st.mgr.generation == st.generation:
                 y = self._lean_forward(input, st)
