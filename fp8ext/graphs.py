@@ -37,6 +37,8 @@ recipe after the capture to reallocate them (`generation` changes) makes the nex
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -153,6 +155,20 @@ def _graph_device(modules, flat) -> torch.device:
     return devices.pop() if devices else torch.device("cuda", torch.cuda.current_device())
 
 
+@contextlib.contextmanager
+def _no_gc():
+    """Python's cyclic garbage collector held off while a graph is captured (torch.cuda.graph collects once before
+    it starts): a collection in the middle could free CUDA objects of earlier steps (graphs, events, tensors used on
+    other streams) whose release is not allowed during a capture, and the capture would fail."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 # ---- capture --------------------------------------------------------------------------------------------------
 def _in_fp8_context(func: Callable, enabled: bool, calibrating: bool, recipe, group, gate: Optional[UpdateGate]):
     """func run as the graphs capture it: inside fp8_autocast with this call's FP8 settings (whatever the caller's
@@ -193,7 +209,7 @@ def _capture_forwards(funcs, samples, pool, gate: Optional[UpdateGate]):
         graph = torch.cuda.CUDAGraph()
         if gate is not None:
             gate.mgr.dirty = False
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool), _no_gc():
             out = func(*args, **kwargs)
         leaves, spec = tree_flatten(out)
         if not all(isinstance(t, torch.Tensor) for t in leaves):
@@ -216,7 +232,7 @@ def _capture_backwards(surfaces, outputs, pool, allow_unused: bool, retain_graph
         grads = None
         if training and outs and ins:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool), _no_gc():
                 grads = torch.autograd.grad(outs, ins, grad_outputs=tuple(g for g in static_grad_out if g is not None),
                                             only_inputs=True, allow_unused=allow_unused, retain_graph=retain_graph)
             graphs[i] = graph
