@@ -216,12 +216,24 @@ class FP8ScalingManager:
                     dist.all_reduce(recent, op=dist.ReduceOp.MAX, group=group)
                     self.amax_history[:, 0].copy_(recent)
             self.steps += 1
-            self._scale_update(self.amax_history, self.scale, self.scale_inv, self._fmt_max, self.steps)
+            self._scale_update(self.amax_history, self.scale, self.scale_inv, self._fmt_max, self.steps,
+                               self._own_capsules())
             self.dirty = False
 
-    def _scale_update(self, history, scale, scale_inv, fmt_max, step: int) -> None:
+    def _own_capsules(self):
+        """DLPack capsules of the manager's four buffers, made again only when a buffer was replaced (the update
+        runs every step; C borrows capsules and never consumes them)."""
+        bufs = (self.amax_history, self.scale, self.scale_inv, self._fmt_max)
+        cached = getattr(self, "_capsules", None)
+        if cached is None or any(a is not b for a, b in zip(cached[0], bufs)):
+            cached = self._capsules = (bufs, tuple(_to_dl(t) for t in bufs))
+        return cached[1]
+
+    def _scale_update(self, history, scale, scale_inv, fmt_max, step: int, capsules=None) -> None:
         r = self.recipe
-        _C.scale_update(_to_dl(history), _to_dl(scale), _to_dl(scale_inv), _to_dl(fmt_max),
+        if capsules is None:
+            capsules = (_to_dl(history), _to_dl(scale), _to_dl(scale_inv), _to_dl(fmt_max))
+        _C.scale_update(*capsules,
                         0 if r.amax_compute_algo == "max" else 1, float(r.margin), step % r.interval == 0,
                         float(r.backoff_factor), stream=stream_of(history.device))
 
