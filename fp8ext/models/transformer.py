@@ -15,6 +15,7 @@ prints the self test: parameter counts, one forward pass, its loss, the device a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 from dataclasses import asdict, dataclass, replace
 from typing import Dict, Optional
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fp8ext as te
+from fp8ext.context import current_context
 from fp8ext.recipe import DelayedScaling, Format
 
 __all__ = ["TransformerConfig", "Transformer", "PRESETS", "preset"]
@@ -228,7 +230,7 @@ class Transformer(nn.Module):
         if self.rope_cos.dtype != torch.float32:  # model.to(bfloat16) rounded the tables: RoPE stays float32
             self.rope_cos, self.rope_sin = rope_tables(self.cfg, self.rope_cos.device)
         x = self.embed(ids)
-        with te.fp8_autocast(enabled=fp8, fp8_recipe=fp8_recipe, fp8_group=fp8_group):
+        with self._fp8_context(fp8, fp8_recipe, fp8_group):
             cos, sin = self.rope_cos[start_pos:], self.rope_sin[start_pos:]
             for block in self.blocks:
                 x = block(x, cos, sin, is_first_microbatch, kv_cache, start_pos)
@@ -236,6 +238,16 @@ class Transformer(nn.Module):
         if targets is None:
             return logits
         return logits, F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    @staticmethod
+    def _fp8_context(fp8, fp8_recipe, fp8_group):
+        """fp8_autocast for the blocks, or nothing when the caller already entered the same one (fp8ext.train does,
+        outside torch.compile, so that the scale update at the outermost entry is not traced)."""
+        outer = current_context()
+        if outer is not None and outer.enabled == bool(fp8) and not outer.calibrating and outer.group is fp8_group \
+                and (fp8_recipe is None or outer.recipe is fp8_recipe):
+            return contextlib.nullcontext()
+        return te.fp8_autocast(enabled=fp8, fp8_recipe=fp8_recipe, fp8_group=fp8_group)
 
     def num_parameters(self, exclude_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())

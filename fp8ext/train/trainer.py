@@ -112,13 +112,22 @@ def _autocast(device):
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
 
+def _fp8_scope(fwd_kw):
+    """The forward's fp8_autocast, entered here around the (possibly compiled) model rather than inside it: the
+    scale update that runs when the outermost context is entered stays out of torch.compile's graph, and the
+    model's own context then inherits this one (no graph break)."""
+    if not fwd_kw["fp8"]:
+        return contextlib.nullcontext()
+    return fp8ext.fp8_autocast(fp8_recipe=fwd_kw["fp8_recipe"], fp8_group=fwd_kw["fp8_group"])
+
+
 @torch.no_grad()
 def _evaluate(model, corpus, args, device, fwd_kw, rank, world) -> float:
     model.eval()
     total = torch.zeros((), device=device)
     for i in range(args.eval_batches):
         x, y = batch(corpus.val, args.batch_size, args.seq_len, args.seed + 7919, 0, i, rank, device)
-        with _autocast(device):
+        with _autocast(device), _fp8_scope(fwd_kw):
             total += model(x, y, **fwd_kw)[1].float()
     model.train()
     if world > 1:
@@ -158,9 +167,11 @@ def _train(args: Namespace, device: torch.device, rank: int, world: int) -> dict
     cfg = preset(args.preset, fused_qkv=not args.separate_qkv, max_seq_len=max(base.max_seq_len, args.seq_len))
     torch.manual_seed(args.seed)
     raw = Transformer(cfg, device=device)
+    recipe = _recipe(args)
+    if args.use_fp8 and args.compile:  # every FP8 slot now: a compiled forward never registers one (a graph break)
+        fp8ext.prepare_fp8(raw, recipe)
     model = _wrap(raw, args, device, world)
     opt = _optimizer(model, args, device)
-    recipe = _recipe(args)
     group = dist.group.WORLD if world > 1 else None
     fwd_kw = dict(fp8=args.use_fp8, fp8_recipe=recipe, fp8_group=group)
     out = pathlib.Path(args.out_dir)
@@ -204,7 +215,7 @@ def _train(args: Namespace, device: torch.device, rank: int, world: int) -> dict
             last = micro == args.grad_accum_steps - 1
             sync = model.no_sync() if world > 1 and not args.fsdp and not last else contextlib.nullcontext()
             mb = {} if args.grad_accum_steps == 1 else {"is_first_microbatch": micro == 0}
-            with sync, _autocast(device):
+            with sync, _autocast(device), _fp8_scope(fwd_kw):
                 loss = model(x, y, **fwd_kw, **mb)[1]
             (loss / args.grad_accum_steps).backward()
             step_loss += loss.detach() / args.grad_accum_steps
