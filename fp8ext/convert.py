@@ -69,7 +69,13 @@ def prepare_fp8(module: nn.Module, fp8_recipe=None) -> nn.Module:
     from .recipe import DelayedScaling
     recipe = fp8_recipe if fp8_recipe is not None else _DEFAULT_RECIPE
     if isinstance(recipe, DelayedScaling):
-        for m in module.modules():
-            if isinstance(m, FP8Linear):
+        layers = [m for m in module.modules() if isinstance(m, FP8Linear)]
+        for m in layers:
+            m.init_fp8(recipe)
+        # Registering may grow the manager's buffers, which makes the views the earlier layers took stale (a
+        # compiled forward would re-register them: a graph break); a second pass takes them from the final buffers.
+        for m in layers:
+            mgr, _, generation, _ = m._fp8_views[recipe]
+            if mgr.generation != generation:
                 m.init_fp8(recipe)
     return module

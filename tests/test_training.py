@@ -520,3 +520,14 @@ def test_amax_is_max_reduced_across_the_fp8_group(backend):
     global_amax = max(results[0][1], results[1][1])
     for rank in (0, 1):
         assert results[rank][0] == pytest.approx(448.0 / global_amax, rel=1e-6), "every rank scales by the group's amax"
+
+
+def test_prepare_fp8_leaves_no_layer_with_stale_views():
+    """Registering many layers grows the manager's buffers; prepare_fp8 must leave every layer holding views of
+    the final buffers (a stale view makes a compiled forward re-register: a graph break)."""
+    recipe = fp8ext.DelayedScaling(amax_history_len=3)
+    model = nn.Sequential(*[fp8ext.FP8Linear(16, 16) for _ in range(40)])
+    fp8ext.prepare_fp8(model, recipe)
+    mgr = fp8ext.get_scaling_manager(recipe, "cpu")
+    assert mgr.generation > 1, "the test needs a manager that grew while the layers registered"
+    assert all(layer._fp8_views[recipe][2] == mgr.generation for layer in model)
