@@ -72,6 +72,9 @@ for a, b, what in ((f"{p}-bf16", f"{p}-fp8", "FP8 / bf16, eager"), (f"{p}-bf16-c
                    (f"{p}-fp8-separate-qkv", f"{p}-fp8", "fused / separate QKV, FP8")):
     r = ratio(a, b)
     print(f"- tokens/s {what}: {'n/a' if r is None else f'{r:.3f}x'}")
+for c in (f"{p}-bf16-compiled", f"{p}-fp8-compiled"):
+    if info(c) and "graph_breaks" in info(c):
+        print(f"- graph breaks in {c}: {info(c)['graph_breaks']}")
 for b in ("small-fp8-delayed", "small-fp8-current"):
     r = ratio("small-bf16", b, "final_val_loss")
     print(f"- validation loss {b} vs bf16: {'n/a' if r is None else f'{r - 1:+.2%}'}")

@@ -68,6 +68,18 @@ def test_fp8_forward_is_close_to_high_precision_and_keeps_embedding_and_head_out
     assert type(model.lm_head) is torch.nn.Linear and type(model.embed) is torch.nn.Embedding
 
 
+def test_compiled_fp8_training_has_no_graph_breaks(tmp_path):
+    """--compile --use_fp8: the FP8 context's scale update and the layers' slot registration stay out of the
+    compiled forward (a graph break inside the model's fp8_autocast made dynamo run the whole forward eagerly)."""
+    out = tmp_path / "compiled"
+    r = subprocess.run([sys.executable, "-m", "fp8ext.train", *RUN, "--use_fp8", "--compile", "--max_steps", "2",
+                        "--eval_every", "1000", "--no_save", "--out_dir", str(out)],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    info = json.loads((out / "run.json").read_text())
+    assert info["graph_breaks"] == 0, "the compiled forward broke its graph"
+
+
 def test_model_self_test_runs():
     out = subprocess.run([sys.executable, "-m", "fp8ext.models.transformer", "--fp8", "--device", "cpu"],
                          capture_output=True, text=True, timeout=300, check=True).stdout

@@ -266,12 +266,16 @@ def _train(args: Namespace, device: torch.device, rank: int, world: int) -> dict
     summary = {**info, "final_val_loss": val_loss, "tokens_per_s": steady[len(steady) // 2] if steady else None,
                "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
                **fp8_state}
+    if args.compile:  # a graph break in the model's forward can silently cost most of what compiling gains
+        from torch._dynamo.utils import counters
+        summary["graph_breaks"] = sum(counters["graph_break"].values())
     if rank == 0:
         metrics.close()
         (out / "run.json").write_text(json.dumps(summary, indent=1, default=str))
         vl = "n/a" if val_loss is None else f"{val_loss:.4f}"
         tps = "n/a" if summary["tokens_per_s"] is None else f"{summary['tokens_per_s']:,.0f}"
+        breaks = f", {summary['graph_breaks']} graph breaks" if args.compile else ""
         print(f"fp8ext.train: {precision} {'done' if end == args.max_steps else 'stopped'} at step {end}: "
               f"validation loss {vl}, "
-              f"{tps} tokens/s (median after warm-up); {out}")
+              f"{tps} tokens/s (median after warm-up{breaks}); {out}")
     return summary
