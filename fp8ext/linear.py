@@ -66,8 +66,8 @@ def _cast_dbias(t2d: torch.Tensor, fmt: FP8Format, scale: Optional[torch.Tensor]
     dev = t2d.device
     m, n = t2d.shape
     scale_inv = torch.empty((), dtype=torch.float32, device=dev)
-    out = (torch.empty((m, n), dtype=fmt.torch_dtype, device=dev), torch.empty((n, m), dtype=fmt.torch_dtype, device=dev),
-           torch.empty((n,), dtype=torch.float32, device=dev))
+    out = (torch.empty((m, n), dtype=fmt.torch_dtype, device=dev),
+           torch.empty((n, m), dtype=fmt.torch_dtype, device=dev), torch.empty((n,), dtype=torch.float32, device=dev))
     q, qt, db = cast_transpose_dbias(t2d, fmt, scale, amax_slot, scale_inv_out=scale_inv, out=out)
     return q, qt, scale_inv, db
 
@@ -187,20 +187,18 @@ class _MainGradLinearFunction(torch.autograd.Function):
 # as one fp8ext._C call (csrc/py_linear.c): the forward's two cast_transposes and its GEMM, the backward's
 # cast_transpose (cast_transpose_dbias with a bias) and its two GEMMs. The FP8 tensors live in two byte buffers
 # per pass (one kept for backward: the scale_invs, x8^T and W8^T; one dropped: x8 and W8), and the capsules of
-# the layer's scale and amax slots are made once and reused. Same kernels, same cuBLASLt calls, same bytes as the composed path (tests compare
-# the two bit for bit); the host work per step is a fraction.
+# the layer's scale and amax slots are made once and reused. Same kernels, same cuBLASLt calls, same bytes as the
+# composed path (tests compare the two bit for bit); the host work per step is a fraction.
 _LEAN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FAST_PATH = True  # tests switch it off to compare the two paths
 _SINV_BYTES = 768  # the saved buffer starts with the float32 scale_invs of x, W and dy, 256 bytes apart
+_graphs_possible = torch.cuda.is_available()
 
 
 def _capturing() -> bool:
     """Whether the current CUDA stream is capturing a graph: graphs take the composed path (a captured step has
     no host work to save, and the composed path is the one graph capture is tested with)."""
     return _graphs_possible and torch.cuda.is_current_stream_capturing()
-
-
-_graphs_possible = torch.cuda.is_available()
 
 
 def _r256(n: int) -> int:
@@ -300,8 +298,8 @@ class _LeanLinearFunction(torch.autograd.Function):
             sinv = saved[:_SINV_BYTES].view(torch.float32)
             rmk = _r256(m * k)
             if dx is not None:
-                gemm_eager(_fp8_view(scratch, 0, m, n, st.bwd_code), _fp8_view(saved, _SINV_BYTES + rmk, k, n, st.fwd_code),
-                           sinv[128:129], sinv[64:65], dx.dtype, None, False, dx, False, None, None)
+                w8t = _fp8_view(saved, _SINV_BYTES + rmk, k, n, st.fwd_code)
+                gemm_eager(_fp8_view(scratch, 0, m, n, st.bwd_code), w8t, sinv[128:129], sinv[64:65], dx.dtype, None, False, dx, False, None, None)
             if dw is not None:
                 gemm_eager(_fp8_view(scratch, rmn, n, m, st.bwd_code), _fp8_view(saved, _SINV_BYTES, k, m, st.fwd_code),
                            sinv[128:129], sinv[0:1], dw.dtype, None, False, dw, main_grad is not None, None, None)
