@@ -299,7 +299,8 @@ class _LeanLinearFunction(torch.autograd.Function):
             rmk = _r256(m * k)
             if dx is not None:
                 w8t = _fp8_view(saved, _SINV_BYTES + rmk, k, n, st.fwd_code)
-                gemm_eager(_fp8_view(scratch, 0, m, n, st.bwd_code), w8t, sinv[128:129], sinv[64:65], dx.dtype, None, False, dx, False, None, None)
+                gemm_eager(_fp8_view(scratch, 0, m, n, st.bwd_code), w8t, sinv[128:129], sinv[64:65], dx.dtype, None,
+                           False, dx, False, None, None)
             if dw is not None:
                 gemm_eager(_fp8_view(scratch, rmn, n, m, st.bwd_code), _fp8_view(saved, _SINV_BYTES, k, m, st.fwd_code),
                            sinv[128:129], sinv[0:1], dw.dtype, None, False, dw, main_grad is not None, None, None)
