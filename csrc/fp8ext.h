@@ -213,6 +213,39 @@ int fp8ext_cuda_decode_attention(const fp8ext_decode_attention_args *a, void *st
 int fp8ext_cuda_weight_only(const fp8ext_weight_only_args *a, void *stream, int num_sms);
 int fp8ext_cuda_write_reciprocal(const float *scale_ptr, float scale_value, float *out, void *stream);
 
+/* Block-scaled small formats in one pass (csrc/kernels/quantize_mx.cu), GPU only: fp8ext/mx.py's torch code is
+ * the CPU path and defines the bytes. x is contiguous, n values in blocks of consecutive values; q gets one code
+ * per byte (8-byte aligned).
+ * MX (OCP MX v1.0): blocks of FP8EXT_MX_BLOCK, scales[n / 32] E8M0 codes, fmt FP8EXT_E4M3, FP8EXT_E5M2, FPX_E3M2,
+ * FPX_E2M3 or FPX_E2M1; rceil 0 for the specification's floor rule, 1 for cuBLAS's RCEIL.
+ * NVFP4: blocks of FP8EXT_NVFP4_BLOCK E2M1 codes, block_scales[n / 16] E4M3, tensor_scale one float32 (written);
+ * amax is one float32 of workspace that the launcher zeroes and fills with max|x| before quantizing. n > 0. */
+#define FP8EXT_MX_BLOCK 32
+#define FP8EXT_NVFP4_BLOCK 16
+
+typedef struct {
+    const void *x;
+    int x_dtype;
+    int64_t n;
+    uint8_t *q;
+    uint8_t *scales;
+    int fmt;
+    int rceil;
+} fp8ext_quantize_mx_args;
+
+typedef struct {
+    const void *x;
+    int x_dtype;
+    int64_t n;
+    uint8_t *q;
+    uint8_t *block_scales;
+    float *tensor_scale;
+    float *amax;
+} fp8ext_quantize_nvfp4_args;
+
+int fp8ext_cuda_quantize_mx(const fp8ext_quantize_mx_args *a, void *stream, int num_sms);
+int fp8ext_cuda_quantize_nvfp4(const fp8ext_quantize_nvfp4_args *a, void *stream, int num_sms);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,6 +1,6 @@
 /* module.c: the fp8ext._C extension module: initialisation, module state, the format table
  * and build information, and fp8ext_run_op, which sends an operation to the CPU reference or
- * to a CUDA launcher. The operations' bindings live in py_ops.c.
+ * to a CUDA launcher. The operations' bindings live in py_ops.c and the other py_*.c files.
  */
 #include "module_state.h"
 
@@ -127,6 +127,7 @@ static int module_exec(PyObject *module) {
     if (PyModule_AddFunctions(module, fp8ext_gemm_methods) < 0) return -1;
     if (PyModule_AddFunctions(module, fp8ext_inference_methods) < 0) return -1;
     if (PyModule_AddFunctions(module, fp8ext_linear_methods) < 0) return -1;
+    if (PyModule_AddFunctions(module, fp8ext_mx_methods) < 0) return -1;
     if (PyModule_AddIntConstant(module, "E4M3", FP8EXT_E4M3) < 0) return -1;
     if (PyModule_AddIntConstant(module, "E5M2", FP8EXT_E5M2) < 0) return -1;
 #ifdef FP8EXT_WITH_CUDA

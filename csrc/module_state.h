@@ -32,12 +32,14 @@ typedef int (*fp8ext_cuda_fn)(const void *args, void *stream, int num_sms);
 int fp8ext_run_op(PyObject *module, const fp8ext_view *where, Py_ssize_t stream, const char *fn, fp8ext_cpu_fn cpu,
                   fp8ext_cuda_fn cuda, const void *args);
 
-/* Method tables of py_ops.c, py_scaling.c, py_gemm.c, py_inference.c and py_linear.c, joined into the module's by module.c. */
+/* Method tables of py_ops.c, py_scaling.c, py_gemm.c, py_inference.c, py_linear.c and py_mx.c, joined into the module's
+ * by module.c. */
 extern PyMethodDef fp8ext_op_methods[];
 extern PyMethodDef fp8ext_scaling_methods[];
 extern PyMethodDef fp8ext_gemm_methods[];
 extern PyMethodDef fp8ext_inference_methods[];
 extern PyMethodDef fp8ext_linear_methods[];
+extern PyMethodDef fp8ext_mx_methods[];
 
 /* quantize and dequantize also take the small formats (FPX_E2M1 .. FPX_E5M2FNUZ, codes one per uint8
  * byte), on the CPU and on a GPU, with round to nearest even; every other operation takes E4M3 and E5M2. */
