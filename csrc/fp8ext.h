@@ -171,7 +171,8 @@ typedef struct {
  * as fmt's codes (rows of k * bits / 8 bytes) with block_scales (E8M0 per 32 values for the MX formats, E4M3
  * per 16 for NVFP4), channel_scale [n] (FP8) and tensor_scale [1] (NVFP4) or NULL. m <= 16, n % 64 == 0,
  * k % 256 == 0. K is split over `splits` blocks per column group; workspace holds splits * m * n floats and
- * counters n / 64 ints that are zero before the call and zero again after it. GPU only. */
+ * counters n / 64 ints that are zero before the call and zero again after it. x and w must be 16-byte aligned,
+ * block_scales 8-byte (MX) or 16-byte (NVFP4) aligned. GPU only. */
 enum { FP8EXT_WO_FP8 = 0, FP8EXT_WO_MXFP8 = 1, FP8EXT_WO_MXFP6_E3M2 = 2, FP8EXT_WO_MXFP6_E2M3 = 3,
        FP8EXT_WO_MXFP4 = 4, FP8EXT_WO_NVFP4 = 5 };
 typedef struct {
@@ -211,6 +212,8 @@ int fp8ext_cuda_scale_update(const fp8ext_scale_update_args *a, void *stream, in
 int fp8ext_cuda_scale_from_amax(const fp8ext_scale_from_amax_args *a, void *stream, int num_sms);
 int fp8ext_cuda_decode_attention(const fp8ext_decode_attention_args *a, void *stream, int num_sms);
 int fp8ext_cuda_weight_only(const fp8ext_weight_only_args *a, void *stream, int num_sms);
+/* Thread blocks of the weight-only kernel for fmt and m tokens that fit on one multiprocessor of the current device. */
+int fp8ext_cuda_weight_only_blocks_per_sm(int fmt, int m, int *blocks);
 int fp8ext_cuda_write_reciprocal(const float *scale_ptr, float scale_value, float *out, void *stream);
 
 /* Block-scaled small formats in one pass (csrc/kernels/quantize_mx.cu), GPU only: fp8ext/mx.py's torch code is

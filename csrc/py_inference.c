@@ -217,6 +217,12 @@ static PyObject *py_weight_only(PyObject *module, PyObject *args, PyObject *kwar
         value_error(fn, "out must be [M, N]");
         goto done;
     }
+    if (((uintptr_t)x.data % 16) || ((uintptr_t)w.data % 16) ||
+        (bs.capsule && ((uintptr_t)bs.data % (fmt == FP8EXT_WO_NVFP4 ? 16 : 8)))) {
+        value_error(fn, "x and w must start on a 16-byte boundary, block_scales on an 8-byte (16 for NVFP4) one "
+                        "(the kernel copies them in 8- and 16-byte pieces); pass freshly allocated tensors");
+        goto done;
+    }
     {
         const int mx = fmt != FP8EXT_WO_FP8 && fmt != FP8EXT_WO_NVFP4, nv = fmt == FP8EXT_WO_NVFP4;
         const int64_t per = nv ? 16 : 32;
@@ -263,7 +269,40 @@ done:
     return ret;
 }
 
+/* weight_only_blocks_per_sm(fmt, m, device): how many of the weight-only kernel's thread blocks for fmt and m
+ * tokens fit on one multiprocessor of `device` (fp8ext/weight_only.py sizes its split of K by it). */
+static PyObject *py_weight_only_blocks_per_sm(PyObject *module, PyObject *args) {
+    int fmt, m, device;
+    if (!PyArg_ParseTuple(args, "iii:weight_only_blocks_per_sm", &fmt, &m, &device)) return NULL;
+    if (fmt < FP8EXT_WO_FP8 || fmt > FP8EXT_WO_NVFP4 || m < 1 || m > 16) {
+        PyErr_Format(PyExc_ValueError, "weight_only_blocks_per_sm(): fmt must be 0..5 and m 1..16, got %d and %d",
+                     fmt, m);
+        return NULL;
+    }
+#ifdef FP8EXT_WITH_CUDA
+    static const char *fn = "weight_only_blocks_per_sm";
+    fp8ext_cuda_scope scope;
+    int blocks = 0;
+    if (device < 0 || device >= fp8ext_cuda_device_count()) {
+        PyErr_Format(PyExc_ValueError, "%s(): device must be a visible CUDA device index, got %d", fn, device);
+        return NULL;
+    }
+    if (fp8ext_cuda_enter(&fp8ext_get_state(module)->cuda, device, fn, &scope) < 0) return NULL;
+    const int err = fp8ext_cuda_weight_only_blocks_per_sm(fmt, m, &blocks);
+    fp8ext_cuda_leave(&scope);
+    if (err) return fp8ext_cuda_raise(fn, err), NULL;
+    return PyLong_FromLong(blocks);
+#else
+    (void)module;
+    (void)device;
+    PyErr_SetString(PyExc_RuntimeError, "weight_only_blocks_per_sm(): fp8ext was built without CUDA");
+    return NULL;
+#endif
+}
+
 PyMethodDef fp8ext_inference_methods[] = {
+    {"weight_only_blocks_per_sm", py_weight_only_blocks_per_sm, METH_VARARGS,
+     "weight_only_blocks_per_sm(fmt, m, device): thread blocks of the weight-only kernel per multiprocessor."},
     {"weight_only", (PyCFunction)(void (*)(void))py_weight_only, METH_VARARGS | METH_KEYWORDS,
      "weight_only(x, w, block_scales, channel_scale, tensor_scale, workspace, counters, out, fmt, splits, stream=0): "
      "x W^T with W in FP8/FP6/FP4 codes, dequantized in registers, on a GPU."},

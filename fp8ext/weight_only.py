@@ -43,6 +43,19 @@ from .packing import pack_fp4, pack_fp6, unpack_fp4, unpack_fp6
 
 __all__ = ["WeightOnlyLinear", "WEIGHT_ONLY_FORMATS", "bits_per_weight"]
 
+# FP4 codes are stored in the kernel's order: within each 8 consecutive values along K, value _FP4_ORDER[i] goes to
+# nibble i of the 32-bit word (nibbles 3 and 7 hold values 0 and 1, 2 and 6 values 2 and 3, ...), so the kernel
+# turns a pair into bfloat16 with two bit-field moves (csrc/kernels/weight_only.cu, decode).
+_FP4_ORDER = (6, 4, 2, 0, 7, 5, 3, 1)
+_FP4_UNORDER = tuple(_FP4_ORDER.index(i) for i in range(8))
+
+
+def _fp4_kernel_order(codes: torch.Tensor, order=_FP4_ORDER) -> torch.Tensor:
+    """[N, K] FP4 codes (one per byte) rearranged within groups of 8 along K (the inverse with _FP4_UNORDER)."""
+    n, k = codes.shape
+    idx = torch.tensor(order, device=codes.device)
+    return codes.reshape(n, k // 8, 8).index_select(2, idx).reshape(n, k)
+
 # name -> (kernel code, element format, block size, bits per stored code)
 _FORMATS = {
     "fp8": (0, E4M3, None, 8), "mxfp8": (1, E4M3, 32, 8), "mxfp6": (2, E3M2, 32, 6),
@@ -147,13 +160,13 @@ class WeightOnlyLinear(nn.Module):
             self.channel_scale.copy_((1.0 / scale).to(dev))
         elif self.fmt == "nvfp4":
             codes, bscales, tscale = quantize_nvfp4(w)
-            self.codes.copy_(pack_fp4(codes).to(dev))
+            self.codes.copy_(pack_fp4(_fp4_kernel_order(codes)).to(dev))
             self.block_scales.copy_(bscales.view(torch.uint8).to(dev))
             self.tensor_scale.copy_(tscale.reshape(1).to(dev))
         else:
             elements, scales = quantize_mx(w, elem, block=32)
             codes = elements.view(torch.uint8) if elements.dtype != torch.uint8 else elements
-            packed = pack_fp4(codes) if bits == 4 else pack_fp6(codes) if bits == 6 else codes
+            packed = pack_fp4(_fp4_kernel_order(codes)) if bits == 4 else pack_fp6(codes) if bits == 6 else codes
             self.codes.copy_(packed.to(dev))
             self.block_scales.copy_(scales.to(dev))
         return self
@@ -164,7 +177,8 @@ class WeightOnlyLinear(nn.Module):
         if self.fmt == "fp8":
             w = self.codes.view(torch.float8_e4m3fn).float() * self.channel_scale[:, None]
             return w.to(dtype)
-        codes = unpack_fp4(self.codes) if bits == 4 else unpack_fp6(self.codes) if bits == 6 else self.codes
+        codes = (_fp4_kernel_order(unpack_fp4(self.codes), _FP4_UNORDER) if bits == 4 else
+                 unpack_fp6(self.codes) if bits == 6 else self.codes)
         if self.fmt == "nvfp4":
             return dequantize_nvfp4(codes, self.block_scales.view(torch.float8_e4m3fn), self.tensor_scale[0], dtype)
         elements = codes.view(torch.float8_e4m3fn) if self.fmt == "mxfp8" else codes
@@ -186,6 +200,8 @@ class WeightOnlyLinear(nn.Module):
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(x, self.dequantized_weight(x.dtype), bias)
         x2 = x.reshape(-1, self.in_features).contiguous()
+        if x2.data_ptr() % 16:  # the kernel copies x in aligned pieces
+            x2 = x2.clone()
         m, n = x2.shape[0], self.out_features
         out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
         head, counters, splits = self._kernel_args(m)
@@ -205,8 +221,10 @@ class WeightOnlyLinear(nn.Module):
         if cached is None or cached[0] != key:
             n, k = self.out_features, self.in_features
             dev = self.codes.device.index if self.codes.device.index is not None else torch.cuda.current_device()
-            # enough blocks for about 6 per multiprocessor: all the weight loads of a small layer in flight at once
-            splits = max(1, min(k // 256, -(-6 * _num_sms(dev) // (n // 64))))
+            # one wave of blocks: as many as fit on the multiprocessors together, each streaming its part of K
+            # through the kernel's pipeline (fewer splits also mean fewer partial sums to add)
+            wave = _C.weight_only_blocks_per_sm(_FORMATS[self.fmt][0], m, dev) * _num_sms(dev)
+            splits = max(1, min(k // 256, wave // (n // 64)))
             workspace = torch.empty(splits * m * n, dtype=torch.float32, device=self.codes.device)
             opt = lambda t: None if t is None else dl(t)  # noqa: E731
             weights = (dl(self.codes), opt(self.block_scales), opt(self.channel_scale), opt(self.tensor_scale))

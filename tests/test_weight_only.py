@@ -117,3 +117,125 @@ def test_many_tokens_and_other_dtypes_take_the_dequantized_gemm():
         assert not layer.uses_kernel(x)
         want = torch.nn.functional.linear(x, layer.dequantized_weight(x.dtype))
         assert torch.equal(layer(x), want)
+
+
+def _float64_product(layer, x):
+    return x.double() @ layer.dequantized_weight(torch.float64).T
+
+
+def _raw_call(layer, x, splits, workspace=None):
+    """The kernel through fp8ext._C with an explicit split of K (the layer chooses its own)."""
+    from fp8ext._C import weight_only
+    from fp8ext.weight_only import _FORMATS
+    m, n = x.shape[0], layer.out_features
+    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    ws = torch.empty(splits * m * n, device="cuda") if workspace is None else workspace
+    from fp8ext._boundary import dl, dl_opt
+    weight_only(dl(x), dl(layer.codes), dl_opt(layer.block_scales), dl_opt(layer.channel_scale),
+                dl_opt(layer.tensor_scale), dl(ws), dl(layer._counters), dl(out), _FORMATS[layer.fmt][0], splits,
+                torch.cuda.current_stream().cuda_stream)
+    return out
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", WEIGHT_ONLY_FORMATS)
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 15, 16])
+def test_every_split_of_k_gives_the_product(fmt, m):
+    """One split (the output written directly), a few (the last block adds them), one chunk of 256 per block, and
+    a split longer than the kernel's 4-stage pipeline; x rows 1..16 (8 or 16 rows staged)."""
+    k, n = 2816, 128  # 11 chunks of 256
+    layer = WeightOnlyLinear.from_linear(linear(k, n, seed=m), fmt).cuda()
+    torch.manual_seed(100 + m)
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    want = _float64_product(layer, x)
+    for splits in (1, 2, 3, 11):
+        got = _raw_call(layer, x, splits)
+        err = (got.double() - want).abs() / want.abs().max()
+        assert err.max() < 4e-3, f"{fmt} m={m} splits={splits}: error {err.max():.2e} at {divmod(int(err.argmax()), n)}"
+    assert torch.equal(layer._counters.cpu(), torch.zeros_like(layer._counters.cpu())), "the counters reset"
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp6", "mxfp4", "nvfp4"])
+def test_wide_layers_choose_few_splits_and_stay_exact(fmt):
+    """A layer wide enough that one wave of blocks covers it with one or two splits: each block streams 8-16
+    chunks through the pipeline."""
+    k, n = 4096, 16384
+    layer = WeightOnlyLinear.from_linear(linear(k, n, seed=7), fmt).cuda()
+    for m in (1, 16):
+        x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+        _, _, splits = layer._kernel_args(m)
+        assert 1 <= splits <= 4, f"{fmt} m={m}: {splits} splits for a {n}-wide layer"
+        err = (layer(x).double() - _float64_product(layer, x)).abs().max()
+        assert err / _float64_product(layer, x).abs().max() < 4e-3
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_blocks_per_sm_and_alignment_are_checked():
+    from fp8ext._C import weight_only_blocks_per_sm
+    for fmt in range(6):
+        for m in (1, 16):
+            assert weight_only_blocks_per_sm(fmt, m, torch.cuda.current_device()) >= 1
+    with pytest.raises(ValueError, match="m 1..16"):
+        weight_only_blocks_per_sm(0, 17, 0)
+    with pytest.raises(ValueError, match="device"):
+        weight_only_blocks_per_sm(0, 1, 1000)
+    layer = WeightOnlyLinear.from_linear(linear(256, 64), "mxfp4").cuda()
+    flat = torch.randn(2 * 256 + 8, dtype=torch.bfloat16, device="cuda")
+    x = flat[1:257].view(1, 256)  # contiguous, 2 bytes past a 16-byte boundary
+    with pytest.raises(ValueError, match="16-byte boundary"):
+        _raw_call(layer, x, 1)
+    # the layer itself copies such an input to aligned memory
+    assert torch.equal(layer(x), layer(x.clone()))
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_fp4_codes_are_stored_in_the_kernels_order(fmt):
+    from fp8ext.weight_only import _FP4_ORDER
+    lin = linear(256, 64)
+    layer = WeightOnlyLinear.from_linear(lin, fmt)
+    w = lin.weight.detach()
+    codes = fp8ext.quantize_nvfp4(w)[0] if fmt == "nvfp4" else fp8ext.quantize_mx(w, fp8ext.E2M1)[0]
+    stored = fp8ext.unpack_fp4(layer.codes).reshape(64, 32, 8)
+    for nibble, value in enumerate(_FP4_ORDER):
+        assert torch.equal(stored[:, :, nibble], codes.reshape(64, 32, 8)[:, :, value]), (nibble, value)
+
+
+def _exact_weight(layer):
+    """The stored weight in float64, each value formed exactly (element times its scales), then rounded once to
+    float32 as the kernel's output is before its bfloat16 rounding."""
+    from fp8ext.weight_only import _FP4_UNORDER, _fp4_kernel_order
+    if layer.fmt != "nvfp4":
+        return layer.dequantized_weight(torch.float32)
+    codes = _fp4_kernel_order(fp8ext.unpack_fp4(layer.codes), _FP4_UNORDER)
+    values = fp8ext.dequantize(codes, 1.0, torch.float32, fmt=fp8ext.E2M1).double()
+    s = layer.block_scales.view(torch.float8_e4m3fn).double().repeat_interleave(16, dim=1)
+    return (values * s * layer.tensor_scale.double()).float()
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", WEIGHT_ONLY_FORMATS)
+@pytest.mark.parametrize("m", [5, 16])
+def test_kernel_decodes_every_weight_exactly(fmt, m):
+    """Tokens that are unit vectors pick single weights: out[i, n] = W[n, k_i], one product and no rounding before
+    the output's, so every decoded value (signs, zeros, the smallest codes, large and small block scales) must
+    come out exactly."""
+    k, n = 1024, 128
+    lin = linear(k, n, seed=3)
+    with torch.no_grad():  # blocks scaled far apart: MX scales from 2^-40 to 2^20
+        lin.weight.mul_(torch.logspace(-12, 6, n, base=2.0 ** 2.5)[:, None])
+    layer = WeightOnlyLinear.from_linear(lin, fmt).cuda()
+    want_w = _exact_weight(layer).cuda()
+    for start in range(0, k, 64):
+        cols = torch.arange(start, start + 64, 64 // m + (64 % m > 0), device="cuda")[:m]
+        x = torch.zeros(len(cols), k, dtype=torch.bfloat16, device="cuda")
+        x[torch.arange(len(cols)), cols] = 1.0
+        got = layer(x)
+        want = want_w[:, cols].T.bfloat16()
+        bad = (got != want).nonzero()
+        assert len(bad) == 0, f"{fmt}: {len(bad)} outputs differ, first at token {bad[0].tolist()}: " \
+                              f"{got[tuple(bad[0])].item()} vs {want[tuple(bad[0])].item()}"

@@ -11,25 +11,32 @@
 // E4M3 scale), so the tensor cores (mma.sync m16n8k16, bf16 in, float32 accumulate) see the dequantized weights
 // exactly; channel and tensor scales multiply the float32 result.
 //
-// Work split: a block of 4 warps owns 64 output columns (2 tiles of 8 per warp) and a range of K (split-K over
-// blocks so that the grid fills the GPU). x [M, K] bfloat16 is staged through shared memory 256 columns at a time;
-// each lane loads 32 consecutive weight values of a row (16, 24 or 32 bytes) per 128-wide K tile and feeds them
-// to 8 mma steps. Within a step the K order is permuted (lane t's 4 values are k = 32t + 4s .. 32t + 4s + 3),
-// the same permutation for x and W, which the dot product does not see. Each split writes float32 partial sums;
-// the last block to finish a column group (an atomic counter, reset by that block) adds the splits, applies the
-// scales and writes the output.
+// The kernel is bound by memory: a decode step reads each weight byte once, so what matters is keeping enough
+// bytes in flight. A block of 4 warps owns 64 output columns and a range of K (split-K over blocks so that one
+// wave of blocks fills the GPU). It streams its range in chunks of 256 K values through a 4-stage cp.async
+// pipeline in shared memory: the weights of the chunk (64 rows, 8-32 KiB), their block scales and x's 256
+// columns (rows < M). While a chunk is consumed, the next three are on their way.
+//
+// Within a chunk, warp w takes K tile (w & 1) (128 values) and column half (w >> 1) (32 columns, 4 tiles of 8).
+// Each lane decodes 32 consecutive weight values of a row (16, 24 or 32 bytes) and feeds them to 8 mma steps;
+// within a step the K order is permuted (lane t's 4 values are k = 32t + 4s .. 32t + 4s + 3), the same
+// permutation for x and W, which the dot product does not see. The two K tiles' sums are added through shared
+// memory. Shared-memory layouts are swizzled so that a warp's reads hit distinct banks: weight rows XOR their
+// 16-byte units with the row's parity, x rows XOR 8-byte groups in the second 64 columns of each tile.
+//
+// With more than one split, each writes float32 partial sums; the last block to finish a column group (an atomic
+// counter, reset by that block) adds the splits, applies the scales and writes the output.
 #include "common.cuh"
 
 namespace fp8ext {
 namespace {
 
 constexpr int kThreads = 128;
-constexpr int kWarps = 4;
-constexpr int kNT = 2;                        // 8-column tiles per warp
-constexpr int kCols = kWarps * kNT * 8;       // 64 output columns per block
-constexpr int kTile = 128;                    // K values per tile (32 per lane of a quad)
-constexpr int kChunk = 256;                   // K values of x staged at a time
-constexpr int kXStride = kChunk + 8;          // bf16 elements per staged row (2-way bank conflicts at most)
+constexpr int kCols = 64;                     // output columns per block
+constexpr int kTile = 128;                    // K values per warp and chunk (32 per lane of a quad)
+constexpr int kChunk = 256;                   // K values per pipeline stage
+constexpr int kStages = 4;
+constexpr int kXStride = kChunk + 8;          // bf16 elements per staged x row
 
 __device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
     const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
@@ -55,46 +62,34 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
 }
 
 template <int F> struct Fmt;
-template <> struct Fmt<FP8EXT_WO_FP8> { static constexpr int kBytes = 32, kElem = FP8EXT_E4M3; static constexpr bool kMX = false; };
-template <> struct Fmt<FP8EXT_WO_MXFP8> { static constexpr int kBytes = 32, kElem = FP8EXT_E4M3; static constexpr bool kMX = true; };
-template <> struct Fmt<FP8EXT_WO_MXFP6_E3M2> { static constexpr int kBytes = 24, kElem = FPX_E3M2; static constexpr bool kMX = true; };
-template <> struct Fmt<FP8EXT_WO_MXFP6_E2M3> { static constexpr int kBytes = 24, kElem = FPX_E2M3; static constexpr bool kMX = true; };
-template <> struct Fmt<FP8EXT_WO_MXFP4> { static constexpr int kBytes = 16, kElem = FPX_E2M1; static constexpr bool kMX = true; };
-template <> struct Fmt<FP8EXT_WO_NVFP4> { static constexpr int kBytes = 16, kElem = FPX_E2M1; static constexpr bool kMX = false; };
-
-// bf16 bytes of the E2M1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040,
-// 0x4080, 0x40C0): low bytes and high bytes, 8 entries each as two words (__byte_perm's table).
-__constant__ const uint32_t kE2M1Lo[2] = {0xC0800000u, 0xC0804000u};
-__constant__ const uint32_t kE2M1Hi[2] = {0x3F3F3F00u, 0x40404040u};
+// kBytes: bytes of 32 values; kScale: block-scale bytes of 256 values (one chunk of a row)
+template <> struct Fmt<FP8EXT_WO_FP8> { static constexpr int kBytes = 32, kElem = FP8EXT_E4M3, kScale = 0; static constexpr bool kMX = false; };
+template <> struct Fmt<FP8EXT_WO_MXFP8> { static constexpr int kBytes = 32, kElem = FP8EXT_E4M3, kScale = 8; static constexpr bool kMX = true; };
+template <> struct Fmt<FP8EXT_WO_MXFP6_E3M2> { static constexpr int kBytes = 24, kElem = FPX_E3M2, kScale = 8; static constexpr bool kMX = true; };
+template <> struct Fmt<FP8EXT_WO_MXFP6_E2M3> { static constexpr int kBytes = 24, kElem = FPX_E2M3, kScale = 8; static constexpr bool kMX = true; };
+template <> struct Fmt<FP8EXT_WO_MXFP4> { static constexpr int kBytes = 16, kElem = FPX_E2M1, kScale = 8; static constexpr bool kMX = true; };
+template <> struct Fmt<FP8EXT_WO_NVFP4> { static constexpr int kBytes = 16, kElem = FPX_E2M1, kScale = 16; static constexpr bool kMX = false; };
 
 struct Raw {
     uint32_t w[8];
     uint32_t scale;  // E8M0 byte (MX) or two E4M3 bytes (NVFP4)
 };
 
-template <int F>
-__device__ __forceinline__ void load_raw(const fp8ext_weight_only_args &a, int64_t n, int64_t k0, Raw &r) {
-    const int64_t row_bytes = a.k * Fmt<F>::kBytes / 32;
-    const uint8_t *p = a.w + n * row_bytes + k0 * Fmt<F>::kBytes / 32;
-    if constexpr (Fmt<F>::kBytes == 32) {
-        const uint4 u0 = __ldcs(reinterpret_cast<const uint4 *>(p)), u1 = __ldcs(reinterpret_cast<const uint4 *>(p) + 1);
-        r.w[0] = u0.x; r.w[1] = u0.y; r.w[2] = u0.z; r.w[3] = u0.w;
-        r.w[4] = u1.x; r.w[5] = u1.y; r.w[6] = u1.z; r.w[7] = u1.w;
-    } else if constexpr (Fmt<F>::kBytes == 24) {
-        const uint2 *q = reinterpret_cast<const uint2 *>(p);
-        const uint2 u0 = __ldcs(q), u1 = __ldcs(q + 1), u2 = __ldcs(q + 2);
-        r.w[0] = u0.x; r.w[1] = u0.y; r.w[2] = u1.x; r.w[3] = u1.y; r.w[4] = u2.x; r.w[5] = u2.y;
-    } else {
-        const uint4 u0 = __ldcs(reinterpret_cast<const uint4 *>(p));
-        r.w[0] = u0.x; r.w[1] = u0.y; r.w[2] = u0.z; r.w[3] = u0.w;
-    }
-    if constexpr (F == FP8EXT_WO_NVFP4)
-        r.scale = *reinterpret_cast<const uint16_t *>(a.block_scales + n * (a.k / 16) + k0 / 16);
-    else if constexpr (Fmt<F>::kMX)
-        r.scale = a.block_scales[n * (a.k / 32) + k0 / 32];
+// bf16x2 bits of (2^e, 2^e) for a normal exponent e (-126 <= e <= 127).
+__device__ __forceinline__ uint32_t pow2_bf16x2(int e) {
+    const uint32_t h = static_cast<uint32_t>(e + 127) << 7;
+    return h | (h << 16);
 }
 
 // The 32 values of a Raw as 16 bf16 pairs (value 2j in the low half of b[j]), times the block scale.
+//
+// E2M1 codes are stored in the kernel's order (fp8ext/weight_only.py packs them so): in each 32-bit word, nibbles
+// 3 and 7 hold values 0 and 1 of its 8, nibbles 2 and 6 values 2 and 3, then 1 and 5, then 0 and 4. A pair is then
+// two bit-field moves: the sign stays at bit 15 (31), the three magnitude bits go to bits 6-8 (22-24), the lowest
+// exponent bits and the top mantissa bit of a bfloat16. That bfloat16 is the E2M1 value times 2^-126 (the codes
+// for 0 and 0.5 land on bfloat16 subnormals, which the multiply below handles exactly); 2^126 is folded into the
+// block scale's factor (MXFP4) or split between it and the output (NVFP4, whose E4M3 scale times 2^126 would not
+// fit in a bfloat16: 2^117 here, 2^9 on the float32 result).
 template <int F>
 __device__ __forceinline__ void decode(const Raw &r, const uint32_t *lut, uint32_t (&b)[16]) {
     if constexpr (Fmt<F>::kBytes == 32) {
@@ -115,102 +110,250 @@ __device__ __forceinline__ void decode(const Raw &r, const uint32_t *lut, uint32
             b[2 * g + 1] = lut[(word >> 12) & 0x3F] | (lut[(word >> 18) & 0x3F] << 16);
         }
     } else {
-        // E2M1 -> bf16 with byte permutes, 4 codes at a time: the 3 magnitude bits select the bf16's low and high
-        // bytes from two 8-entry tables, the sign bit moves to bit 15 of each half.
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const uint32_t w = r.w[i], idx = w & 0x77777777u;
+            uint32_t q = r.w[i];
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {  // codes 4h .. 4h + 3 of this word
-                const uint32_t sel = (idx >> (16 * h)) & 0xFFFFu;
-                const uint32_t lo = __byte_perm(kE2M1Lo[0], kE2M1Lo[1], sel), hi = __byte_perm(kE2M1Hi[0], kE2M1Hi[1], sel);
-                const uint32_t ws = w >> (16 * h);
-                b[4 * i + 2 * h] = __byte_perm(lo, hi, 0x5140) | ((ws << 12) & 0x8000u) | ((ws << 24) & 0x80000000u);
-                b[4 * i + 2 * h + 1] = __byte_perm(lo, hi, 0x7362) | ((ws << 4) & 0x8000u) | ((ws << 16) & 0x80000000u);
+            for (int p = 0; p < 4; ++p) {
+                b[4 * i + p] = (q & 0x80008000u) | ((q >> 6) & 0x01C001C0u);
+                q <<= 4;
             }
         }
     }
-    if constexpr (Fmt<F>::kMX) {
+    if constexpr (F == FP8EXT_WO_MXFP4) {
+        // factor 2^(126 + k) for the scale 2^k (code k + 127); k > 1 needs a second multiply to stay in range
+        const int code = static_cast<int>(r.scale);
+        const uint32_t f1 = code == 0xFF ? 0x7FC07FC0u : pow2_bf16x2(code <= 128 ? code - 1 : 126);
+#pragma unroll
+        for (int j = 0; j < 16; ++j) b[j] = hmul2_bits(b[j], f1);
+        if (code > 128 && code != 0xFF) {
+            const uint32_t f2 = pow2_bf16x2(code - 127);
+#pragma unroll
+            for (int j = 0; j < 16; ++j) b[j] = hmul2_bits(b[j], f2);
+        }
+    } else if constexpr (Fmt<F>::kMX) {
         const float s = fpx_decode(static_cast<uint8_t>(r.scale), FPX_E8M0);
         const uint32_t s2 = bf16x2_bits(s, s);
 #pragma unroll
         for (int j = 0; j < 16; ++j) b[j] = hmul2_bits(b[j], s2);
     } else if constexpr (F == FP8EXT_WO_NVFP4) {
-        const float s0 = fp8_decode(static_cast<uint8_t>(r.scale & 0xFF), FP8EXT_E4M3);
-        const float s1 = fp8_decode(static_cast<uint8_t>(r.scale >> 8), FP8EXT_E4M3);
+        constexpr float k2p117 = 0x1p117f;  // times 2^9 on the output: 2^126 in all
+        const float s0 = fp8_decode(static_cast<uint8_t>(r.scale & 0xFF), FP8EXT_E4M3) * k2p117;
+        const float s1 = fp8_decode(static_cast<uint8_t>(r.scale >> 8), FP8EXT_E4M3) * k2p117;
         const uint32_t a0 = bf16x2_bits(s0, s0), a1 = bf16x2_bits(s1, s1);
 #pragma unroll
         for (int j = 0; j < 16; ++j) b[j] = hmul2_bits(b[j], j < 8 ? a0 : a1);
     }
 }
 
+// What the float32 result is multiplied by besides the channel and tensor scales (see decode).
+template <int F> constexpr float kOutFactor = F == FP8EXT_WO_NVFP4 ? 512.0f : 1.0f;
+
+// Shared memory: kStages stages of weights [64 rows][kRow bytes], block scales [64][kScale] and x [M rows]
+// [kXStride], then one row of zeros (x's rows M .. 15 as the tensor cores see them).
+template <int F> struct Stage {
+    static constexpr int kRow = kChunk / 32 * Fmt<F>::kBytes;  // 256, 192 or 128 bytes
+    static constexpr int kW = kCols * kRow;
+    static constexpr int kS = kCols * Fmt<F>::kScale;
+    static constexpr int kXRow = kXStride * 2;
+    static_assert(kW % 16 == 0 && kS % 16 == 0 && kXRow % 16 == 0, "16-byte aligned regions");
+    __host__ __device__ static constexpr int bytes(int m) { return kW + kS + m * kXRow; }
+    __host__ __device__ static constexpr int smem(int m) { return kStages * bytes(m) + kXRow; }
+};
+
+// Where 16-byte unit u of weight row r lives in shared memory (see the file comment; FP6 is read in 8-byte
+// pieces at 24-byte steps and left as is).
 template <int F>
-__global__ void __launch_bounds__(kThreads) weight_only_kernel(fp8ext_weight_only_args a) {
-    __shared__ __align__(16) __nv_bfloat16 xs[16 * kXStride];
+__device__ __forceinline__ int w_unit(int r, int u) {
+    if constexpr (Fmt<F>::kBytes == 16) return u ^ ((r & 1) << 2);
+    else if constexpr (Fmt<F>::kBytes == 32) return u ^ (r & 1);
+    else return u;
+}
+// Where the 4-element group q (elements 4q .. 4q + 3 of a 256-value chunk) of an x row lives.
+__device__ __forceinline__ int x_group(int q) { return q ^ ((q >> 4) & 1); }
+
+__device__ __forceinline__ uint32_t smem_addr(const void *p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void cp_async16(void *dst, const void *src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
+template <int N>
+__device__ __forceinline__ void cp_async(void *dst, const void *src) {
+    if constexpr (N == 16) cp_async16(dst, src);
+    else asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(smem_addr(dst)), "l"(src), "n"(N));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// Issue the copies of chunk c (K values 256c .. 256c + 255 of this block's 64 rows) into stage st.
+template <int F>
+__device__ __forceinline__ void load_stage(const fp8ext_weight_only_args &a, uint8_t *st, int64_t col0, int64_t c) {
+    using S = Stage<F>;
+    constexpr int kUnits = S::kRow / 16;
+    const int64_t row_bytes = a.k / 32 * Fmt<F>::kBytes;
+    const uint8_t *w = a.w + col0 * row_bytes + c * S::kRow;
+    static_assert(kCols * kUnits % kThreads == 0, "whole copies per thread");
+#pragma unroll
+    for (int it = 0; it < kCols * kUnits / kThreads; ++it) {
+        const int i = threadIdx.x + it * kThreads, r = i / kUnits, u = i % kUnits;
+        cp_async16(st + r * S::kRow + w_unit<F>(r, u) * 16, w + r * row_bytes + u * 16);
+    }
+    if constexpr (Fmt<F>::kScale > 0) {
+        const int64_t scale_row = a.k / 256 * Fmt<F>::kScale;
+        if (threadIdx.x < kCols)
+            cp_async<Fmt<F>::kScale>(st + S::kW + threadIdx.x * Fmt<F>::kScale,
+                                     a.block_scales + (col0 + threadIdx.x) * scale_row + c * Fmt<F>::kScale);
+    }
+    const __nv_bfloat16 *x = static_cast<const __nv_bfloat16 *>(a.x) + c * kChunk;
+    __nv_bfloat16 *xs = reinterpret_cast<__nv_bfloat16 *>(st + S::kW + S::kS);
+    for (int i = threadIdx.x; i < a.m * (kChunk / 4); i += kThreads) {
+        const int r = i / (kChunk / 4), q = i % (kChunk / 4);
+        cp_async<8>(xs + r * kXStride + 4 * x_group(q), x + r * a.k + 4 * q);
+    }
+}
+
+// This lane's 32 weight values of row r (K tile kt, quad lane t) and their block scale, from a stage.
+template <int F>
+__device__ __forceinline__ void load_raw(const uint8_t *st, int r, int kt, int t, Raw &raw) {
+    using S = Stage<F>;
+    const uint8_t *row = st + r * S::kRow;
+    if constexpr (Fmt<F>::kBytes == 32) {
+        const int u = kt * 8 + 2 * t;
+        const uint4 u0 = *reinterpret_cast<const uint4 *>(row + 16 * w_unit<F>(r, u));
+        const uint4 u1 = *reinterpret_cast<const uint4 *>(row + 16 * w_unit<F>(r, u + 1));
+        raw.w[0] = u0.x; raw.w[1] = u0.y; raw.w[2] = u0.z; raw.w[3] = u0.w;
+        raw.w[4] = u1.x; raw.w[5] = u1.y; raw.w[6] = u1.z; raw.w[7] = u1.w;
+    } else if constexpr (Fmt<F>::kBytes == 24) {
+        const uint2 *q = reinterpret_cast<const uint2 *>(row + kt * 96 + 24 * t);
+        const uint2 u0 = q[0], u1 = q[1], u2 = q[2];
+        raw.w[0] = u0.x; raw.w[1] = u0.y; raw.w[2] = u1.x; raw.w[3] = u1.y; raw.w[4] = u2.x; raw.w[5] = u2.y;
+    } else {
+        const uint4 u0 = *reinterpret_cast<const uint4 *>(row + 16 * w_unit<F>(r, kt * 4 + t));
+        raw.w[0] = u0.x; raw.w[1] = u0.y; raw.w[2] = u0.z; raw.w[3] = u0.w;
+    }
+    const uint8_t *scales = st + S::kW + r * Fmt<F>::kScale;
+    if constexpr (F == FP8EXT_WO_NVFP4) raw.scale = *reinterpret_cast<const uint16_t *>(scales + kt * 8 + 2 * t);
+    else if constexpr (Fmt<F>::kMX) raw.scale = scales[kt * 4 + t];
+}
+
+// The accumulators of a lane: SWAP (M <= 8) computes out^T = W x^T, the weights as the mma's 16-row A operand
+// (two 8-column tiles per mma) and the tokens as its 8 columns: 8 floats, half the mma count. Otherwise
+// out = x W^T with x as A (rows 8 .. 15 for tokens 9 .. 16): 16 floats.
+template <bool SWAP> struct Acc {
+    static constexpr int kN = SWAP ? 8 : 16;
+    // column within the warp's 32 and token of accumulator i for lane (g, t)
+    __device__ static int col(int i, int g, int t) {
+        return SWAP ? (i / 4) * 16 + g + 8 * ((i & 3) >> 1) : (i / 4) * 8 + 2 * t + (i & 1);
+    }
+    __device__ static int token(int i, int g, int t) { return SWAP ? 2 * t + (i & 1) : g + 8 * ((i & 3) >> 1); }
+};
+
+template <int F, bool SWAP>
+__global__ void __launch_bounds__(kThreads, Fmt<F>::kBytes == 24 && !SWAP ? 2 : 3) weight_only_kernel(fp8ext_weight_only_args a) {
+    using S = Stage<F>;
+    using A = Acc<SWAP>;
+    extern __shared__ __align__(16) uint8_t smem[];
     __shared__ uint32_t lut[64];
     __shared__ int last;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int kt = warp & 1, half = warp >> 1;
     const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kCols;
     const int split = blockIdx.y, splits = gridDim.y;
+    const int m = static_cast<int>(a.m), stage_bytes = S::bytes(m);
+    __nv_bfloat16 *zeros = reinterpret_cast<__nv_bfloat16 *>(smem + kStages * stage_bytes);
 
-    // lookup table: FP6 code -> bf16 (low half)
-    if constexpr (Fmt<F>::kBytes == 24) {
+    if constexpr (Fmt<F>::kBytes == 24) {  // FP6 code -> bf16 (low half)
         for (int i = threadIdx.x; i < 64; i += kThreads)
             lut[i] = bf16x2_bits(fpx_decode(static_cast<uint8_t>(i), Fmt<F>::kElem), 0.0f) & 0xFFFFu;
     }
+    for (int i = threadIdx.x; i < kXStride / 8; i += kThreads) reinterpret_cast<uint4 *>(zeros)[i] = make_uint4(0, 0, 0, 0);
 
     // this split's K range, whole chunks
     const int64_t nchunks = a.k / kChunk;
     const int64_t c_begin = nchunks * split / splits, c_end = nchunks * (split + 1) / splits;
-
-    float acc[kNT][4];
 #pragma unroll
-    for (int j = 0; j < kNT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    for (int s = 0; s < kStages - 1; ++s) {
+        if (c_begin + s < c_end) load_stage<F>(a, smem + s * stage_bytes, col0, c_begin + s);
+        cp_async_commit();
+    }
+
+    float acc[A::kN];
+#pragma unroll
+    for (int i = 0; i < A::kN; ++i) acc[i] = 0.0f;
 
     for (int64_t c = c_begin; c < c_end; ++c) {
-        const int64_t kc = c * kChunk;
-        __syncthreads();  // the previous chunk's x has been read (and the tables are written)
-        // stage x[0:16, kc:kc+256] (rows >= M as zeros), 16 bytes per thread and step
-        for (int i = threadIdx.x; i < 16 * kChunk / 8; i += kThreads) {
-            const int row = i / (kChunk / 8), c8 = i % (kChunk / 8);
-            uint4 v = make_uint4(0, 0, 0, 0);
-            if (row < a.m) v = *reinterpret_cast<const uint4 *>(static_cast<const __nv_bfloat16 *>(a.x) + row * a.k + kc + c8 * 8);
-            *reinterpret_cast<uint4 *>(xs + row * kXStride + c8 * 8) = v;
+        cp_async_wait<kStages - 2>();  // chunk c has landed (this thread's copies) ...
+        __syncthreads();               // ... everybody's; and the stage refilled below has been read
+        {
+            const int64_t next = c + kStages - 1;  // into the stage read last time
+            if (next < c_end) load_stage<F>(a, smem + ((next - c_begin) % kStages) * stage_bytes, col0, next);
+            cp_async_commit();
         }
-        // this warp's weights for the chunk's two tiles: all loads in flight before use
-        Raw raw[2][kNT];
+        const uint8_t *st = smem + ((c - c_begin) % kStages) * stage_bytes;
+        const __nv_bfloat16 *xs = reinterpret_cast<const __nv_bfloat16 *>(st + S::kW + S::kS);
+        const __nv_bfloat16 *x0 = g < m ? xs + g * kXStride : zeros;
+        const __nv_bfloat16 *x1 = g + 8 < m ? xs + (g + 8) * kXStride : zeros;
+        // x values of this lane's K: token g (and g + 8), steps 0..7
+        uint2 lo[8], hi[8];
 #pragma unroll
-        for (int tile = 0; tile < 2; ++tile)
+        for (int s = 0; s < 8; ++s) {
+            const int q = x_group(kt * (kTile / 4) + 8 * t + s);
+            lo[s] = *reinterpret_cast<const uint2 *>(x0 + 4 * q);
+            if constexpr (!SWAP) hi[s] = *reinterpret_cast<const uint2 *>(x1 + 4 * q);
+        }
 #pragma unroll
-            for (int j = 0; j < kNT; ++j)
-                load_raw<F>(a, col0 + (warp * kNT + j) * 8 + g, kc + tile * kTile + 32 * t, raw[tile][j]);
-        __syncthreads();
+        for (int jp = 0; jp < 2; ++jp) {  // pairs of 8-column tiles
+            uint32_t b[2][16];
 #pragma unroll
-        for (int tile = 0; tile < 2; ++tile) {
-            const int off = tile * kTile + 32 * t;  // this lane's first K value in the chunk
-            uint32_t b[kNT][16];
-#pragma unroll
-            for (int j = 0; j < kNT; ++j) decode<F>(raw[tile][j], lut, b[j]);
-            const uint32_t *x0 = reinterpret_cast<const uint32_t *>(xs + g * kXStride + off);
-            const uint32_t *x1 = reinterpret_cast<const uint32_t *>(xs + (g + 8) * kXStride + off);
+            for (int h = 0; h < 2; ++h) {
+                Raw raw;
+                load_raw<F>(st, half * 32 + (2 * jp + h) * 8 + g, kt, t, raw);
+                decode<F>(raw, lut, b[h]);
+            }
 #pragma unroll
             for (int s = 0; s < 8; ++s) {
-                const uint2 lo = *reinterpret_cast<const uint2 *>(x0 + 2 * s), hi = *reinterpret_cast<const uint2 *>(x1 + 2 * s);
-                const uint32_t af[4] = {lo.x, hi.x, lo.y, hi.y};
+                if constexpr (SWAP) {
+                    float (&c4)[4] = *reinterpret_cast<float (*)[4]>(acc + 4 * jp);
+                    const uint32_t af[4] = {b[0][2 * s], b[1][2 * s], b[0][2 * s + 1], b[1][2 * s + 1]};
+                    mma_bf16(c4, af, lo[s].x, lo[s].y);
+                } else {
+                    const uint32_t af[4] = {lo[s].x, hi[s].x, lo[s].y, hi[s].y};
 #pragma unroll
-                for (int j = 0; j < kNT; ++j) mma_bf16(acc[j], af, b[j][2 * s], b[j][2 * s + 1]);
+                    for (int h = 0; h < 2; ++h) {
+                        float (&c4)[4] = *reinterpret_cast<float (*)[4]>(acc + 4 * (2 * jp + h));
+                        mma_bf16(c4, af, b[h][2 * s], b[h][2 * s + 1]);
+                    }
+                }
             }
         }
     }
 
-    // partial sums of this split -> workspace [splits, M, N]
-    float *part = a.workspace + static_cast<int64_t>(split) * a.m * a.n;
+    // add the two K tiles' sums: warps with kt = 1 hand theirs over through shared memory
+    cp_async_wait<0>();
+    __syncthreads();
+    float *red = reinterpret_cast<float *>(smem);  // [2 halves][kN values][32 lanes]
+    if (kt == 1) {
 #pragma unroll
-    for (int j = 0; j < kNT; ++j) {
-        const int64_t n = col0 + (warp * kNT + j) * 8 + 2 * t;
-        if (g < a.m) { part[g * a.n + n] = acc[j][0]; part[g * a.n + n + 1] = acc[j][1]; }
-        if (g + 8 < a.m) { part[(g + 8) * a.n + n] = acc[j][2]; part[(g + 8) * a.n + n + 1] = acc[j][3]; }
+        for (int i = 0; i < A::kN; ++i) red[(half * A::kN + i) * 32 + lane] = acc[i];
     }
+    __syncthreads();
+    const float out_scale = (a.tensor_scale ? __ldg(a.tensor_scale) : 1.0f) * kOutFactor<F>;
+    __nv_bfloat16 *out = static_cast<__nv_bfloat16 *>(a.out);
+    if (kt == 0) {
+#pragma unroll
+        for (int i = 0; i < A::kN; ++i) {
+            const float v = acc[i] + red[(half * A::kN + i) * 32 + lane];
+            const int token = A::token(i, g, t);
+            const int64_t col = col0 + half * 32 + A::col(i, g, t);
+            if (token >= m) continue;
+            if (splits == 1)
+                out[token * a.n + col] = __float2bfloat16_rn((a.channel_scale ? v * __ldg(a.channel_scale + col) : v) * out_scale);
+            else
+                a.workspace[(static_cast<int64_t>(split) * m + token) * a.n + col] = v;
+        }
+    }
+    if (splits == 1) return;
+
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -221,21 +364,56 @@ __global__ void __launch_bounds__(kThreads) weight_only_kernel(fp8ext_weight_onl
     __syncthreads();
     if (!last) return;
     __threadfence();
-    const float ts = a.tensor_scale ? __ldg(a.tensor_scale) : 1.0f;
-    for (int i = threadIdx.x; i < a.m * kCols; i += kThreads) {
-        const int64_t m = i / kCols, n = col0 + i % kCols;
+    for (int i = threadIdx.x; i < m * kCols; i += kThreads) {
+        const int64_t token = i / kCols, n = col0 + i % kCols;
         float sum = 0.0f;
-        for (int s = 0; s < splits; ++s) sum += __ldcg(a.workspace + (static_cast<int64_t>(s) * a.m + m) * a.n + n);
+        for (int s = 0; s < splits; ++s) sum += __ldcg(a.workspace + (static_cast<int64_t>(s) * m + token) * a.n + n);
         if (a.channel_scale) sum *= __ldg(a.channel_scale + n);
-        static_cast<__nv_bfloat16 *>(a.out)[m * a.n + n] = __float2bfloat16_rn(sum * ts);
+        out[token * a.n + n] = __float2bfloat16_rn(sum * out_scale);
     }
 }
 
-template <int F>
-cudaError_t launch(const fp8ext_weight_only_args *a, cudaStream_t stream) {
+// The shared memory above 48 KiB must be allowed once per kernel and device (the most any m needs).
+template <int F, bool SWAP>
+cudaError_t prepare() {
+    static unsigned done = 0;  // a bit per device (the first 32)
+    int dev = 0;
+    cudaError_t err = cudaGetDevice(&dev);
+    if (err != cudaSuccess) return err;
+    const unsigned bit = dev < 32 ? 1u << dev : 0u;
+    if (bit && (__atomic_load_n(&done, __ATOMIC_ACQUIRE) & bit)) return cudaSuccess;
+    err = cudaFuncSetAttribute(weight_only_kernel<F, SWAP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               Stage<F>::smem(16));
+    if (err == cudaSuccess && bit) __atomic_fetch_or(&done, bit, __ATOMIC_RELEASE);
+    return err;
+}
+
+template <int F, bool SWAP>
+cudaError_t launch(const fp8ext_weight_only_args *a, cudaStream_t stream, int *blocks) {
+    cudaError_t err = prepare<F, SWAP>();
+    if (err != cudaSuccess) return err;
+    const int smem = Stage<F>::smem(static_cast<int>(a->m));
+    if (blocks) return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, weight_only_kernel<F, SWAP>, kThreads, smem);
     const dim3 grid(static_cast<unsigned>(a->n / kCols), static_cast<unsigned>(a->splits));
-    weight_only_kernel<F><<<grid, kThreads, 0, stream>>>(*a);
+    weight_only_kernel<F, SWAP><<<grid, kThreads, smem, stream>>>(*a);
     return cudaGetLastError();
+}
+
+template <int F>
+cudaError_t dispatch(const fp8ext_weight_only_args *a, cudaStream_t stream, int *blocks) {
+    return a->m <= 8 ? launch<F, true>(a, stream, blocks) : launch<F, false>(a, stream, blocks);
+}
+
+cudaError_t dispatch_fmt(const fp8ext_weight_only_args *a, cudaStream_t s, int *blocks) {
+    switch (a->fmt) {
+    case FP8EXT_WO_FP8: return dispatch<FP8EXT_WO_FP8>(a, s, blocks);
+    case FP8EXT_WO_MXFP8: return dispatch<FP8EXT_WO_MXFP8>(a, s, blocks);
+    case FP8EXT_WO_MXFP6_E3M2: return dispatch<FP8EXT_WO_MXFP6_E3M2>(a, s, blocks);
+    case FP8EXT_WO_MXFP6_E2M3: return dispatch<FP8EXT_WO_MXFP6_E2M3>(a, s, blocks);
+    case FP8EXT_WO_MXFP4: return dispatch<FP8EXT_WO_MXFP4>(a, s, blocks);
+    case FP8EXT_WO_NVFP4: return dispatch<FP8EXT_WO_NVFP4>(a, s, blocks);
+    default: return cudaErrorInvalidValue;
+    }
 }
 
 }  // namespace
@@ -243,14 +421,13 @@ cudaError_t launch(const fp8ext_weight_only_args *a, cudaStream_t stream) {
 
 extern "C" int fp8ext_cuda_weight_only(const fp8ext_weight_only_args *a, void *stream, int num_sms) {
     (void)num_sms;
-    cudaStream_t s = static_cast<cudaStream_t>(stream);
-    switch (a->fmt) {
-    case FP8EXT_WO_FP8: return fp8ext::launch<FP8EXT_WO_FP8>(a, s);
-    case FP8EXT_WO_MXFP8: return fp8ext::launch<FP8EXT_WO_MXFP8>(a, s);
-    case FP8EXT_WO_MXFP6_E3M2: return fp8ext::launch<FP8EXT_WO_MXFP6_E3M2>(a, s);
-    case FP8EXT_WO_MXFP6_E2M3: return fp8ext::launch<FP8EXT_WO_MXFP6_E2M3>(a, s);
-    case FP8EXT_WO_MXFP4: return fp8ext::launch<FP8EXT_WO_MXFP4>(a, s);
-    case FP8EXT_WO_NVFP4: return fp8ext::launch<FP8EXT_WO_NVFP4>(a, s);
-    default: return cudaErrorInvalidValue;
-    }
+    return fp8ext::dispatch_fmt(a, static_cast<cudaStream_t>(stream), nullptr);
+}
+
+extern "C" int fp8ext_cuda_weight_only_blocks_per_sm(int fmt, int m, int *blocks) {
+    fp8ext_weight_only_args a = {};
+    a.fmt = fmt;
+    a.m = m;
+    *blocks = 0;
+    return fp8ext::dispatch_fmt(&a, nullptr, blocks);
 }
