@@ -217,10 +217,9 @@ static PyObject *py_weight_only(PyObject *module, PyObject *args, PyObject *kwar
         value_error(fn, "out must be [M, N]");
         goto done;
     }
-    if (((uintptr_t)x.data % 16) || ((uintptr_t)w.data % 16) ||
-        (bs.capsule && ((uintptr_t)bs.data % (fmt == FP8EXT_WO_NVFP4 ? 16 : 8)))) {
-        value_error(fn, "x and w must start on a 16-byte boundary, block_scales on an 8-byte (16 for NVFP4) one "
-                        "(the kernel copies them in 8- and 16-byte pieces); pass freshly allocated tensors");
+    if (((uintptr_t)x.data % 16) || ((uintptr_t)w.data % 16) || (bs.capsule && ((uintptr_t)bs.data % 16))) {
+        value_error(fn, "x, w and block_scales must start on a 16-byte boundary (the kernel copies them in 8- and "
+                        "16-byte pieces); pass freshly allocated tensors");
         goto done;
     }
     {

@@ -50,6 +50,28 @@ _FP4_ORDER = (6, 4, 2, 0, 7, 5, 3, 1)
 _FP4_UNORDER = tuple(_FP4_ORDER.index(i) for i in range(8))
 
 
+# Layers the kernel can run (in_features % 256 == 0, out_features % 64 == 0) store codes and block scales in
+# tiles of 64 rows x 256 values, ordered by group of 64 rows and then along K; a tile is four contiguous quarters
+# (K values 0-127 then 128-255; within each, rows 0-31 then 32-63), each row by row. One warp of the kernel
+# streams one quarter per step: one contiguous read.
+_TILE_ROWS, _TILE_K = 64, 256
+
+
+def _tiled(in_features: int, out_features: int) -> bool:
+    return in_features % _TILE_K == 0 and out_features % _TILE_ROWS == 0
+
+
+def _tile(t: torch.Tensor, k: int, inverse: bool = False) -> torch.Tensor:
+    """[N, bytes] of rows covering k values -> the same bytes in the kernel's tiles (or back)."""
+    n, width = t.shape
+    groups, chunks = n // _TILE_ROWS, k // _TILE_K
+    half = width // chunks // 2  # bytes of a row in one quarter (128 values)
+    rows = (groups, 2, 32, chunks, 2, half)  # group, row half, row, chunk, K half, bytes
+    if inverse:
+        return t.reshape(groups, chunks, 2, 2, 32, half).permute(0, 3, 4, 1, 2, 5).reshape(n, width)
+    return t.reshape(rows).permute(0, 3, 4, 1, 2, 5).reshape(n, width)
+
+
 def _fp4_kernel_order(codes: torch.Tensor, order=_FP4_ORDER) -> torch.Tensor:
     """[N, K] FP4 codes (one per byte) rearranged within groups of 8 along K (the inverse with _FP4_UNORDER)."""
     n, k = codes.shape
@@ -79,6 +101,16 @@ def _fmt(fmt, fn):
 @functools.lru_cache(maxsize=None)
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _splits(chunks: int, groups: int, slots: int) -> int:
+    """How many blocks share a group of 64 output columns along K (chunks of 256 values each), given how many
+    blocks the GPU runs at once (`slots`): as many as one wave of blocks holds, evened out so that every block
+    streams the same number of chunks. (Measured on the H100: spreading more, smaller blocks evenly over the
+    multiprocessors was as fast for FP4 and slower for FP8 and for 16 tokens.)"""
+    fit = max(1, min(chunks, slots // groups))
+    per = -(-chunks // fit)
+    return -(-chunks // per)
 
 
 class WeightOnlyLinear(nn.Module):
@@ -169,20 +201,32 @@ class WeightOnlyLinear(nn.Module):
             packed = pack_fp4(_fp4_kernel_order(codes)) if bits == 4 else pack_fp6(codes) if bits == 6 else codes
             self.codes.copy_(packed.to(dev))
             self.block_scales.copy_(scales.to(dev))
+        if _tiled(self.in_features, self.out_features):
+            self.codes.copy_(_tile(self.codes, self.in_features))
+            if self.block_scales is not None:
+                self.block_scales.copy_(_tile(self.block_scales, self.in_features))
         return self
+
+    def _rows(self):
+        """(codes, block_scales) as plain rows [out_features, ...] (the stored ones may be tiled)."""
+        if not _tiled(self.in_features, self.out_features):
+            return self.codes, self.block_scales
+        k = self.in_features
+        return _tile(self.codes, k, True), None if self.block_scales is None else _tile(self.block_scales, k, True)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight these codes and scales stand for, [out_features, in_features], rounded to dtype."""
         code, elem, block, bits = _FORMATS[self.fmt]
+        stored, block_scales = self._rows()
         if self.fmt == "fp8":
-            w = self.codes.view(torch.float8_e4m3fn).float() * self.channel_scale[:, None]
+            w = stored.view(torch.float8_e4m3fn).float() * self.channel_scale[:, None]
             return w.to(dtype)
-        codes = (_fp4_kernel_order(unpack_fp4(self.codes), _FP4_UNORDER) if bits == 4 else
-                 unpack_fp6(self.codes) if bits == 6 else self.codes)
+        codes = (_fp4_kernel_order(unpack_fp4(stored), _FP4_UNORDER) if bits == 4 else
+                 unpack_fp6(stored) if bits == 6 else stored)
         if self.fmt == "nvfp4":
-            return dequantize_nvfp4(codes, self.block_scales.view(torch.float8_e4m3fn), self.tensor_scale[0], dtype)
+            return dequantize_nvfp4(codes, block_scales.view(torch.float8_e4m3fn), self.tensor_scale[0], dtype)
         elements = codes.view(torch.float8_e4m3fn) if self.fmt == "mxfp8" else codes
-        return dequantize_mx(elements, self.block_scales, elem, 32, dtype)
+        return dequantize_mx(elements, block_scales, elem, 32, dtype)
 
     def uses_kernel(self, x: torch.Tensor) -> bool:
         """Whether forward(x) runs the few-token CUDA kernel (see the module docstring)."""
@@ -221,10 +265,8 @@ class WeightOnlyLinear(nn.Module):
         if cached is None or cached[0] != key:
             n, k = self.out_features, self.in_features
             dev = self.codes.device.index if self.codes.device.index is not None else torch.cuda.current_device()
-            # one wave of blocks: as many as fit on the multiprocessors together, each streaming its part of K
-            # through the kernel's pipeline (fewer splits also mean fewer partial sums to add)
-            wave = _C.weight_only_blocks_per_sm(_FORMATS[self.fmt][0], m, dev) * _num_sms(dev)
-            splits = max(1, min(k // 256, wave // (n // 64)))
+            slots = _C.weight_only_blocks_per_sm(_FORMATS[self.fmt][0], m, dev) * _num_sms(dev)
+            splits = _splits(k // 256, n // 64, slots)
             workspace = torch.empty(splits * m * n, dtype=torch.float32, device=self.codes.device)
             opt = lambda t: None if t is None else dl(t)  # noqa: E731
             weights = (dl(self.codes), opt(self.block_scales), opt(self.channel_scale), opt(self.tensor_scale))

@@ -160,14 +160,14 @@ def test_every_split_of_k_gives_the_product(fmt, m):
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp6", "mxfp4", "nvfp4"])
 def test_wide_layers_choose_few_splits_and_stay_exact(fmt):
-    """A layer wide enough that one wave of blocks covers it with one or two splits: each block streams 8-16
-    chunks through the pipeline."""
+    """A layer wide enough to be split in few parts along K: each block streams 2-16 chunks through the
+    pipeline."""
     k, n = 4096, 16384
     layer = WeightOnlyLinear.from_linear(linear(k, n, seed=7), fmt).cuda()
     for m in (1, 16):
         x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
         _, _, splits = layer._kernel_args(m)
-        assert 1 <= splits <= 4, f"{fmt} m={m}: {splits} splits for a {n}-wide layer"
+        assert 1 <= splits <= 8, f"{fmt} m={m}: {splits} splits for a {n}-wide layer"
         err = (layer(x).double() - _float64_product(layer, x)).abs().max()
         assert err / _float64_product(layer, x).abs().max() < 4e-3
 
@@ -199,7 +199,7 @@ def test_fp4_codes_are_stored_in_the_kernels_order(fmt):
     layer = WeightOnlyLinear.from_linear(lin, fmt)
     w = lin.weight.detach()
     codes = fp8ext.quantize_nvfp4(w)[0] if fmt == "nvfp4" else fp8ext.quantize_mx(w, fp8ext.E2M1)[0]
-    stored = fp8ext.unpack_fp4(layer.codes).reshape(64, 32, 8)
+    stored = fp8ext.unpack_fp4(layer._rows()[0]).reshape(64, 32, 8)
     for nibble, value in enumerate(_FP4_ORDER):
         assert torch.equal(stored[:, :, nibble], codes.reshape(64, 32, 8)[:, :, value]), (nibble, value)
 
@@ -210,9 +210,10 @@ def _exact_weight(layer):
     from fp8ext.weight_only import _FP4_UNORDER, _fp4_kernel_order
     if layer.fmt != "nvfp4":
         return layer.dequantized_weight(torch.float32)
-    codes = _fp4_kernel_order(fp8ext.unpack_fp4(layer.codes), _FP4_UNORDER)
+    rows, block_scales = layer._rows()
+    codes = _fp4_kernel_order(fp8ext.unpack_fp4(rows), _FP4_UNORDER)
     values = fp8ext.dequantize(codes, 1.0, torch.float32, fmt=fp8ext.E2M1).double()
-    s = layer.block_scales.view(torch.float8_e4m3fn).double().repeat_interleave(16, dim=1)
+    s = block_scales.view(torch.float8_e4m3fn).double().repeat_interleave(16, dim=1)
     return (values * s * layer.tensor_scale.double()).float()
 
 
@@ -239,3 +240,44 @@ def test_kernel_decodes_every_weight_exactly(fmt, m):
         bad = (got != want).nonzero()
         assert len(bad) == 0, f"{fmt}: {len(bad)} outputs differ, first at token {bad[0].tolist()}: " \
                               f"{got[tuple(bad[0])].item()} vs {want[tuple(bad[0])].item()}"
+
+
+@pytest.mark.parametrize("fmt", WEIGHT_ONLY_FORMATS)
+def test_kernel_sized_layers_store_tiles_of_64_rows_by_256_values(fmt):
+    """Tiles ordered by group of 64 rows, then along K; within a tile, quarters (K half, row half) row by row."""
+    k, n = 512, 128
+    lin = linear(k, n, seed=5)
+    tiled = WeightOnlyLinear.from_linear(lin, fmt)
+    rows, scales = tiled._rows()
+    for stored, plain in ((tiled.codes, rows), (tiled.block_scales, scales)):
+        if plain is None:
+            continue
+        half = plain.shape[1] // (k // 256) // 2  # bytes of 128 values of a row
+        flat, pos = stored.reshape(-1), 0
+        for g in range(n // 64):
+            for c in range(k // 256):
+                for kh in range(2):
+                    for rh in range(2):
+                        r0, b0 = 64 * g + 32 * rh, (2 * c + kh) * half
+                        assert torch.equal(flat[pos:pos + 32 * half].reshape(32, half), plain[r0:r0 + 32, b0:b0 + half])
+                        pos += 32 * half
+    # a layer the kernel cannot run keeps plain rows; row by row, the tiled layer holds the same weight
+    plain = WeightOnlyLinear.from_linear(linear(k, 96, seed=5), fmt)
+    assert torch.equal(plain._rows()[0], plain.codes)
+    if fmt != "nvfp4":  # (NVFP4's tensor scale depends on all rows)
+        assert torch.equal(tiled.dequantized_weight()[:64], plain.dequantized_weight()[:64])
+
+
+def test_the_split_fills_whole_waves_of_blocks():
+    from fp8ext.weight_only import _splits
+    # (chunks of 256 along K, groups of 64 columns, blocks the GPU runs at once) -> splits
+    assert _splits(16, 224, 660) == 2   # 4096 x 14336, 5 blocks per multiprocessor: 448 blocks, one wave
+    assert _splits(16, 224, 396) == 1   # the same with 3 per multiprocessor: 224 blocks of 16 chunks
+    assert _splits(16, 64, 660) == 8    # 4096 x 4096: 512 blocks of 2 chunks
+    assert _splits(11, 1, 660) == 11    # one column group: every chunk its own block
+    assert _splits(1, 10_000, 660) == 1
+    for chunks, groups, slots in ((56, 64, 660), (16, 224, 264), (40, 7, 500), (3, 500, 400)):
+        s = _splits(chunks, groups, slots)
+        per = -(-chunks // s)
+        assert groups * s <= max(groups, slots), "one wave of blocks"
+        assert -(-chunks // (s - 1 or 1)) > per or s == 1, "no fewer splits give the same chunks per block"

@@ -11,21 +11,22 @@
 // E4M3 scale), so the tensor cores (mma.sync m16n8k16, bf16 in, float32 accumulate) see the dequantized weights
 // exactly; channel and tensor scales multiply the float32 result.
 //
-// The kernel is bound by memory: a decode step reads each weight byte once, so what matters is keeping enough
-// bytes in flight. A block of 4 warps owns 64 output columns and a range of K (split-K over blocks so that one
-// wave of blocks fills the GPU). It streams its range in chunks of 256 K values through a 4-stage cp.async
-// pipeline in shared memory: the weights of the chunk (64 rows, 8-32 KiB), their block scales and x's 256
-// columns (rows < M). While a chunk is consumed, the next three are on their way.
+// Layout: codes and block scales come in tiles of 64 rows x 256 values, tiles ordered by group of 64 rows and then
+// along K; within a tile, four contiguous quarters (K tile kt = 0, 1 of 128 values; rows 0-31, 32-63), each row
+// by row (fp8ext/weight_only.py stores them so).
 //
-// Within a chunk, warp w takes K tile (w & 1) (128 values) and column half (w >> 1) (32 columns, 4 tiles of 8).
+// The kernel is bound by memory: a decode step reads each weight byte once, so what matters is keeping enough
+// bytes in flight and few instructions per weight. A block of 4 warps owns 64 output columns and a range of K
+// (split-K over blocks so that one wave of blocks fills the GPU); warp w owns quarter w of each tile (K tile
+// w >> 1, rows 32 (w & 1) ..) and streams its quarters with x's matching 128 values through its own cp.async
+// pipeline in shared memory (4 stages, 3 for more than 8 tokens), with no block-wide synchronisation until the
+// end: while it works on one quarter, the next ones are on their way.
+//
 // Each lane decodes 32 consecutive weight values of a row (16, 24 or 32 bytes) and feeds them to 8 mma steps;
 // within a step the K order is permuted (lane t's 4 values are k = 32t + 4s .. 32t + 4s + 3), the same
 // permutation for x and W, which the dot product does not see. The two K tiles' sums are added through shared
-// memory. Shared-memory layouts are swizzled so that a warp's reads hit distinct banks: weight rows XOR their
-// 16-byte units with the row's parity, x rows XOR 8-byte groups in the second 64 columns of each tile.
-//
-// With more than one split, each writes float32 partial sums; the last block to finish a column group (an atomic
-// counter, reset by that block) adds the splits, applies the scales and writes the output.
+// memory at the end. With more than one split, each writes float32 partial sums; the last block to finish a
+// column group (an atomic counter, reset by that block) adds the splits, applies the scales and writes the output.
 #include "common.cuh"
 
 namespace fp8ext {
@@ -34,9 +35,8 @@ namespace {
 constexpr int kThreads = 128;
 constexpr int kCols = 64;                     // output columns per block
 constexpr int kTile = 128;                    // K values per warp and chunk (32 per lane of a quad)
-constexpr int kChunk = 256;                   // K values per pipeline stage
-constexpr int kStages = 4;
-constexpr int kXStride = kChunk + 8;          // bf16 elements per staged x row
+constexpr int kChunk = 256;                   // K values of a tile
+constexpr int kWarps = kThreads / 32;
 
 __device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
     const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
@@ -112,11 +112,12 @@ __device__ __forceinline__ void decode(const Raw &r, const uint32_t *lut, uint32
     } else {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            uint32_t q = r.w[i];
+            const uint32_t q = r.w[i];
 #pragma unroll
-            for (int p = 0; p < 4; ++p) {
-                b[4 * i + p] = (q & 0x80008000u) | ((q >> 6) & 0x01C001C0u);
-                q <<= 4;
+            for (int p = 0; p < 4; ++p) {  // nibbles 3 - p and 7 - p; shifts of q itself, no chain between pairs
+                const uint32_t sign = (q << (4 * p)) & 0x80008000u;
+                const uint32_t mag = (p < 2 ? q >> (6 - 4 * p) : q << (4 * p - 6)) & 0x01C001C0u;
+                b[4 * i + p] = sign | mag;
             }
         }
     }
@@ -149,91 +150,104 @@ __device__ __forceinline__ void decode(const Raw &r, const uint32_t *lut, uint32
 // What the float32 result is multiplied by besides the channel and tensor scales (see decode).
 template <int F> constexpr float kOutFactor = F == FP8EXT_WO_NVFP4 ? 512.0f : 1.0f;
 
-// Shared memory: kStages stages of weights [64 rows][kRow bytes], block scales [64][kScale] and x [M rows]
-// [kXStride], then one row of zeros (x's rows M .. 15 as the tensor cores see them).
-template <int F> struct Stage {
-    static constexpr int kRow = kChunk / 32 * Fmt<F>::kBytes;  // 256, 192 or 128 bytes
-    static constexpr int kW = kCols * kRow;
-    static constexpr int kS = kCols * Fmt<F>::kScale;
-    static constexpr int kXRow = kXStride * 2;
+// Shared memory, per warp: kStagesOf<SWAP> stages of the warp's quarter of a tile (32 rows x 128 values: weights
+// [32][kRow], block scales [32][kScale / 2]) and x's 128 values of that K tile [M rows][kTile + 8]; after all
+// warps' stages, one row of zeros (x's rows M .. 15 as the tensor cores see them).
+template <int F> struct Quarter {
+    static constexpr int kRow = kTile / 32 * Fmt<F>::kBytes;  // bytes of 128 values of a row: 128, 96 or 64
+    static constexpr int kW = 32 * kRow;
+    static constexpr int kS = 32 * Fmt<F>::kScale / 2;
+    static constexpr int kXRow = (kTile + 8) * 2;
     static_assert(kW % 16 == 0 && kS % 16 == 0 && kXRow % 16 == 0, "16-byte aligned regions");
     __host__ __device__ static constexpr int bytes(int m) { return kW + kS + m * kXRow; }
-    __host__ __device__ static constexpr int smem(int m) { return kStages * bytes(m) + kXRow; }
 };
+template <bool SWAP> constexpr int kStagesOf = SWAP ? 4 : 3;  // (16 rows of x need the room of one stage)
+template <int F, bool SWAP>
+__host__ __device__ constexpr int smem_bytes(int m) {
+    return kWarps * kStagesOf<SWAP> * Quarter<F>::bytes(m) + Quarter<F>::kXRow;
+}
 
-// Where 16-byte unit u of weight row r lives in shared memory (see the file comment; FP6 is read in 8-byte
-// pieces at 24-byte steps and left as is).
+// Where 16-byte unit u of weight row r lives in shared memory: FP8 rows (128 bytes, two units per lane) swap the
+// units of odd rows pairwise so that a quarter-warp's reads hit distinct banks; FP4 and FP6 rows need nothing.
 template <int F>
 __device__ __forceinline__ int w_unit(int r, int u) {
-    if constexpr (Fmt<F>::kBytes == 16) return u ^ ((r & 1) << 2);
-    else if constexpr (Fmt<F>::kBytes == 32) return u ^ (r & 1);
+    if constexpr (Fmt<F>::kBytes == 32) return u ^ (r & 1);
     else return u;
 }
-// Where the 4-element group q (elements 4q .. 4q + 3 of a 256-value chunk) of an x row lives.
+// Where the 4-element group q (elements 4q .. 4q + 3 of a 128-value K tile) of an x row lives: lanes t and t + 2
+// of a quad read the two halves of the same banks' words otherwise.
 __device__ __forceinline__ int x_group(int q) { return q ^ ((q >> 4) & 1); }
 
 __device__ __forceinline__ uint32_t smem_addr(const void *p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 __device__ __forceinline__ void cp_async16(void *dst, const void *src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
 }
-template <int N>
-__device__ __forceinline__ void cp_async(void *dst, const void *src) {
-    if constexpr (N == 16) cp_async16(dst, src);
-    else asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(smem_addr(dst)), "l"(src), "n"(N));
+__device__ __forceinline__ void cp_async8(void *dst, const void *src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr(dst)), "l"(src));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-// Issue the copies of chunk c (K values 256c .. 256c + 255 of this block's 64 rows) into stage st.
+// A warp's copies of its quarters, one chunk after another: the lane's source pointers advance by one tile per
+// chunk, its destinations within a stage are fixed (computed once).
 template <int F>
-__device__ __forceinline__ void load_stage(const fp8ext_weight_only_args &a, uint8_t *st, int64_t col0, int64_t c) {
-    using S = Stage<F>;
-    constexpr int kUnits = S::kRow / 16;
-    const int64_t row_bytes = a.k / 32 * Fmt<F>::kBytes;
-    const uint8_t *w = a.w + col0 * row_bytes + c * S::kRow;
-    static_assert(kCols * kUnits % kThreads == 0, "whole copies per thread");
-#pragma unroll
-    for (int it = 0; it < kCols * kUnits / kThreads; ++it) {
-        const int i = threadIdx.x + it * kThreads, r = i / kUnits, u = i % kUnits;
-        cp_async16(st + r * S::kRow + w_unit<F>(r, u) * 16, w + r * row_bytes + u * 16);
-    }
-    if constexpr (Fmt<F>::kScale > 0) {
-        const int64_t scale_row = a.k / 256 * Fmt<F>::kScale;
-        if (threadIdx.x < kCols)
-            cp_async<Fmt<F>::kScale>(st + S::kW + threadIdx.x * Fmt<F>::kScale,
-                                     a.block_scales + (col0 + threadIdx.x) * scale_row + c * Fmt<F>::kScale);
-    }
-    const __nv_bfloat16 *x = static_cast<const __nv_bfloat16 *>(a.x) + c * kChunk;
-    __nv_bfloat16 *xs = reinterpret_cast<__nv_bfloat16 *>(st + S::kW + S::kS);
-    for (int i = threadIdx.x; i < a.m * (kChunk / 4); i += kThreads) {
-        const int r = i / (kChunk / 4), q = i % (kChunk / 4);
-        cp_async<8>(xs + r * kXStride + 4 * x_group(q), x + r * a.k + 4 * q);
-    }
-}
+struct Copier {
+    using Q = Quarter<F>;
+    static constexpr int kUnits = Q::kRow / 16;  // 16-byte copies per lane (32 rows of kRow bytes / 32 lanes)
+    const uint8_t *w, *scales;
+    const __nv_bfloat16 *x;
+    int64_t x_row;      // elements between x rows
+    uint32_t w_dst;     // byte offsets in a stage
+    uint32_t x_dst;
+    int m, lane;
 
-// This lane's 32 weight values of row r (K tile kt, quad lane t) and their block scale, from a stage.
+    __device__ Copier(const fp8ext_weight_only_args &a, int64_t tile, int quarter, int kt, int64_t c, int lane_)
+        : m(static_cast<int>(a.m)), lane(lane_) {
+        w = a.w + (tile * 4 + quarter) * Q::kW + 16 * lane;
+        scales = Q::kS ? a.block_scales + (tile * 4 + quarter) * Q::kS + 16 * lane : nullptr;
+        x = static_cast<const __nv_bfloat16 *>(a.x) + c * kChunk + kt * kTile + 4 * lane;
+        x_row = a.k;
+        // unit i = lane + 32 it of the quarter is row i / kUnits, unit i % kUnits; FP8 swaps odd rows' units
+        // pairwise (w_unit), and an odd row there is lane / 8 odd
+        w_dst = 16u * static_cast<uint32_t>(Fmt<F>::kBytes == 32 ? lane ^ ((lane >> 3) & 1) : lane);
+        x_dst = Q::kW + Q::kS + 8u * static_cast<uint32_t>(x_group(lane));
+    }
+    // issue the copies of the current chunk into stage st, then step to the next chunk
+    __device__ __forceinline__ void issue(uint8_t *st) {
+#pragma unroll
+        for (int it = 0; it < kUnits; ++it) cp_async16(st + w_dst + 512 * it, w + 512 * it);
+        if constexpr (Q::kS > 0) {
+            if (lane < Q::kS / 16) cp_async16(st + Q::kW + 16 * lane, scales);
+            scales += 4 * Q::kS;
+        }
+        for (int r = 0; r < m; ++r) cp_async8(st + x_dst + r * Q::kXRow, x + r * x_row);
+        w += 4 * Q::kW;
+        x += kChunk;
+    }
+};
+
+// This lane's 32 weight values of row r (of the warp's 32; quad lane t) and their block scale, from a stage.
 template <int F>
-__device__ __forceinline__ void load_raw(const uint8_t *st, int r, int kt, int t, Raw &raw) {
-    using S = Stage<F>;
-    const uint8_t *row = st + r * S::kRow;
+__device__ __forceinline__ void load_raw(const uint8_t *st, int r, int t, Raw &raw) {
+    using Q = Quarter<F>;
+    const uint8_t *row = st + r * Q::kRow;
     if constexpr (Fmt<F>::kBytes == 32) {
-        const int u = kt * 8 + 2 * t;
-        const uint4 u0 = *reinterpret_cast<const uint4 *>(row + 16 * w_unit<F>(r, u));
-        const uint4 u1 = *reinterpret_cast<const uint4 *>(row + 16 * w_unit<F>(r, u + 1));
+        const uint4 u0 = *reinterpret_cast<const uint4 *>(row + 16 * w_unit<F>(r, 2 * t));
+        const uint4 u1 = *reinterpret_cast<const uint4 *>(row + 16 * w_unit<F>(r, 2 * t + 1));
         raw.w[0] = u0.x; raw.w[1] = u0.y; raw.w[2] = u0.z; raw.w[3] = u0.w;
         raw.w[4] = u1.x; raw.w[5] = u1.y; raw.w[6] = u1.z; raw.w[7] = u1.w;
     } else if constexpr (Fmt<F>::kBytes == 24) {
-        const uint2 *q = reinterpret_cast<const uint2 *>(row + kt * 96 + 24 * t);
+        const uint2 *q = reinterpret_cast<const uint2 *>(row + 24 * t);
         const uint2 u0 = q[0], u1 = q[1], u2 = q[2];
         raw.w[0] = u0.x; raw.w[1] = u0.y; raw.w[2] = u1.x; raw.w[3] = u1.y; raw.w[4] = u2.x; raw.w[5] = u2.y;
     } else {
-        const uint4 u0 = *reinterpret_cast<const uint4 *>(row + 16 * w_unit<F>(r, kt * 4 + t));
+        const uint4 u0 = *reinterpret_cast<const uint4 *>(row + 16 * t);
         raw.w[0] = u0.x; raw.w[1] = u0.y; raw.w[2] = u0.z; raw.w[3] = u0.w;
     }
-    const uint8_t *scales = st + S::kW + r * Fmt<F>::kScale;
-    if constexpr (F == FP8EXT_WO_NVFP4) raw.scale = *reinterpret_cast<const uint16_t *>(scales + kt * 8 + 2 * t);
-    else if constexpr (Fmt<F>::kMX) raw.scale = scales[kt * 4 + t];
+    const uint8_t *scales = st + Q::kW + r * (Fmt<F>::kScale / 2);
+    if constexpr (F == FP8EXT_WO_NVFP4) raw.scale = *reinterpret_cast<const uint16_t *>(scales + 2 * t);
+    else if constexpr (Fmt<F>::kMX) raw.scale = scales[t];
 }
 
 // The accumulators of a lane: SWAP (M <= 8) computes out^T = W x^T, the weights as the mma's 16-row A operand
@@ -250,54 +264,62 @@ template <bool SWAP> struct Acc {
 
 template <int F, bool SWAP>
 __global__ void __launch_bounds__(kThreads, Fmt<F>::kBytes == 24 && !SWAP ? 2 : 3) weight_only_kernel(fp8ext_weight_only_args a) {
-    using S = Stage<F>;
+    using Q = Quarter<F>;
     using A = Acc<SWAP>;
+    constexpr int kStages = kStagesOf<SWAP>;
     extern __shared__ __align__(16) uint8_t smem[];
     __shared__ uint32_t lut[64];
     __shared__ int last;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int kt = warp & 1, half = warp >> 1;
+    const int kt = warp >> 1, half = warp & 1;  // the warp's quarter of a tile: K tile kt, rows 32 * half ..
     const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kCols;
     const int split = blockIdx.y, splits = gridDim.y;
-    const int m = static_cast<int>(a.m), stage_bytes = S::bytes(m);
-    __nv_bfloat16 *zeros = reinterpret_cast<__nv_bfloat16 *>(smem + kStages * stage_bytes);
+    const int m = static_cast<int>(a.m), quarter_bytes = Q::bytes(m);
+    uint8_t *mine = smem + warp * kStages * quarter_bytes;
+    __nv_bfloat16 *zeros = reinterpret_cast<__nv_bfloat16 *>(smem + kWarps * kStages * quarter_bytes);
 
     if constexpr (Fmt<F>::kBytes == 24) {  // FP6 code -> bf16 (low half)
         for (int i = threadIdx.x; i < 64; i += kThreads)
             lut[i] = bf16x2_bits(fpx_decode(static_cast<uint8_t>(i), Fmt<F>::kElem), 0.0f) & 0xFFFFu;
     }
-    for (int i = threadIdx.x; i < kXStride / 8; i += kThreads) reinterpret_cast<uint4 *>(zeros)[i] = make_uint4(0, 0, 0, 0);
+    for (int i = threadIdx.x; i < Q::kXRow / 16; i += kThreads) reinterpret_cast<uint4 *>(zeros)[i] = make_uint4(0, 0, 0, 0);
 
-    // this split's K range, whole chunks
+    // this split's K range, whole chunks; each warp runs its own pipeline over its quarters of the tiles
     const int64_t nchunks = a.k / kChunk;
     const int64_t c_begin = nchunks * split / splits, c_end = nchunks * (split + 1) / splits;
+    const int64_t tile0 = static_cast<int64_t>(blockIdx.x) * nchunks;
+    Copier<F> copier(a, tile0 + c_begin, warp, kt, c_begin, lane);
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
-        if (c_begin + s < c_end) load_stage<F>(a, smem + s * stage_bytes, col0, c_begin + s);
+        if (c_begin + s < c_end) copier.issue(mine + s * quarter_bytes);
         cp_async_commit();
     }
+    __syncthreads();  // the zero row and the table
 
     float acc[A::kN];
 #pragma unroll
     for (int i = 0; i < A::kN; ++i) acc[i] = 0.0f;
 
+    int stage = 0;
     for (int64_t c = c_begin; c < c_end; ++c) {
-        cp_async_wait<kStages - 2>();  // chunk c has landed (this thread's copies) ...
-        __syncthreads();               // ... everybody's; and the stage refilled below has been read
+        cp_async_wait<kStages - 2>();  // chunk c has landed (this lane's copies) ...
+        __syncwarp();                  // ... the whole warp's; and the stage refilled below has been read
         {
             const int64_t next = c + kStages - 1;  // into the stage read last time
-            if (next < c_end) load_stage<F>(a, smem + ((next - c_begin) % kStages) * stage_bytes, col0, next);
+            const int refill = stage == 0 ? kStages - 1 : stage - 1;
+            if (next < c_end) copier.issue(mine + refill * quarter_bytes);
             cp_async_commit();
         }
-        const uint8_t *st = smem + ((c - c_begin) % kStages) * stage_bytes;
-        const __nv_bfloat16 *xs = reinterpret_cast<const __nv_bfloat16 *>(st + S::kW + S::kS);
-        const __nv_bfloat16 *x0 = g < m ? xs + g * kXStride : zeros;
-        const __nv_bfloat16 *x1 = g + 8 < m ? xs + (g + 8) * kXStride : zeros;
+        const uint8_t *st = mine + stage * quarter_bytes;
+        stage = stage == kStages - 1 ? 0 : stage + 1;
+        const __nv_bfloat16 *xs = reinterpret_cast<const __nv_bfloat16 *>(st + Q::kW + Q::kS);
+        const __nv_bfloat16 *x0 = g < m ? xs + g * (kTile + 8) : zeros;
+        const __nv_bfloat16 *x1 = g + 8 < m ? xs + (g + 8) * (kTile + 8) : zeros;
         // x values of this lane's K: token g (and g + 8), steps 0..7
         uint2 lo[8], hi[8];
 #pragma unroll
         for (int s = 0; s < 8; ++s) {
-            const int q = x_group(kt * (kTile / 4) + 8 * t + s);
+            const int q = x_group(8 * t + s);
             lo[s] = *reinterpret_cast<const uint2 *>(x0 + 4 * q);
             if constexpr (!SWAP) hi[s] = *reinterpret_cast<const uint2 *>(x1 + 4 * q);
         }
@@ -307,7 +329,7 @@ __global__ void __launch_bounds__(kThreads, Fmt<F>::kBytes == 24 && !SWAP ? 2 : 
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 Raw raw;
-                load_raw<F>(st, half * 32 + (2 * jp + h) * 8 + g, kt, t, raw);
+                load_raw<F>(st, (2 * jp + h) * 8 + g, t, raw);
                 decode<F>(raw, lut, b[h]);
             }
 #pragma unroll
@@ -383,7 +405,7 @@ cudaError_t prepare() {
     const unsigned bit = dev < 32 ? 1u << dev : 0u;
     if (bit && (__atomic_load_n(&done, __ATOMIC_ACQUIRE) & bit)) return cudaSuccess;
     err = cudaFuncSetAttribute(weight_only_kernel<F, SWAP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               Stage<F>::smem(16));
+                               smem_bytes<F, SWAP>(SWAP ? 8 : 16));
     if (err == cudaSuccess && bit) __atomic_fetch_or(&done, bit, __ATOMIC_RELEASE);
     return err;
 }
@@ -392,7 +414,7 @@ template <int F, bool SWAP>
 cudaError_t launch(const fp8ext_weight_only_args *a, cudaStream_t stream, int *blocks) {
     cudaError_t err = prepare<F, SWAP>();
     if (err != cudaSuccess) return err;
-    const int smem = Stage<F>::smem(static_cast<int>(a->m));
+    const int smem = smem_bytes<F, SWAP>(static_cast<int>(a->m));
     if (blocks) return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, weight_only_kernel<F, SWAP>, kThreads, smem);
     const dim3 grid(static_cast<unsigned>(a->n / kCols), static_cast<unsigned>(a->splits));
     weight_only_kernel<F, SWAP><<<grid, kThreads, smem, stream>>>(*a);
