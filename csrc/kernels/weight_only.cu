@@ -19,8 +19,8 @@
 // bytes in flight and few instructions per weight. A block of 4 warps owns 64 output columns and a range of K
 // (split-K over blocks so that one wave of blocks fills the GPU); warp w owns quarter w of each tile (K tile
 // w >> 1, rows 32 (w & 1) ..) and streams its quarters with x's matching 128 values through its own cp.async
-// pipeline in shared memory (4 stages, 3 for more than 8 tokens), with no block-wide synchronisation until the
-// end: while it works on one quarter, the next ones are on their way.
+// pipeline in shared memory (4 stages, 6 for FP8, 3 for more than 8 tokens), with no block-wide
+// synchronisation until the end: while it works on one quarter, the next ones are on their way.
 //
 // Each lane decodes 32 consecutive weight values of a row (16, 24 or 32 bytes) and feeds them to 8 mma steps;
 // within a step the K order is permuted (lane t's 4 values are k = 32t + 4s .. 32t + 4s + 3), the same
@@ -62,13 +62,19 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
 }
 
 template <int F> struct Fmt;
-// kBytes: bytes of 32 values; kScale: block-scale bytes of 256 values (one chunk of a row)
-template <> struct Fmt<FP8EXT_WO_FP8> { static constexpr int kBytes = 32, kElem = FP8EXT_E4M3, kScale = 0; static constexpr bool kMX = false; };
-template <> struct Fmt<FP8EXT_WO_MXFP8> { static constexpr int kBytes = 32, kElem = FP8EXT_E4M3, kScale = 8; static constexpr bool kMX = true; };
-template <> struct Fmt<FP8EXT_WO_MXFP6_E3M2> { static constexpr int kBytes = 24, kElem = FPX_E3M2, kScale = 8; static constexpr bool kMX = true; };
-template <> struct Fmt<FP8EXT_WO_MXFP6_E2M3> { static constexpr int kBytes = 24, kElem = FPX_E2M3, kScale = 8; static constexpr bool kMX = true; };
-template <> struct Fmt<FP8EXT_WO_MXFP4> { static constexpr int kBytes = 16, kElem = FPX_E2M1, kScale = 8; static constexpr bool kMX = true; };
-template <> struct Fmt<FP8EXT_WO_NVFP4> { static constexpr int kBytes = 16, kElem = FPX_E2M1, kScale = 16; static constexpr bool kMX = false; };
+// kBytes: bytes of 32 values (the element format follows: E4M3, FP6, E2M1); kScale: block-scale bytes of 256
+// values (one tile row); kMX: E8M0 block scales.
+template <int Bytes, int Scale, bool MX> struct FmtOf {
+    static constexpr int kBytes = Bytes, kScale = Scale;
+    static constexpr bool kMX = MX;
+};
+template <> struct Fmt<FP8EXT_WO_FP8> : FmtOf<32, 0, false> {};
+template <> struct Fmt<FP8EXT_WO_MXFP8> : FmtOf<32, 8, true> {};
+template <> struct Fmt<FP8EXT_WO_MXFP6_E3M2> : FmtOf<24, 8, true> {};
+template <> struct Fmt<FP8EXT_WO_MXFP6_E2M3> : FmtOf<24, 8, true> {};
+template <> struct Fmt<FP8EXT_WO_MXFP4> : FmtOf<16, 8, true> {};
+template <> struct Fmt<FP8EXT_WO_NVFP4> : FmtOf<16, 16, false> {};
+template <int F> constexpr int kFp6Elem = F == FP8EXT_WO_MXFP6_E3M2 ? FPX_E3M2 : FPX_E2M3;
 
 struct Raw {
     uint32_t w[8];
@@ -150,7 +156,7 @@ __device__ __forceinline__ void decode(const Raw &r, const uint32_t *lut, uint32
 // What the float32 result is multiplied by besides the channel and tensor scales (see decode).
 template <int F> constexpr float kOutFactor = F == FP8EXT_WO_NVFP4 ? 512.0f : 1.0f;
 
-// Shared memory, per warp: kStagesOf<SWAP> stages of the warp's quarter of a tile (32 rows x 128 values: weights
+// Shared memory, per warp: kStagesOf<F, SWAP> stages of the warp's quarter of a tile (32 rows x 128 values: weights
 // [32][kRow], block scales [32][kScale / 2]) and x's 128 values of that K tile [M rows][kTile + 8]; after all
 // warps' stages, one row of zeros (x's rows M .. 15 as the tensor cores see them).
 template <int F> struct Quarter {
@@ -161,10 +167,12 @@ template <int F> struct Quarter {
     static_assert(kW % 16 == 0 && kS % 16 == 0 && kXRow % 16 == 0, "16-byte aligned regions");
     __host__ __device__ static constexpr int bytes(int m) { return kW + kS + m * kXRow; }
 };
-template <bool SWAP> constexpr int kStagesOf = SWAP ? 4 : 3;  // (16 rows of x need the room of one stage)
+// Stages: FP8 weights take the least work per byte, so a warp finishes a stage soonest and needs the most in
+// flight to cover memory latency; 16 rows of x need the room of one stage.
+template <int F, bool SWAP> constexpr int kStagesOf = !SWAP ? 3 : Fmt<F>::kBytes == 32 ? 6 : 4;
 template <int F, bool SWAP>
 __host__ __device__ constexpr int smem_bytes(int m) {
-    return kWarps * kStagesOf<SWAP> * Quarter<F>::bytes(m) + Quarter<F>::kXRow;
+    return kWarps * kStagesOf<F, SWAP> * Quarter<F>::bytes(m) + Quarter<F>::kXRow;
 }
 
 // Where 16-byte unit u of weight row r lives in shared memory: FP8 rows (128 bytes, two units per lane) swap the
@@ -266,7 +274,7 @@ template <int F, bool SWAP>
 __global__ void __launch_bounds__(kThreads, Fmt<F>::kBytes == 24 && !SWAP ? 2 : 3) weight_only_kernel(fp8ext_weight_only_args a) {
     using Q = Quarter<F>;
     using A = Acc<SWAP>;
-    constexpr int kStages = kStagesOf<SWAP>;
+    constexpr int kStages = kStagesOf<F, SWAP>;
     extern __shared__ __align__(16) uint8_t smem[];
     __shared__ uint32_t lut[64];
     __shared__ int last;
@@ -280,7 +288,7 @@ __global__ void __launch_bounds__(kThreads, Fmt<F>::kBytes == 24 && !SWAP ? 2 : 
 
     if constexpr (Fmt<F>::kBytes == 24) {  // FP6 code -> bf16 (low half)
         for (int i = threadIdx.x; i < 64; i += kThreads)
-            lut[i] = bf16x2_bits(fpx_decode(static_cast<uint8_t>(i), Fmt<F>::kElem), 0.0f) & 0xFFFFu;
+            lut[i] = bf16x2_bits(fpx_decode(static_cast<uint8_t>(i), kFp6Elem<F>), 0.0f) & 0xFFFFu;
     }
     for (int i = threadIdx.x; i < Q::kXRow / 16; i += kThreads) reinterpret_cast<uint4 *>(zeros)[i] = make_uint4(0, 0, 0, 0);
 
