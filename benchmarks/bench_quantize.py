@@ -3,7 +3,8 @@
     python benchmarks/bench_quantize.py            # needs a CUDA GPU and fp8ext built with CUDA
 
 Cases (all on random data, one run, medians of CUDA-event timings):
-  quantize  bf16 -> E4M3, 2^28 elements, device scale, fused amax: 3 bytes/element (2 read, 1 written)
+  quantize  bf16 -> E4M3, 2^28 elements, device scale, fused amax: 3 bytes/element (2 read, 1 written); also
+            8192x4096 (a transformer layer's activations), allocating and into a preallocated output (out=)
   cast_transpose  bf16 16384x16384 -> E4M3 q and q^T, device scale, fused amax: 4 bytes/element; also with
                   16383 and 16380 rows (row counts that are not multiples of 8 or of the tile)
   cast_transpose_dbias  the same plus dbias = column sums of x: 4 bytes/element counted (the workspace adds
@@ -66,6 +67,18 @@ def main():
     rows.append(row("quantize+amax 2^28", "torch.compile", bench_ms(lambda: compiled_q(x, scale), 20), 3 * n, copy))
     rows.append(row("quantize (no amax) 2^28", "fp8ext", bench_ms(lambda: fp8ext.quantize(x, fp8ext.E4M3, scale)),
                     3 * n, copy))
+    # the transformer-layer size Transformer Engine's anchors use: cast + amax of 8192x4096 bf16, allocating the
+    # output each call and into a preallocated one (out=, as TE's quantize into an existing tensor)
+    xs = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
+    qs = fp8ext.quantize(xs, fp8ext.E4M3, scale, amax_out=acc)
+    assert torch.equal(fp8ext.quantize(xs, fp8ext.E4M3, scale, amax_out=acc, out=torch.empty_like(qs)).view(
+        torch.uint8), qs.view(torch.uint8))
+    rows.append(row("quantize+amax 8192x4096", "fp8ext, allocating",
+                    bench_ms(lambda: fp8ext.quantize(xs, fp8ext.E4M3, scale, amax_out=acc), 50), 3 * xs.numel(), copy))
+    rows.append(row("quantize+amax 8192x4096", "fp8ext, out=",
+                    bench_ms(lambda: fp8ext.quantize(xs, fp8ext.E4M3, scale, amax_out=acc, out=qs), 50),
+                    3 * xs.numel(), copy))
+    del xs, qs
     rows.append(row("amax 2^28", "fp8ext", bench_ms(lambda: fp8ext.amax(x)), 2 * n, copy))
     rows.append(row("amax 2^28", "torch eager", bench_ms(lambda: x.abs().amax()), 2 * n, copy))
     rows.append(row("dequantize 2^28 -> bf16", "fp8ext",
