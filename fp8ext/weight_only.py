@@ -116,6 +116,11 @@ def _splits(chunks: int, groups: int, slots: int) -> int:
 class WeightOnlyLinear(nn.Module):
     """y = x W^T (+ bias) with W held as packed low-precision codes and scales (see the module docstring)."""
 
+    # 2: codes and block scales in the kernel's tiles and FP4 nibble order (1: plain rows, pack_fp4's order).
+    # load_state_dict converts a state dict saved as version 1 (its metadata says so; one without metadata is
+    # taken as the current layout).
+    _version = 2
+
     def __init__(self, in_features: int, out_features: int, fmt: str, bias: bool = False, device=None):
         super().__init__()
         code, elem, block, bits = _fmt(fmt, "WeightOnlyLinear")
@@ -140,6 +145,18 @@ class WeightOnlyLinear(nn.Module):
         self._kernel_cache = {}
         self.register_buffer("_counters", torch.zeros(max(1, out_features // 64), dtype=torch.int32, device=device),
                              persistent=False)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs):
+        if local_metadata.get("version", self._version) < 2 and _tiled(self.in_features, self.out_features):
+            codes, scales = prefix + "codes", prefix + "block_scales"
+            if codes in state_dict:
+                rows = state_dict[codes]
+                if _FORMATS[self.fmt][3] == 4:
+                    rows = pack_fp4(_fp4_kernel_order(unpack_fp4(rows)))
+                state_dict[codes] = _tile(rows, self.in_features)
+            if scales in state_dict and state_dict[scales] is not None:
+                state_dict[scales] = _tile(state_dict[scales], self.in_features)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
 
     def __getstate__(self):  # copies and pickles leave the per-call cache (DLPack capsules) behind
         state = self.__dict__.copy()

@@ -281,3 +281,26 @@ def test_the_split_fills_whole_waves_of_blocks():
         per = -(-chunks // s)
         assert groups * s <= max(groups, slots), "one wave of blocks"
         assert -(-chunks // (s - 1 or 1)) > per or s == 1, "no fewer splits give the same chunks per block"
+
+
+@pytest.mark.parametrize("fmt", WEIGHT_ONLY_FORMATS)
+def test_a_state_dict_saved_in_the_plain_layout_loads_into_the_tiles(fmt, tmp_path):
+    """Checkpoints written before the tiled layout (module version 1: plain rows, FP4 in pack_fp4's order) are
+    converted on load; state dicts of the current version load as they are."""
+    from fp8ext.weight_only import _FP4_UNORDER, _fp4_kernel_order
+    layer = WeightOnlyLinear.from_linear(linear(512, 128, seed=9), fmt)
+    rows, scales = layer._rows()
+    if fmt in ("mxfp4", "nvfp4"):
+        rows = fp8ext.pack_fp4(_fp4_kernel_order(fp8ext.unpack_fp4(rows), _FP4_UNORDER))
+    old = layer.state_dict()
+    old["codes"] = rows.clone()
+    if scales is not None:
+        old["block_scales"] = scales.clone()
+    old._metadata[""]["version"] = 1
+    torch.save(old, tmp_path / "v1.pt")
+    fresh = WeightOnlyLinear(512, 128, fmt)
+    fresh.load_state_dict(torch.load(tmp_path / "v1.pt"))
+    assert torch.equal(fresh.codes, layer.codes) and torch.equal(fresh.dequantized_weight(), layer.dequantized_weight())
+    again = WeightOnlyLinear(512, 128, fmt)
+    again.load_state_dict(layer.state_dict())  # version 2: unchanged
+    assert torch.equal(again.codes, layer.codes)
