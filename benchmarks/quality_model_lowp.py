@@ -50,23 +50,24 @@ def main() -> None:
     p.add_argument("--calib_batches", type=int, default=8)
     p.add_argument("--eval_batches", type=int, default=16)
     p.add_argument("--budgets", default="0.3,0.35,0.45")
+    p.add_argument("--device", default="cpu", help="where to train and measure (cpu or cuda)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     run = pathlib.Path(args.run or "runs/quality_model")
     t0 = time.perf_counter()
     if args.run is None:
         cli.main(["--preset", args.preset, "--max_steps", str(args.steps), "--lr", "3e-3", "--eval_every",
-                  str(args.steps), "--out_dir", str(run), "--no_progress", "--device", "cpu"])
+                  str(args.steps), "--out_dir", str(run), "--no_progress", "--device", args.device])
     t_train = time.perf_counter() - t0
     state = torch.load(run / "checkpoint.pt", map_location="cpu", weights_only=False)
     a = state["args"]
     model = Transformer(preset(a["preset"], max_seq_len=max(preset(a["preset"]).max_seq_len, a["seq_len"])))
     model.load_state_dict(state["model"])
-    model.eval()
+    model.to(args.device).eval()
     corpus = load_corpus(a.get("data"))
     seq = a["seq_len"]
-    evals = [batch(corpus.val, 16, seq, seed=31337, step=i) for i in range(args.eval_batches)]
-    calib = [batch(corpus.train, 16, seq, seed=4242, step=i) for i in range(args.calib_batches)]
+    evals = [batch(corpus.val, 16, seq, seed=31337, step=i, device=args.device) for i in range(args.eval_batches)]
+    calib = [batch(corpus.train, 16, seq, seed=4242, step=i, device=args.device) for i in range(args.calib_batches)]
     t1 = time.perf_counter()
 
     names = [n for n, m in model.named_modules() if isinstance(m, fp8ext.Linear)]
@@ -94,7 +95,10 @@ def main() -> None:
         u.measure(model, evals)
 
     n_weights = sum(w.numel() for w in weights.values())
-    lines = [f"Weights of the `{a['preset']}` preset after {state['step']} steps of fp8ext.train (float32 on the CPU; "
+    where = "the CPU" if args.device == "cpu" else torch.cuda.get_device_name(torch.device(args.device))
+    trained = "float32" if state["args"].get("device", args.device) == "cpu" else "bf16 autocast"
+    lines = [f"Weights of the `{a['preset']}` preset after {state['step']} steps of fp8ext.train ({trained}; measured "
+             f"in float32 on {where}; "
              f"{len(names)} linear layers, {n_weights:,} weights), quantized and dequantized (weights only; embedding "
              f"and output head as trained). Held-out loss: {len(evals)} batches of 16 x {seq} bytes of the validation "
              f"split. " + (f"Train {t_train:.0f} s, " if args.run is None else f"Run {run} reused, ")
