@@ -187,11 +187,12 @@ __device__ __forceinline__ int w_unit(int r, int u) {
 __device__ __forceinline__ int x_group(int q) { return q ^ ((q >> 4) & 1); }
 
 __device__ __forceinline__ uint32_t smem_addr(const void *p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void cp_async16(void *dst, const void *src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
+// dst: a shared-memory address (smem_addr)
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void *src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
 }
-__device__ __forceinline__ void cp_async8(void *dst, const void *src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr(dst)), "l"(src));
+__device__ __forceinline__ void cp_async8(uint32_t dst, const void *src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -199,7 +200,7 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 
 // A warp's copies of its quarters, one chunk after another: the lane's source pointers advance by one tile per
 // chunk, its destinations within a stage are fixed (computed once).
-template <int F>
+template <int F, bool SWAP>
 struct Copier {
     using Q = Quarter<F>;
     static constexpr int kUnits = Q::kRow / 16;  // 16-byte copies per lane (32 rows of kRow bytes / 32 lanes)
@@ -221,15 +222,17 @@ struct Copier {
         w_dst = 16u * static_cast<uint32_t>(Fmt<F>::kBytes == 32 ? lane ^ ((lane >> 3) & 1) : lane);
         x_dst = Q::kW + Q::kS + 8u * static_cast<uint32_t>(x_group(lane));
     }
-    // issue the copies of the current chunk into stage st, then step to the next chunk
-    __device__ __forceinline__ void issue(uint8_t *st) {
+    // issue the copies of the current chunk into the stage at shared address st, then step to the next chunk
+    __device__ __forceinline__ void issue(uint32_t st) {
 #pragma unroll
         for (int it = 0; it < kUnits; ++it) cp_async16(st + w_dst + 512 * it, w + 512 * it);
         if constexpr (Q::kS > 0) {
             if (lane < Q::kS / 16) cp_async16(st + Q::kW + 16 * lane, scales);
             scales += 4 * Q::kS;
         }
-        for (int r = 0; r < m; ++r) cp_async8(st + x_dst + r * Q::kXRow, x + r * x_row);
+#pragma unroll
+        for (int r = 0; r < (SWAP ? 8 : 16); ++r)  // unrolled: no loop over the runtime m
+            if (r < m) cp_async8(st + x_dst + r * Q::kXRow, x + r * x_row);
         w += 4 * Q::kW;
         x += kChunk;
     }
@@ -296,30 +299,28 @@ __global__ void __launch_bounds__(kThreads, Fmt<F>::kBytes == 24 && !SWAP ? 2 : 
     const int64_t nchunks = a.k / kChunk;
     const int64_t c_begin = nchunks * split / splits, c_end = nchunks * (split + 1) / splits;
     const int64_t tile0 = static_cast<int64_t>(blockIdx.x) * nchunks;
-    Copier<F> copier(a, tile0 + c_begin, warp, kt, c_begin, lane);
+    Copier<F, SWAP> copier(a, tile0 + c_begin, warp, kt, c_begin, lane);
+    const uint32_t first = smem_addr(mine), past = first + kStages * quarter_bytes;
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
-        if (c_begin + s < c_end) copier.issue(mine + s * quarter_bytes);
+        if (c_begin + s < c_end) copier.issue(first + s * quarter_bytes);
         cp_async_commit();
     }
+    uint32_t refill = first + (kStages - 1) * quarter_bytes;  // the stage read last time (none yet: a fresh one)
     __syncthreads();  // the zero row and the table
 
     float acc[A::kN];
 #pragma unroll
     for (int i = 0; i < A::kN; ++i) acc[i] = 0.0f;
 
-    int stage = 0;
+    const uint8_t *st = mine;  // the stage of chunk c
     for (int64_t c = c_begin; c < c_end; ++c) {
         cp_async_wait<kStages - 2>();  // chunk c has landed (this lane's copies) ...
         __syncwarp();                  // ... the whole warp's; and the stage refilled below has been read
-        {
-            const int64_t next = c + kStages - 1;  // into the stage read last time
-            const int refill = stage == 0 ? kStages - 1 : stage - 1;
-            if (next < c_end) copier.issue(mine + refill * quarter_bytes);
-            cp_async_commit();
-        }
-        const uint8_t *st = mine + stage * quarter_bytes;
-        stage = stage == kStages - 1 ? 0 : stage + 1;
+        if (c + kStages - 1 < c_end) copier.issue(refill);
+        cp_async_commit();
+        refill += quarter_bytes;
+        if (refill == past) refill = first;
         const __nv_bfloat16 *xs = reinterpret_cast<const __nv_bfloat16 *>(st + Q::kW + Q::kS);
         const __nv_bfloat16 *x0 = g < m ? xs + g * (kTile + 8) : zeros;
         const __nv_bfloat16 *x1 = g + 8 < m ? xs + (g + 8) * (kTile + 8) : zeros;
@@ -356,6 +357,8 @@ __global__ void __launch_bounds__(kThreads, Fmt<F>::kBytes == 24 && !SWAP ? 2 : 
                 }
             }
         }
+        st += quarter_bytes;
+        if (st == mine + kStages * quarter_bytes) st = mine;
     }
 
     // add the two K tiles' sums: warps with kt = 1 hand theirs over through shared memory
