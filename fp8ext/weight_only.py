@@ -15,7 +15,9 @@ Formats:
     "mxfp4"       E2M1 (max 6) in MX blocks of 32, codes packed 2 per byte
     "nvfp4"       E2M1 in blocks of 16 with an E4M3 scale each and one float32 scale for the tensor
 Quantization follows fp8ext.mx (round to nearest even, saturating; MX scales by the specification's floor rule).
-The layer holds only the packed codes and the scales: no high-precision copy of the weight.
+The layer holds only the packed codes and the scales: no high-precision copy of the weight. Layers the kernel can
+run store them in the kernel's tiles (and FP4 in its nibble order); `dequantized_weight()` gives the plain weight,
+and a state dict saved before this layout (module version 1) is converted when loaded.
 
 Forward: on a GPU with bf16 input and at most 16 tokens (decode), a CUDA kernel streams the packed weights once,
 dequantizes them in registers and multiplies on the tensor cores (bf16 in, float32 accumulation); it needs
