@@ -191,6 +191,40 @@ typedef struct {
     int splits;
 } fp8ext_weight_only_args;
 
+/* Row-wise fused steps of a transformer's forward pass, for inference (csrc/kernels/fused_inference.cu).
+ * op RMSNORM: y = x * rsqrt(mean(x^2) + eps) * gamma over each row of x [rows, cols] (gamma [cols] float32);
+ * op SWIGLU: y = silu(gate) * up, x [rows, 2 * cols] holding gate then up in each row. Computed in float32 and
+ * rounded to x's dtype (to nearest even); then out_mode HP writes y [rows, cols] in x's dtype, FP8 writes
+ * E4M3 codes fp8(y * scale[0]) (saturating), FP8_ROWS writes each row with its own scale = 448 / max|y_row|
+ * (1 for a zero row) and scale_inv[row] = 1 / scale. The FP8 outputs equal fp8ext's quantize / quantize_rowwise
+ * applied to the HP output, bit for bit. cols % 8 == 0; x and out 16-byte aligned. GPU only. */
+enum { FP8EXT_FUSED_RMSNORM = 0, FP8EXT_FUSED_SWIGLU = 1 };
+enum { FP8EXT_FUSED_OUT_HP = 0, FP8EXT_FUSED_OUT_FP8 = 1, FP8EXT_FUSED_OUT_FP8_ROWS = 2 };
+typedef struct {
+    const void *x;
+    int x_dtype;
+    const float *gamma;
+    float eps;
+    void *out;
+    const float *scale;
+    float *scale_inv;
+    int64_t rows, cols;
+    int op, out_mode;
+} fp8ext_fused_rows_args;
+
+/* RoPE on a fused QKV projection's output: qkv [batch, seq, (n_heads + 2 n_kv) * head_dim] -> q [batch, n_heads,
+ * seq, head_dim], k and v [batch, n_kv, seq, head_dim], contiguous, qkv's dtype. q and k are rotated in the
+ * "rotate half" form by cos, sin [*, head_dim / 2] float32 (rows start_pos .. start_pos + seq): out1 = x1 * c -
+ * x2 * s, out2 = x1 * s + x2 * c in float32, each product and sum rounded (no fused multiply-add), then rounded
+ * to qkv's dtype; v is copied. head_dim % 16 == 0; all pointers 16-byte aligned. GPU only. */
+typedef struct {
+    const void *qkv;
+    int dtype;
+    const float *cos, *sin;
+    void *q, *k, *v;
+    int64_t batch, seq, n_heads, n_kv, head_dim, start_pos, table_stride;
+} fp8ext_rope_qkv_args;
+
 /* CPU reference (csrc/cpu_ops.c). Pure computation: no allocation, no failure. */
 void fp8ext_cpu_quantize(const fp8ext_quantize_args *a);
 void fp8ext_cpu_dequantize(const fp8ext_dequantize_args *a);
@@ -214,6 +248,8 @@ int fp8ext_cuda_scale_update(const fp8ext_scale_update_args *a, void *stream, in
 int fp8ext_cuda_scale_from_amax(const fp8ext_scale_from_amax_args *a, void *stream, int num_sms);
 int fp8ext_cuda_decode_attention(const fp8ext_decode_attention_args *a, void *stream, int num_sms);
 int fp8ext_cuda_weight_only(const fp8ext_weight_only_args *a, void *stream, int num_sms);
+int fp8ext_cuda_fused_rows(const fp8ext_fused_rows_args *a, void *stream, int num_sms);
+int fp8ext_cuda_rope_qkv(const fp8ext_rope_qkv_args *a, void *stream, int num_sms);
 /* Thread blocks of the weight-only kernel for fmt and m tokens that fit on one multiprocessor of the current device. */
 int fp8ext_cuda_weight_only_blocks_per_sm(int fmt, int m, int *blocks);
 int fp8ext_cuda_write_reciprocal(const float *scale_ptr, float scale_value, float *out, void *stream);

@@ -1,5 +1,5 @@
 /* py_inference.c: CPython bindings of the inference kernels: decode attention over an FP8 KV cache and the
- * weight-only matrix multiply for few tokens. GPU only; their CPU references are in Python
+ * weight-only matrix multiply for few tokens, and the fused RMSNorm / SwiGLU / RoPE steps. GPU only; their CPU references are in Python
  * (fp8ext/inference/attention.py, fp8ext/weight_only.py), which also chooses the work split and allocates
  * the workspace. Every argument is checked here as well: dtype, device, shape, layout.
  */
@@ -36,7 +36,11 @@ static int get_arg(PyObject *o, int kind, const fp8ext_view *ref, const char *re
 #ifdef FP8EXT_WITH_CUDA
 static int cuda_decode_attention(const void *a, void *s, int n) { return fp8ext_cuda_decode_attention(a, s, n); }
 static int cuda_weight_only(const void *a, void *s, int n) { return fp8ext_cuda_weight_only(a, s, n); }
+static int cuda_fused_rows(const void *a, void *s, int n) { return fp8ext_cuda_fused_rows(a, s, n); }
+static int cuda_rope_qkv(const void *a, void *s, int n) { return fp8ext_cuda_rope_qkv(a, s, n); }
 #else
+#define cuda_fused_rows NULL
+#define cuda_rope_qkv NULL
 #define cuda_decode_attention NULL
 #define cuda_weight_only NULL
 #endif
@@ -299,7 +303,166 @@ static PyObject *py_weight_only_blocks_per_sm(PyObject *module, PyObject *args) 
 #endif
 }
 
+/* fused_rows(x, gamma, out, scale, scale_inv, eps, op, out_mode, stream=0): see fp8ext_fused_rows_args. */
+static PyObject *py_fused_rows(PyObject *module, PyObject *args, PyObject *kwargs) {
+    static const char *fn = "fused_rows";
+    static char *kwlist[] = {"x", "gamma", "out", "scale", "scale_inv", "eps", "op", "out_mode", "stream", NULL};
+    PyObject *x_o, *g_o, *out_o, *sc_o, *si_o;
+    float eps;
+    int op, mode;
+    Py_ssize_t stream = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOfii|n:fused_rows", kwlist, &x_o, &g_o, &out_o, &sc_o, &si_o,
+                                     &eps, &op, &mode, &stream))
+        return NULL;
+    if ((op != FP8EXT_FUSED_RMSNORM && op != FP8EXT_FUSED_SWIGLU) || mode < FP8EXT_FUSED_OUT_HP ||
+        mode > FP8EXT_FUSED_OUT_FP8_ROWS) {
+        PyErr_Format(PyExc_ValueError, "%s(): op must be 0 (RMSNorm) or 1 (SwiGLU) and out_mode 0..2, got %d and %d",
+                     fn, op, mode);
+        return NULL;
+    }
+    fp8ext_view x = {0}, g = {0}, out = {0}, sc = {0}, si = {0};
+    PyObject *ret = NULL;
+    fp8ext_fused_rows_args a = {0};
+    if (get_arg(x_o, -1, NULL, NULL, stream, fn, "x", &x) < 0 || on_gpu(&x, fn, "x") < 0) goto done;
+    if (mode == FP8EXT_FUSED_OUT_HP) {
+        if (get_arg(out_o, x.kind, &x, "x", stream, fn, "out", &out) < 0) goto done;
+    } else if (fp8ext_view_get(out_o, stream, fn, "out", &out) < 0 || fp8ext_check_fp8(&out, FP8EXT_E4M3, fn, "out") < 0 ||
+               fp8ext_check_contiguous(&out, fn, "out") < 0 || fp8ext_check_same_device(&out, &x, fn, "out", "x") < 0) {
+        goto done;
+    }
+    if (fp8ext_check_writable(&out, fn, "out") < 0 ||
+        (op == FP8EXT_FUSED_RMSNORM && get_arg(g_o, FP8EXT_KIND_F32, &x, "x", stream, fn, "gamma", &g) < 0) ||
+        (mode == FP8EXT_FUSED_OUT_FP8 && get_arg(sc_o, FP8EXT_KIND_F32, &x, "x", stream, fn, "scale", &sc) < 0) ||
+        (mode == FP8EXT_FUSED_OUT_FP8_ROWS && (get_arg(si_o, FP8EXT_KIND_F32, &x, "x", stream, fn, "scale_inv", &si) < 0 ||
+                                               fp8ext_check_writable(&si, fn, "scale_inv") < 0)))
+        goto done;
+    if (x.ndim != 2 || out.ndim != 2) {
+        value_error(fn, "x and out must be 2-D");
+        goto done;
+    }
+    a.rows = x.shape[0];
+    a.cols = op == FP8EXT_FUSED_SWIGLU ? x.shape[1] / 2 : x.shape[1];
+    if (op == FP8EXT_FUSED_SWIGLU && x.shape[1] % 2) {
+        value_error(fn, "x must hold gate and up halves: an even number of columns");
+        goto done;
+    }
+    if (a.cols % 8) {
+        PyErr_Format(PyExc_ValueError, "%s(): the output's columns must be a multiple of 8, got %lld", fn, (long long)a.cols);
+        goto done;
+    }
+    if (out.shape[0] != a.rows || out.shape[1] != a.cols) {
+        value_error(fn, "out must be [rows, cols] of the result");
+        goto done;
+    }
+    if ((op == FP8EXT_FUSED_RMSNORM && g.numel != a.cols) || (mode == FP8EXT_FUSED_OUT_FP8 && sc.numel != 1) ||
+        (mode == FP8EXT_FUSED_OUT_FP8_ROWS && si.numel != a.rows)) {
+        value_error(fn, "gamma must hold cols floats, scale one, scale_inv one per row");
+        goto done;
+    }
+    if (((uintptr_t)x.data % 16) || ((uintptr_t)out.data % 16) || (g.capsule && ((uintptr_t)g.data % 16))) {
+        value_error(fn, "x, out and gamma must start on a 16-byte boundary; pass freshly allocated tensors");
+        goto done;
+    }
+    a.x = x.data;
+    a.x_dtype = hp_dtype(&x);
+    a.gamma = g.capsule ? g.data : NULL;
+    a.eps = eps;
+    a.out = out.data;
+    a.scale = sc.capsule ? sc.data : NULL;
+    a.scale_inv = si.capsule ? si.data : NULL;
+    a.op = op;
+    a.out_mode = mode;
+    if (fp8ext_run_op(module, &x, stream, fn, no_cpu, cuda_fused_rows, &a) < 0) goto done;
+    ret = Py_NewRef(Py_None);
+done:
+    FP8EXT_RELEASE_ALL(&x, &g, &out, &sc, &si);
+    return ret;
+}
+
+/* rope_qkv(qkv, cos, sin, q, k, v, n_heads, n_kv, start_pos, stream=0): see fp8ext_rope_qkv_args. */
+static PyObject *py_rope_qkv(PyObject *module, PyObject *args, PyObject *kwargs) {
+    static const char *fn = "rope_qkv";
+    static char *kwlist[] = {"qkv", "cos", "sin", "q", "k", "v", "n_heads", "n_kv", "start_pos", "stream", NULL};
+    PyObject *x_o, *c_o, *s_o, *q_o, *k_o, *v_o;
+    long long n_heads, n_kv, start_pos;
+    Py_ssize_t stream = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOLLL|n:rope_qkv", kwlist, &x_o, &c_o, &s_o, &q_o, &k_o, &v_o,
+                                     &n_heads, &n_kv, &start_pos, &stream))
+        return NULL;
+    fp8ext_view x = {0}, c = {0}, sn = {0}, q = {0}, k = {0}, v = {0};
+    PyObject *ret = NULL;
+    fp8ext_rope_qkv_args a = {0};
+    if (get_arg(x_o, -1, NULL, NULL, stream, fn, "qkv", &x) < 0 || on_gpu(&x, fn, "qkv") < 0 ||
+        get_arg(c_o, FP8EXT_KIND_F32, &x, "qkv", stream, fn, "cos", &c) < 0 ||
+        get_arg(s_o, FP8EXT_KIND_F32, &x, "qkv", stream, fn, "sin", &sn) < 0 ||
+        get_arg(q_o, x.kind, &x, "qkv", stream, fn, "q", &q) < 0 || fp8ext_check_writable(&q, fn, "q") < 0 ||
+        get_arg(k_o, x.kind, &x, "qkv", stream, fn, "k", &k) < 0 || fp8ext_check_writable(&k, fn, "k") < 0 ||
+        get_arg(v_o, x.kind, &x, "qkv", stream, fn, "v", &v) < 0 || fp8ext_check_writable(&v, fn, "v") < 0)
+        goto done;
+    if (x.ndim != 3 || c.ndim != 2 || sn.ndim != 2 || q.ndim != 4 || k.ndim != 4 || v.ndim != 4) {
+        value_error(fn, "qkv must be [batch, seq, width], cos and sin [positions, head_dim / 2], q, k, v 4-D");
+        goto done;
+    }
+    if (n_heads < 1 || n_kv < 1) {
+        value_error(fn, "n_heads and n_kv must be positive");
+        goto done;
+    }
+    a.batch = x.shape[0];
+    a.seq = x.shape[1];
+    a.n_heads = n_heads;
+    a.n_kv = n_kv;
+    if (x.shape[2] % (n_heads + 2 * n_kv)) {
+        value_error(fn, "qkv's last dimension must be (n_heads + 2 * n_kv) * head_dim");
+        goto done;
+    }
+    a.head_dim = x.shape[2] / (n_heads + 2 * n_kv);
+    if (a.head_dim % 16) {
+        PyErr_Format(PyExc_ValueError, "%s(): head_dim must be a multiple of 16, got %lld", fn, (long long)a.head_dim);
+        goto done;
+    }
+    if (c.shape[1] != a.head_dim / 2 || sn.shape[0] != c.shape[0] || sn.shape[1] != c.shape[1] || start_pos < 0 ||
+        start_pos + a.seq > c.shape[0]) {
+        value_error(fn, "cos and sin must be [positions, head_dim / 2] covering start_pos .. start_pos + seq");
+        goto done;
+    }
+    {
+        const int64_t want[3][4] = {{a.batch, n_heads, a.seq, a.head_dim}, {a.batch, n_kv, a.seq, a.head_dim},
+                                    {a.batch, n_kv, a.seq, a.head_dim}};
+        const fp8ext_view *outs[3] = {&q, &k, &v};
+        for (int o = 0; o < 3; ++o)
+            for (int i = 0; i < 4; ++i)
+                if (outs[o]->shape[i] != want[o][i]) {
+                    value_error(fn, "q must be [batch, n_heads, seq, head_dim] and k, v [batch, n_kv, seq, head_dim]");
+                    goto done;
+                }
+    }
+    if (((uintptr_t)x.data % 16) || ((uintptr_t)q.data % 16) || ((uintptr_t)k.data % 16) || ((uintptr_t)v.data % 16)) {
+        value_error(fn, "qkv, q, k and v must start on a 16-byte boundary; pass freshly allocated tensors");
+        goto done;
+    }
+    a.qkv = x.data;
+    a.dtype = hp_dtype(&x);
+    a.cos = c.data;
+    a.sin = sn.data;
+    a.q = q.data;
+    a.k = k.data;
+    a.v = v.data;
+    a.start_pos = start_pos;
+    a.table_stride = c.shape[1];
+    if (fp8ext_run_op(module, &x, stream, fn, no_cpu, cuda_rope_qkv, &a) < 0) goto done;
+    ret = Py_NewRef(Py_None);
+done:
+    FP8EXT_RELEASE_ALL(&x, &c, &sn, &q, &k, &v);
+    return ret;
+}
+
 PyMethodDef fp8ext_inference_methods[] = {
+    {"fused_rows", (PyCFunction)(void (*)(void))py_fused_rows, METH_VARARGS | METH_KEYWORDS,
+     "fused_rows(x, gamma, out, scale, scale_inv, eps, op, out_mode, stream=0): RMSNorm or SwiGLU of each row, "
+     "written in x's dtype or as E4M3, on a GPU."},
+    {"rope_qkv", (PyCFunction)(void (*)(void))py_rope_qkv, METH_VARARGS | METH_KEYWORDS,
+     "rope_qkv(qkv, cos, sin, q, k, v, n_heads, n_kv, start_pos, stream=0): RoPE on a fused QKV projection, split "
+     "into q, k, v, on a GPU."},
     {"weight_only_blocks_per_sm", py_weight_only_blocks_per_sm, METH_VARARGS,
      "weight_only_blocks_per_sm(fmt, m, device): thread blocks of the weight-only kernel per multiprocessor."},
     {"weight_only", (PyCFunction)(void (*)(void))py_weight_only, METH_VARARGS | METH_KEYWORDS,

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import fused as _fused
 from .context import activation_dtype
 
 __all__ = ["LayerNorm", "RMSNorm"]
@@ -148,7 +149,26 @@ class RMSNorm(_Normalization):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ct = self._compute_dtype(x)
+        if self._fused_ok(x):  # inference on a GPU: one pass (fp8ext.fused.rms_norm), same definition
+            return _fused.rms_norm(x, self.fused_gamma(), self.eps)
         return F.rms_norm(x.to(ct), self.normalized_shape, self._gamma(ct), self.eps).to(activation_dtype(x))
+
+    def _fused_ok(self, x: torch.Tensor) -> bool:
+        """Whether the forward pass can run fp8ext's fused kernel: no gradient wanted, a one-dimensional
+        normalized_shape, a CUDA tensor of a 16-bit or float32 dtype kept by autocast."""
+        return (not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
+                and len(self.normalized_shape) == 1 and x.dtype != torch.float64
+                and _fused.available(x, self.normalized_shape[0]) and activation_dtype(x) == x.dtype)
+
+    def fused_gamma(self) -> torch.Tensor:
+        """The float32 gamma of the fused kernel, made once and kept while the weight is unchanged."""
+        w = self.weight
+        key = (w.data_ptr(), w._version, w.device, w.dtype, self.zero_centered_gamma)
+        cached = self.__dict__.get("_fused_gamma")
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                cached = self.__dict__["_fused_gamma"] = (key, self._gamma(torch.float32).detach().contiguous())
+        return cached[1]
 
 
 class LayerNorm(_Normalization):

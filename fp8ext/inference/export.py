@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from .. import __version__
-from .layers import FP8InferenceLinear
+from .layers import FP8InferenceLinear, fuse_norms
 from .quantize import _set_submodule
 
 __all__ = ["save_quantized", "load_quantized", "quantization_config"]
@@ -165,6 +165,7 @@ def load_quantized(model_dir: Union[str, pathlib.Path], model_or_factory: Union[
                     raise ValueError(f"load_quantized: {n} is not in {d / WEIGHTS_FILE} and cannot be recomputed")
                 mod, _, leaf = n.rpartition(".")
                 setattr(model.get_submodule(mod) if mod else model, leaf, t.to(device))
+    fuse_norms(model)
     first = next(iter(layers))
     model.fp8_quantization = {"weights": layers[first]["weights"], "activations": layers[first]["activations"],
                               "ignore": [], "ignored_modules": qc.get("ignore", []), "layers": sorted(layers),

@@ -19,11 +19,13 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .. import fused
 from ..formats import E4M3
+from ..normalization import RMSNorm
 from ..ops import quantize, quantize_blockwise, quantize_rowwise, scale_from_amax, amax as _amax
 from .._gemm import gemm
 
-__all__ = ["FP8InferenceLinear", "WEIGHT_SCHEMES", "ACTIVATION_SCHEMES"]
+__all__ = ["FP8InferenceLinear", "FP8Activation", "FP8InputRMSNorm", "WEIGHT_SCHEMES", "ACTIVATION_SCHEMES"]
 
 WEIGHT_SCHEMES = ("tensor", "channel", "block128")
 ACTIVATION_SCHEMES = ("static", "dynamic")
@@ -39,9 +41,30 @@ def _check_schemes(weights: str, activations: str, fn: str) -> None:
                          "blocks with 1x128 activation blocks)")
 
 
+class FP8Activation:
+    """An activation already quantized for an FP8InferenceLinear by a fused kernel (RMSNorm or SwiGLU writing
+    E4M3 directly): `data` [rows, in_features] E4M3, `scale_inv` the dequantizing scales in the layout the
+    layer's GEMM takes, and `shape` the high-precision activation's shape. Made by
+    FP8InferenceLinear.quantize_input; only the layer that made it (or layers with the same input scheme)
+    should take it."""
+
+    __slots__ = ("data", "scale_inv", "shape", "dtype", "device", "scheme")
+
+    def __init__(self, data, scale_inv, shape, dtype, scheme):
+        self.data, self.scale_inv, self.shape, self.dtype, self.device = data, scale_inv, shape, dtype, data.device
+        self.scheme = scheme
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+
 class FP8InferenceLinear(nn.Module):
     """y = x W^T + b with W held as E4M3 bytes and scales (see the module docstring). Inference only: the
     buffers carry no gradient."""
+
+    # cuBLASLt's fast accumulation (no periodic promotion of the tensor cores' partial sums to float32);
+    # Transformer Engine uses it in forward passes. Off by default; set per layer or on the class.
+    fast_accum = False
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, weights: str = "channel",
                  activations: str = "dynamic", device=None, out_dtype: torch.dtype = torch.bfloat16):
@@ -112,28 +135,128 @@ class FP8InferenceLinear(nn.Module):
         self._gemm_scale = (key, scale)
         return scale
 
+    def _input_scheme(self):
+        """What a fused producer must write for this layer: (activations, the static scale or None)."""
+        if self.activations == "static":
+            key = (self.input_scale.data_ptr(), self.input_scale._version)
+            cached = self.__dict__.get("_static_scale")
+            if cached is None or cached[0] != key:
+                cached = self.__dict__["_static_scale"] = (key, self.input_scale.reciprocal().reshape(1))
+            return "static", cached[1]
+        return "dynamic", None
+
+    def _x_scale_inv(self, rows: int, row_scale_inv: Optional[torch.Tensor]) -> torch.Tensor:
+        """The activation's scale_inv as the GEMM pairs it with weight_scale."""
+        if self.activations == "dynamic":
+            return row_scale_inv
+        if self.weights == "tensor":
+            return self.input_scale.reshape(())
+        key = (rows, self.input_scale.data_ptr(), self.input_scale._version)
+        cached = self.__dict__.get("_rows_scale_inv")
+        if cached is None or cached[0] != key:
+            cached = self.__dict__["_rows_scale_inv"] = (key, self.input_scale.expand(rows).contiguous())
+        return cached[1]
+
+    def quantize_input(self, x: torch.Tensor, op: str, norm: Optional[RMSNorm] = None) -> Optional[FP8Activation]:
+        """This layer's E4M3 input computed by one fused kernel from x: op "rmsnorm" (norm(x), `norm` an
+        RMSNorm) or "swiglu" (silu(gate) * up of x = [gate, up]). None when the fusion does not apply (block
+        weights, or no CUDA kernel for x): the caller then runs the unfused ops."""
+        if self.weights == "block128" or not fused.available(x, self.in_features):
+            return None
+        activations, scale = self._input_scheme()
+        if op == "rmsnorm":
+            q, sinv = fused.rms_norm_fp8(x, norm.fused_gamma(), norm.eps, scale)
+            shape = x.shape
+        elif op == "swiglu":
+            q, sinv = fused.swiglu_fp8(x, scale)
+            shape = q.shape
+        else:
+            raise ValueError(f"FP8InferenceLinear.quantize_input: op must be 'rmsnorm' or 'swiglu', got {op!r}")
+        if shape[-1] != self.in_features:
+            raise ValueError(f"FP8InferenceLinear.quantize_input: the fused output has {shape[-1]} features, this "
+                             f"layer takes {self.in_features}")
+        data = q.reshape(-1, self.in_features)
+        return FP8Activation(data, self._x_scale_inv(data.shape[0], sinv), shape, x.dtype,
+                             (activations, None if scale is None else self.input_scale))
+
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
-        """is_first_microbatch is accepted (and ignored) so the layer stands in for fp8ext.Linear."""
+        """is_first_microbatch is accepted (and ignored) so the layer stands in for fp8ext.Linear. x may be an
+        FP8Activation made by quantize_input of a layer with the same input scheme."""
+        per_tensor_pair = self.weights == "tensor" and self.activations == "static"
+        if isinstance(x, FP8Activation):
+            self._check_activation(x)
+            y = gemm(x.data, self.weight, a_scale_inv=x.scale_inv,
+                     b_scale_inv=self._weight_scale_for_gemm(not per_tensor_pair), out_dtype=self.out_dtype,
+                     bias=self.bias, use_fast_accum=self.fast_accum)
+            return y.reshape(*x.shape[:-1], self.out_features)
         x2 = x.reshape(-1, self.in_features)
         if not x2.is_contiguous():
             x2 = x2.contiguous()
-        per_tensor_pair = self.weights == "tensor" and self.activations == "static"
         if self.weights == "block128":
             pad = -x2.shape[0] % 4  # 1x128 activation blocks need a row count that is a multiple of 4
             xp = torch.nn.functional.pad(x2, (0, 0, 0, pad)) if pad else x2
             xq, x_sinv = quantize_blockwise(xp, E4M3, block=(1, 128))
         elif self.activations == "static":
-            xq = quantize(x2, E4M3, self.input_scale.reciprocal().reshape(()))
-            x_sinv = self.input_scale.reshape(()) if per_tensor_pair else \
-                self.input_scale.expand(x2.shape[0]).contiguous()
+            xq = quantize(x2, E4M3, self._input_scheme()[1].reshape(()))
+            x_sinv = self._x_scale_inv(x2.shape[0], None)
         else:
             xq, x_sinv = quantize_rowwise(x2, E4M3)
         y = gemm(xq, self.weight, a_scale_inv=x_sinv, b_scale_inv=self._weight_scale_for_gemm(not per_tensor_pair),
-                 out_dtype=self.out_dtype, bias=self.bias)
+                 out_dtype=self.out_dtype, bias=self.bias, use_fast_accum=self.fast_accum)
         if self.weights == "block128" and y.shape[0] != x2.shape[0]:
             y = y[:x2.shape[0]]
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def _check_activation(self, x: FP8Activation) -> None:
+        activations, scale = x.scheme
+        if (x.shape[-1] != self.in_features or self.weights == "block128" or activations != self.activations
+                or (scale is not None and scale is not self.input_scale and not torch.equal(scale, self.input_scale))):
+            raise ValueError(f"FP8InferenceLinear: this FP8Activation ({activations} scales, {x.shape[-1]} "
+                             f"features) was quantized for another layer's input; this one takes {self.activations} "
+                             f"activations of {self.in_features} features with {self.weights} weights")
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"weights={self.weights}, activations={self.activations}")
+
+
+class FP8InputRMSNorm(RMSNorm):
+    """An RMSNorm that, in inference on a GPU, writes the E4M3 input of the FP8InferenceLinear it feeds (norm
+    and quantization in one kernel: fp8ext.fused.rms_norm_fp8) and returns it as an FP8Activation. Otherwise
+    (gradients wanted, a CPU tensor) it is the RMSNorm it replaced. Its parameter and state-dict entry are the
+    norm's own `weight`. Made by fuse_norms."""
+
+    @classmethod
+    def from_norm(cls, norm: RMSNorm, consumer: FP8InferenceLinear) -> "FP8InputRMSNorm":
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        for k, v in norm.__dict__.items():
+            if k not in ("_parameters", "_buffers", "_modules", "_fused_gamma"):
+                new.__dict__[k] = v
+        new._parameters = dict(norm._parameters)
+        new._buffers = dict(norm._buffers)
+        new._modules = dict(norm._modules)
+        new.__dict__["_consumer"] = (consumer,)  # a plain reference, not a submodule
+        return new
+
+    def forward(self, x: torch.Tensor):
+        if self._fused_ok(x):
+            a = self._consumer[0].quantize_input(x, "rmsnorm", self)
+            if a is not None:
+                return a
+        return super().forward(x)
+
+
+def fuse_norms(model: nn.Module) -> int:
+    """Replaces, in each block of fp8ext's transformer whose fused QKV projection (attention) or w13 (SwiGLU)
+    is an FP8InferenceLinear, the RMSNorm before it by an FP8InputRMSNorm; returns how many. Blocks are found
+    by their attributes (attn_norm + attn.qkv_proj, ffn_norm + ffn.w13)."""
+    n = 0
+    for block in model.modules():
+        for norm_name, consumer in (("attn_norm", getattr(getattr(block, "attn", None), "qkv_proj", None)),
+                                    ("ffn_norm", getattr(getattr(block, "ffn", None), "w13", None))):
+            norm = getattr(block, norm_name, None)
+            if type(norm) is RMSNorm and isinstance(consumer, FP8InferenceLinear) and consumer.weights != "block128":
+                setattr(block, norm_name, FP8InputRMSNorm.from_norm(norm, consumer))
+                n += 1
+    return n

@@ -24,7 +24,7 @@ from torch import nn
 from ..formats import E4M3
 from ..linear import FP8Linear
 from ..ops import amax as _amax
-from .layers import FP8InferenceLinear, _check_schemes
+from .layers import FP8InferenceLinear, _check_schemes, fuse_norms
 
 __all__ = ["calibrate", "quantize_model", "DEFAULT_IGNORE", "quantizable_linears", "kv_scales_from_amax",
            "set_kv_cache_scales", "KV_CACHE_SCHEME"]
@@ -212,6 +212,7 @@ def quantize_model(model: nn.Module, weights: str = "channel", activations: str 
     for name, lin in layers.items():
         amax = calib.get(name) if calib else None
         _set_submodule(model, name, FP8InferenceLinear.from_linear(lin, weights, activations, amax, out_dtype))
+    fuse_norms(model)  # norms that feed an FP8 layer write its E4M3 input directly (on a GPU, without gradients)
     model.fp8_quantization = {"weights": weights, "activations": activations, "ignore": list(ignore),
                               "ignored_modules": sorted(kept), "layers": sorted(layers),
                               "input_amax": {n: calib[n] for n in layers if n in calib} if calib else {},

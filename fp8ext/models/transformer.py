@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fp8ext as te
+from fp8ext import fused
 from fp8ext.context import current_context
 from fp8ext.recipe import DelayedScaling, Format
 
@@ -137,13 +138,19 @@ class GroupedQueryAttention(nn.Module):
         b, s, _ = x.shape
         h, kv, hd = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
         mb = {"is_first_microbatch": is_first_microbatch}
+        no_grad = not torch.is_grad_enabled()
         if self.cfg.fused_qkv:
-            q, k, v = self.qkv_proj(x, **mb).split([h * hd, kv * hd, kv * hd], dim=-1)
+            qkv = self.qkv_proj(x, **mb)
+            if no_grad and fused.available(qkv, 16 if hd % 16 == 0 else 1):  # one pass: split, rotate, lay out
+                q, k, v = fused.rope_qkv(qkv, cos, sin, h, kv)
+            else:
+                q, k, v = qkv.split([h * hd, kv * hd, kv * hd], dim=-1)
         else:
             q, k, v = self.q_proj(x, **mb), self.k_proj(x, **mb), self.v_proj(x, **mb)
-        q = apply_rope(q.view(b, s, h, hd).transpose(1, 2), cos, sin)
-        k = apply_rope(k.view(b, s, kv, hd).transpose(1, 2), cos, sin)
-        v = v.view(b, s, kv, hd).transpose(1, 2)
+        if q.dim() == 3:
+            q = apply_rope(q.view(b, s, h, hd).transpose(1, 2), cos, sin)
+            k = apply_rope(k.view(b, s, kv, hd).transpose(1, 2), cos, sin)
+            v = v.view(b, s, kv, hd).transpose(1, 2)
         if self.kv_observer is not None:
             self.kv_observer(k, v)
         if kv_cache is not None:  # generation: store this step's K/V, attend over everything cached
@@ -161,6 +168,9 @@ class GroupedQueryAttention(nn.Module):
             if kv != h and _SDPA_GQA:  # the cache's K/V heads are read in place, not repeated
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=s > 1, enable_gqa=True)
                 return self.o_proj(y.transpose(1, 2).reshape(b, s, h * hd), **mb)
+        if kv != h and no_grad and _SDPA_GQA:  # K/V heads read in place (their gradient path stays as it was)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=s > 1, enable_gqa=True)
+            return self.o_proj(y.transpose(1, 2).reshape(b, s, h * hd), **mb)
         if kv != h:  # grouped-query attention: each K/V head serves h / kv query heads
             k, v = k.repeat_interleave(h // kv, dim=1), v.repeat_interleave(h // kv, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=s > 1)  # one new token attends to all before it
@@ -177,7 +187,13 @@ class SwiGLU(nn.Module):
                             init_method=_init_out(0.02 / math.sqrt(2 * cfg.n_layers)))
 
     def forward(self, x, is_first_microbatch=None):
-        gate, up = self.w13(x, is_first_microbatch=is_first_microbatch).chunk(2, dim=-1)
+        h = self.w13(x, is_first_microbatch=is_first_microbatch)
+        if not torch.is_grad_enabled() and fused.available(h, h.shape[-1] // 2):
+            # inference on a GPU: silu(gate) * up in one pass, written as w2's FP8 input when w2 takes one
+            into = getattr(self.w2, "quantize_input", None)
+            a = into(h, "swiglu") if into is not None else None
+            return self.w2(a if a is not None else fused.swiglu(h), is_first_microbatch=is_first_microbatch)
+        gate, up = h.chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up, is_first_microbatch=is_first_microbatch)
 
 

@@ -1,0 +1,251 @@
+// fused_inference.cu: the elementwise steps around a transformer's GEMMs, each fused into one pass, for
+// inference (no autograd): RMSNorm and SwiGLU, writing bf16 or E4M3 directly (with a static scale or one scale
+// per row), and RoPE applied to a fused QKV projection's output while splitting it into q, k and v.
+//
+// Unfused, PyTorch runs RMSNorm over bf16 as three passes (to float32, the norm, back to bf16), SwiGLU as two,
+// RoPE as about ten, and the FP8 layers quantize their input in one more. Here each is one read of its input
+// and one write of its output.
+//
+// Row kernels: one CUDA block of 256 threads per row, 8 elements (one 16-byte bf16 vector) per thread and
+// step. The row is read again for the second and third passes (sum of squares, then the amax of the rounded
+// output for per-row scales, then the conversion); those reads hit L1/L2 (a row is a few KB).
+// The value quantized is the output rounded to x's dtype, so the FP8 outputs equal fp8ext.quantize /
+// quantize_rowwise of the bf16 output bit for bit (tests/test_fused.py).
+#include <type_traits>
+
+#include "common.cuh"
+
+namespace fp8ext {
+namespace {
+
+constexpr int kThreads = 256;
+
+template <typename T>
+__device__ __forceinline__ void load8(const T *x, int64_t i, float *f) {
+    Elem<T>::unpack(*reinterpret_cast<const uint4 *>(x + i), f);
+    if constexpr (Elem<T>::kVec == 4) Elem<T>::unpack(*(reinterpret_cast<const uint4 *>(x + i) + 1), f + 4);
+}
+
+// Rounds v to T and back (exact), so that what is quantized is what the high-precision output holds.
+template <typename T> __device__ __forceinline__ float round_to(float v);
+template <> __device__ __forceinline__ float round_to<float>(float v) { return v; }
+template <> __device__ __forceinline__ float round_to<__nv_bfloat16>(float v) {
+    return __bfloat162float(__float2bfloat16_rn(v));
+}
+template <> __device__ __forceinline__ float round_to<__half>(float v) { return __half2float(__float2half_rn(v)); }
+
+// 8 floats (already rounded to T, so the conversion is exact) stored as T at out[i].
+template <typename T>
+__device__ __forceinline__ void store8(T *out, int64_t i, const float *f) {
+    if constexpr (sizeof(T) == 4) {
+        reinterpret_cast<float4 *>(out + i)[0] = make_float4(f[0], f[1], f[2], f[3]);
+        reinterpret_cast<float4 *>(out + i)[1] = make_float4(f[4], f[5], f[6], f[7]);
+    } else {
+        uint32_t w[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+                const __nv_bfloat162 p = __floats2bfloat162_rn(f[2 * j], f[2 * j + 1]);
+                memcpy(&w[j], &p, 4);
+            } else {
+                const __half2 p = __floats2half2_rn(f[2 * j], f[2 * j + 1]);
+                memcpy(&w[j], &p, 4);
+            }
+        }
+        *reinterpret_cast<uint4 *>(out + i) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+}
+
+__device__ __forceinline__ void store8_fp8(uint8_t *q, int64_t i, const float *f, float scale) {
+    const uint32_t lo = cvt2<FP8EXT_E4M3>(f[0], f[1], scale, 1) | (cvt2<FP8EXT_E4M3>(f[2], f[3], scale, 1) << 16);
+    const uint32_t hi = cvt2<FP8EXT_E4M3>(f[4], f[5], scale, 1) | (cvt2<FP8EXT_E4M3>(f[6], f[7], scale, 1) << 16);
+    *reinterpret_cast<uint2 *>(q + i) = make_uint2(lo, hi);
+}
+
+// Block-wide reductions; every thread gets the result. The order is fixed by the block size, so a row's
+// result does not depend on the launch.
+__device__ __forceinline__ float block_sum(float v) {
+    __shared__ float part[kThreads / 32];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+    __syncthreads();  // part may still be read by an earlier reduction
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = part[0];
+#pragma unroll
+    for (int w = 1; w < kThreads / 32; ++w) v += part[w];
+    return v;
+}
+
+__device__ __forceinline__ int32_t block_max_bits(int32_t m) {
+    __shared__ int32_t part[kThreads / 32];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = m;
+    __syncthreads();
+    m = part[0];
+#pragma unroll
+    for (int w = 1; w < kThreads / 32; ++w) m = max(m, part[w]);
+    return m;
+}
+
+// The row's 8 outputs at column c, rounded to T.
+template <typename T, int OP>
+__device__ __forceinline__ void row_values(const T *xr, int64_t cols, int64_t c, const float *__restrict__ gamma,
+                                           float rstd, float *y) {
+    if constexpr (OP == FP8EXT_FUSED_RMSNORM) {
+        float g[8];
+        load8(xr, c, y);
+        const float4 g0 = __ldg(reinterpret_cast<const float4 *>(gamma + c));
+        const float4 g1 = __ldg(reinterpret_cast<const float4 *>(gamma + c) + 1);
+        g[0] = g0.x; g[1] = g0.y; g[2] = g0.z; g[3] = g0.w; g[4] = g1.x; g[5] = g1.y; g[6] = g1.z; g[7] = g1.w;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) y[j] = round_to<T>((y[j] * rstd) * g[j]);
+    } else {
+        float u[8];
+        load8(xr, c, y);
+        load8(xr, cols + c, u);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) y[j] = round_to<T>(y[j] / (1.0f + expf(-y[j])) * u[j]);
+    }
+}
+
+template <typename T, int OP, int MODE>
+__global__ void __launch_bounds__(kThreads) fused_rows_kernel(const T *__restrict__ x, const float *__restrict__ gamma,
+                                                              float eps, void *__restrict__ out,
+                                                              const float *__restrict__ scale_ptr,
+                                                              float *__restrict__ scale_inv, int64_t cols) {
+    const int64_t row = blockIdx.x;
+    const T *xr = x + row * (OP == FP8EXT_FUSED_SWIGLU ? 2 * cols : cols);
+    float rstd = 0.0f;
+    if constexpr (OP == FP8EXT_FUSED_RMSNORM) {
+        float ss = 0.0f, f[8];
+        for (int64_t c = threadIdx.x * 8; c < cols; c += kThreads * 8) {
+            load8(xr, c, f);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) ss += f[j] * f[j];
+        }
+        rstd = rsqrtf(block_sum(ss) / static_cast<float>(cols) + eps);
+    }
+    float y[8];
+    if constexpr (MODE == FP8EXT_FUSED_OUT_HP) {
+        T *o = static_cast<T *>(out) + row * cols;
+        for (int64_t c = threadIdx.x * 8; c < cols; c += kThreads * 8) {
+            row_values<T, OP>(xr, cols, c, gamma, rstd, y);
+            store8(o, c, y);
+        }
+    } else {
+        uint8_t *o = static_cast<uint8_t *>(out) + row * cols;
+        float scale;
+        if constexpr (MODE == FP8EXT_FUSED_OUT_FP8) {
+            scale = __ldg(scale_ptr);
+        } else {
+            int32_t m = 0;
+            for (int64_t c = threadIdx.x * 8; c < cols; c += kThreads * 8) {
+                row_values<T, OP>(xr, cols, c, gamma, rstd, y);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) m = max(m, abs_bits(y[j]));
+            }
+            scale = fp8_scale_for_amax(__int_as_float(block_max_bits(m)), FP8EXT_E4M3);
+            if (threadIdx.x == 0) scale_inv[row] = 1.0f / scale;
+        }
+        for (int64_t c = threadIdx.x * 8; c < cols; c += kThreads * 8) {
+            row_values<T, OP>(xr, cols, c, gamma, rstd, y);
+            store8_fp8(o, c, y, scale);
+        }
+    }
+}
+
+// RoPE: one block per token (b, s); each thread takes 8 consecutive pairs (j, j + head_dim / 2) of one head.
+template <typename T>
+__global__ void __launch_bounds__(128) rope_qkv_kernel(fp8ext_rope_qkv_args a) {
+    const int64_t token = blockIdx.x, b = token / a.seq, s = token % a.seq;
+    const int64_t half = a.head_dim / 2, groups = half / 8, heads = a.n_heads + 2 * a.n_kv;
+    const T *in = static_cast<const T *>(a.qkv) + token * heads * a.head_dim;
+    const float *cr = a.cos + (a.start_pos + s) * a.table_stride;
+    const float *sr = a.sin + (a.start_pos + s) * a.table_stride;
+    for (int64_t item = threadIdx.x; item < heads * groups; item += blockDim.x) {
+        const int64_t head = item / groups, j = (item % groups) * 8;
+        T *dst;
+        int64_t nh, hh;
+        if (head < a.n_heads) { dst = static_cast<T *>(a.q); nh = a.n_heads; hh = head; }
+        else if (head < a.n_heads + a.n_kv) { dst = static_cast<T *>(a.k); nh = a.n_kv; hh = head - a.n_heads; }
+        else { dst = static_cast<T *>(a.v); nh = a.n_kv; hh = head - a.n_heads - a.n_kv; }
+        T *o = dst + ((b * nh + hh) * a.seq + s) * a.head_dim;
+        const T *xi = in + head * a.head_dim;
+        float x1[8], x2[8];
+        load8(xi, j, x1);
+        load8(xi, half + j, x2);
+        if (head < a.n_heads + a.n_kv) {
+            float o1[8], o2[8];
+#pragma unroll
+            for (int t = 0; t < 8; ++t) {
+                const float c = __ldg(cr + j + t), n = __ldg(sr + j + t);
+                o1[t] = round_to<T>(__fsub_rn(__fmul_rn(x1[t], c), __fmul_rn(x2[t], n)));
+                o2[t] = round_to<T>(__fadd_rn(__fmul_rn(x1[t], n), __fmul_rn(x2[t], c)));
+            }
+            store8(o, j, o1);
+            store8(o, half + j, o2);
+        } else {
+            store8(o, j, x1);
+            store8(o, half + j, x2);
+        }
+    }
+}
+
+}  // namespace
+}  // namespace fp8ext
+
+extern "C" int fp8ext_cuda_fused_rows(const fp8ext_fused_rows_args *a, void *stream, int /*num_sms*/) {
+    using namespace fp8ext;
+    if (a->rows == 0 || a->cols == 0) return cudaSuccess;
+    if (a->cols % 8 || !aligned(a->x, 16) || !aligned(a->out, a->out_mode == FP8EXT_FUSED_OUT_HP ? 16 : 8) ||
+        (a->op == FP8EXT_FUSED_RMSNORM && !aligned(a->gamma, 16)))
+        return cudaErrorMisalignedAddress;
+    if (a->rows > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    const unsigned grid = static_cast<unsigned>(a->rows);
+#define FP8EXT_FUSED_LAUNCH(OP)                                                                                       \
+    switch (a->out_mode) {                                                                                            \
+    case FP8EXT_FUSED_OUT_HP:                                                                                         \
+        fused_rows_kernel<T, OP, FP8EXT_FUSED_OUT_HP><<<grid, kThreads, 0, s>>>(x, a->gamma, a->eps, a->out, a->scale, \
+                                                                               a->scale_inv, a->cols);                \
+        break;                                                                                                        \
+    case FP8EXT_FUSED_OUT_FP8:                                                                                        \
+        fused_rows_kernel<T, OP, FP8EXT_FUSED_OUT_FP8><<<grid, kThreads, 0, s>>>(x, a->gamma, a->eps, a->out,          \
+                                                                                a->scale, a->scale_inv, a->cols);     \
+        break;                                                                                                        \
+    case FP8EXT_FUSED_OUT_FP8_ROWS:                                                                                   \
+        fused_rows_kernel<T, OP, FP8EXT_FUSED_OUT_FP8_ROWS><<<grid, kThreads, 0, s>>>(x, a->gamma, a->eps, a->out,     \
+                                                                                     a->scale, a->scale_inv, a->cols); \
+        break;                                                                                                        \
+    default: return cudaErrorInvalidValue;                                                                            \
+    }
+    FP8EXT_DISPATCH_DTYPE(a->x_dtype, {
+        const T *x = static_cast<const T *>(a->x);
+        if (a->op == FP8EXT_FUSED_RMSNORM) {
+            FP8EXT_FUSED_LAUNCH(FP8EXT_FUSED_RMSNORM)
+        } else if (a->op == FP8EXT_FUSED_SWIGLU) {
+            FP8EXT_FUSED_LAUNCH(FP8EXT_FUSED_SWIGLU)
+        } else {
+            return cudaErrorInvalidValue;
+        }
+    });
+#undef FP8EXT_FUSED_LAUNCH
+    return cudaGetLastError();
+}
+
+extern "C" int fp8ext_cuda_rope_qkv(const fp8ext_rope_qkv_args *a, void *stream, int /*num_sms*/) {
+    using namespace fp8ext;
+    const int64_t tokens = a->batch * a->seq;
+    if (tokens == 0) return cudaSuccess;
+    if (a->head_dim % 16 || !aligned(a->qkv, 16) || !aligned(a->q, 16) ||
+        !aligned(a->k, 16) || !aligned(a->v, 16))
+        return cudaErrorMisalignedAddress;
+    if (tokens > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    FP8EXT_DISPATCH_DTYPE(a->dtype, {
+        rope_qkv_kernel<T><<<static_cast<unsigned>(tokens), 128, 0, s>>>(*a);
+    });
+    return cudaGetLastError();
+}

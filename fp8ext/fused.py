@@ -1,0 +1,208 @@
+"""Fused forward steps of a transformer block, for inference: RMSNorm, SwiGLU and RoPE in one pass each, the
+first two optionally writing the E4M3 input of the next FP8 GEMM directly.
+
+    y = fp8ext.fused.rms_norm(x, gamma, eps)                 # x's dtype
+    q, scale_inv = fp8ext.fused.rms_norm_fp8(x, gamma, eps)  # E4M3, one scale per row (scale_inv [rows])
+    q, _ = fp8ext.fused.rms_norm_fp8(x, gamma, eps, scale)   # E4M3 with a static scale ([1] float32 tensor)
+    h = fp8ext.fused.swiglu(gate_up)                         # silu(gate) * up; gate_up [..., 2 * d_ff]
+    q, k, v = fp8ext.fused.rope_qkv(qkv, cos, sin, n_heads, n_kv, start_pos)
+
+Definitions (the CPU computes exactly these with torch ops; a CUDA kernel computes them on a GPU):
+  rms_norm  y = (x * rsqrt(mean(x^2) + eps)) * gamma in float32, rounded to x's dtype. The sum of squares is
+            a reduction, so GPU and CPU may differ in its last bit and y by one unit in the last place.
+  swiglu    y = gate / (1 + exp(-gate)) * up in float32, rounded to x's dtype (within one unit in the last
+            place of the CPU's, exp being the device's).
+  *_fp8     the same y, then exactly fp8ext.quantize(y, E4M3, scale) (static) or fp8ext.quantize_rowwise(y)
+            (per row: scale = 448 / max|row|): bit for bit the unfused composition on the same device.
+  rope_qkv  splits qkv [batch, seq, (n_heads + 2 n_kv) * head_dim] into q [batch, n_heads, seq, head_dim] and
+            k, v [batch, n_kv, seq, head_dim], contiguous; rotates q and k ("rotate half") by cos, sin
+            [positions, head_dim / 2] float32 from row start_pos: x1 * c - x2 * s, x1 * s + x2 * c in float32,
+            each product and sum rounded, then to qkv's dtype. Bit for bit the same on CPU and GPU.
+No autograd: these are for forward passes without gradients (fp8ext's model uses them under torch.no_grad
+and inference_mode, and its differentiable composition otherwise).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from . import _C
+from ._boundary import dl, dl_fp8, stream_of
+from .formats import E4M3
+from .ops import quantize, quantize_rowwise
+
+__all__ = ["rms_norm", "rms_norm_fp8", "swiglu", "swiglu_fp8", "rope_qkv", "available"]
+
+_RMSNORM, _SWIGLU = 0, 1
+_OUT_HP, _OUT_FP8, _OUT_FP8_ROWS = 0, 1, 2
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_CUDA = bool(_C.WITH_CUDA)  # a CUDA tensor implies a visible device
+
+
+def available(x: torch.Tensor, cols: int = 8) -> bool:
+    """Whether the CUDA kernels run for x: a CUDA tensor, fp8ext built with CUDA, outside torch.compile's
+    tracing, and an output width `cols` that is a multiple of 8 (16-byte vectors). Otherwise the functions
+    compute the same definitions with torch ops."""
+    return x.is_cuda and cols % 8 == 0 and _CUDA and not torch.compiler.is_compiling()
+
+
+def _check(x: torch.Tensor, fn: str, arg: str = "x") -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{fn}(): {arg} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"{fn}(): {arg} must be float32, bfloat16 or float16, got {x.dtype}")
+    if x.dim() < 1:
+        raise ValueError(f"{fn}(): {arg} must have at least one dimension")
+
+
+def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
+    x2 = x.reshape(-1, width)
+    if not x2.is_contiguous() or x2.data_ptr() % 16:
+        x2 = x2.contiguous() if not x2.is_contiguous() else x2.clone()
+    return x2
+
+
+def _gamma(gamma: torch.Tensor, cols: int, x: torch.Tensor, fn: str) -> torch.Tensor:
+    if not isinstance(gamma, torch.Tensor) or gamma.numel() != cols:
+        raise ValueError(f"{fn}(): gamma must be a tensor of {cols} values (x's last dimension), got "
+                         f"{list(gamma.shape) if isinstance(gamma, torch.Tensor) else type(gamma).__name__}")
+    if gamma.device != x.device:
+        raise ValueError(f"{fn}(): gamma is on {gamma.device}, x on {x.device}")
+    g = gamma.reshape(-1)
+    return g if g.dtype == torch.float32 and g.is_contiguous() else g.float().contiguous()
+
+
+def _scale(scale: torch.Tensor, x: torch.Tensor, fn: str) -> torch.Tensor:
+    if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or scale.dtype != torch.float32:
+        raise ValueError(f"{fn}(): scale must be a one-element float32 tensor (q = fp8(y * scale)), got "
+                         f"{scale.dtype if isinstance(scale, torch.Tensor) else type(scale).__name__}")
+    if scale.device != x.device:
+        raise ValueError(f"{fn}(): scale is on {scale.device}, x on {x.device}")
+    return scale.reshape(1)
+
+
+def _run_rows(x2, gamma, eps, op, mode, scale, fn):
+    rows, cols = x2.shape[0], x2.shape[1] // (2 if op == _SWIGLU else 1)
+    if mode == _OUT_HP:
+        out = torch.empty(rows, cols, dtype=x2.dtype, device=x2.device)
+    else:
+        out = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=x2.device)
+    scale_inv = torch.empty(rows, dtype=torch.float32, device=x2.device) if mode == _OUT_FP8_ROWS else None
+    _C.fused_rows(dl(x2), None if gamma is None else dl(gamma), dl(out) if mode == _OUT_HP else dl_fp8(out),
+                  None if scale is None else dl(scale), None if scale_inv is None else dl(scale_inv), float(eps), op,
+                  mode, stream_of(x2.device))
+    return out, scale_inv
+
+
+def _rms_norm_reference(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    return ((xf * rstd) * gamma.float()).to(x.dtype)
+
+
+def _swiglu_reference(h: torch.Tensor) -> torch.Tensor:
+    g, u = h.float().chunk(2, dim=-1)
+    return (g / (1.0 + torch.exp(-g)) * u).to(h.dtype)
+
+
+def _fp8_of(y: torch.Tensor, scale: Optional[torch.Tensor]):
+    y2 = y.reshape(-1, y.shape[-1]).contiguous()
+    if scale is None:
+        q, scale_inv = quantize_rowwise(y2, E4M3)
+        return q.reshape(y.shape), scale_inv
+    return quantize(y2, E4M3, scale.reshape(())).reshape(y.shape), None
+
+
+def rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over x's last dimension, in x's dtype (see the module docstring)."""
+    _check(x, "rms_norm")
+    if not available(x, x.shape[-1]):
+        return _rms_norm_reference(x, gamma, eps)
+    cols = x.shape[-1]
+    out, _ = _run_rows(_rows(x, cols), _gamma(gamma, cols, x, "rms_norm"), eps, _RMSNORM, _OUT_HP, None, "rms_norm")
+    return out.reshape(x.shape)
+
+
+def rms_norm_fp8(x: torch.Tensor, gamma: torch.Tensor, eps: float,
+                 scale: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """RMSNorm written as E4M3: (q, scale_inv [rows]) with per-row scales when scale is None, (q, None) with
+    the static `scale` (q = fp8(y * scale)). q has x's shape."""
+    _check(x, "rms_norm_fp8")
+    if scale is not None:
+        scale = _scale(scale, x, "rms_norm_fp8")
+    if not available(x, x.shape[-1]):
+        return _fp8_of(_rms_norm_reference(x, gamma, eps), scale)
+    cols = x.shape[-1]
+    q, scale_inv = _run_rows(_rows(x, cols), _gamma(gamma, cols, x, "rms_norm_fp8"), eps, _RMSNORM,
+                             _OUT_FP8_ROWS if scale is None else _OUT_FP8, scale, "rms_norm_fp8")
+    return q.reshape(x.shape), scale_inv
+
+
+def _half_shape(h: torch.Tensor, fn: str):
+    if h.shape[-1] % 2:
+        raise ValueError(f"{fn}(): the last dimension holds gate then up: it must be even, got {h.shape[-1]}")
+    return (*h.shape[:-1], h.shape[-1] // 2)
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for h = [gate, up] along the last dimension, in h's dtype."""
+    _check(h, "swiglu", "h")
+    shape = _half_shape(h, "swiglu")
+    if not available(h, shape[-1]):
+        return _swiglu_reference(h)
+    out, _ = _run_rows(_rows(h, h.shape[-1]), None, 0.0, _SWIGLU, _OUT_HP, None, "swiglu")
+    return out.reshape(shape)
+
+
+def swiglu_fp8(h: torch.Tensor, scale: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """silu(gate) * up written as E4M3, scaled as rms_norm_fp8's output."""
+    _check(h, "swiglu_fp8", "h")
+    shape = _half_shape(h, "swiglu_fp8")
+    if scale is not None:
+        scale = _scale(scale, h, "swiglu_fp8")
+    if not available(h, shape[-1]):
+        return _fp8_of(_swiglu_reference(h), scale)
+    q, scale_inv = _run_rows(_rows(h, h.shape[-1]), None, 0.0, _SWIGLU, _OUT_FP8_ROWS if scale is None else _OUT_FP8,
+                             scale, "swiglu_fp8")
+    return q.reshape(shape), scale_inv
+
+
+def _rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+
+
+def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv: int,
+             start_pos: int = 0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v) from a fused QKV projection's output, q and k rotated (see the module docstring)."""
+    _check(qkv, "rope_qkv", "qkv")
+    if qkv.dim() != 3:
+        raise ValueError(f"rope_qkv(): qkv must be [batch, seq, (n_heads + 2 n_kv) * head_dim], got "
+                         f"{list(qkv.shape)}")
+    b, s, width = qkv.shape
+    if n_heads < 1 or n_kv < 1 or width % (n_heads + 2 * n_kv):
+        raise ValueError(f"rope_qkv(): qkv's last dimension {width} is not (n_heads + 2 n_kv) * head_dim for "
+                         f"n_heads={n_heads}, n_kv={n_kv}")
+    hd = width // (n_heads + 2 * n_kv)
+    for t, arg in ((cos, "cos"), (sin, "sin")):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 2 or t.shape[1] != hd // 2:
+            raise ValueError(f"rope_qkv(): {arg} must be float32 [positions, head_dim / 2 = {hd // 2}]")
+        if t.device != qkv.device:
+            raise ValueError(f"rope_qkv(): {arg} is on {t.device}, qkv on {qkv.device}")
+    if not 0 <= start_pos or start_pos + s > cos.shape[0]:
+        raise ValueError(f"rope_qkv(): positions {start_pos}..{start_pos + s} exceed the {cos.shape[0]} rows of cos")
+    if not available(qkv, 16 if hd % 16 == 0 else 1):
+        q, k, v = qkv.split([n_heads * hd, n_kv * hd, n_kv * hd], dim=-1)
+        c, n = cos[start_pos:start_pos + s], sin[start_pos:start_pos + s]
+        return (_rope_reference(q.view(b, s, n_heads, hd).transpose(1, 2), c, n),
+                _rope_reference(k.view(b, s, n_kv, hd).transpose(1, 2), c, n),
+                v.view(b, s, n_kv, hd).transpose(1, 2).contiguous())
+    x = qkv if qkv.is_contiguous() and qkv.data_ptr() % 16 == 0 else qkv.contiguous().clone()
+    q = torch.empty(b, n_heads, s, hd, dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty(b, n_kv, s, hd, dtype=qkv.dtype, device=qkv.device)
+    v = torch.empty(b, n_kv, s, hd, dtype=qkv.dtype, device=qkv.device)
+    _C.rope_qkv(dl(x), dl(cos.contiguous()), dl(sin.contiguous()), dl(q), dl(k), dl(v), n_heads, n_kv, start_pos,
+                stream_of(qkv.device))
+    return q, k, v

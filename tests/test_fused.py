@@ -1,0 +1,236 @@
+"""fp8ext.fused (RMSNorm, SwiGLU and RoPE in one pass; the first two writing E4M3 directly) and their use in the
+transformer's inference path: against float64 math, against the unfused composition (bit for bit where the
+definition is), and the model's outputs with and without the fused kernels."""
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fp8ext
+from fp8ext import fused
+from fp8ext.models.transformer import Transformer, apply_rope, preset
+
+from conftest import requires_cuda
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 2.0 ** -23}
+
+
+def close_to(got: torch.Tensor, want64: torch.Tensor, dtype, ulps: float = 1.0):
+    """|got - want| within `ulps` units in the last place of dtype at want's magnitude (plus the smallest normal)."""
+    tol = ulps * ULP[dtype] * want64.abs() + torch.finfo(dtype).tiny
+    bad = (got.double() - want64).abs() > tol
+    assert not bad.any(), f"{int(bad.sum())} values off, e.g. got {got.double()[bad][:4]} want {want64[bad][:4]}"
+
+
+def assert_same_bytes(got: torch.Tensor, want: torch.Tensor, what: str = "") -> None:
+    """Same shape, dtype and bits (NaNs included)."""
+    assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, want.shape, got.dtype, want.dtype)
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[got.element_size()]
+    a, b = got.contiguous().view(ints).cpu(), want.contiguous().view(ints).cpu()
+    diff = a != b
+    assert not diff.any(), f"{what}: {int(diff.sum())} of {a.numel()} differ, first at {diff.nonzero()[0].tolist()}"
+
+
+def rms64(x, g, eps):
+    xd = x.double()
+    return xd * torch.rsqrt(xd.square().mean(-1, keepdim=True) + eps) * g.double()
+
+
+def swiglu64(h):
+    g, u = h.double().chunk(2, dim=-1)
+    return g * torch.sigmoid(g) * u
+
+
+def devices():
+    return ["cpu", pytest.param("cuda", marks=[requires_cuda, pytest.mark.cuda])]
+
+
+# ---- definitions against float64 -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_matches_float64(device, dtype):
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(37, 1024, generator=gen) * 3).to(dtype).to(device)
+    g = (1 + 0.1 * torch.randn(1024, generator=gen)).to(device)
+    got = fused.rms_norm(x, g, 1e-5)
+    assert got.dtype == dtype and got.shape == x.shape and got.device.type == device
+    close_to(got.cpu(), rms64(x.cpu(), g.cpu(), 1e-5), dtype, ulps=1.0 if dtype != torch.float32 else 32.0)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_matches_float64(device, dtype):
+    gen = torch.Generator().manual_seed(2)
+    h = (torch.randn(3, 5, 2 * 704, generator=gen) * 4).to(dtype).to(device)
+    got = fused.swiglu(h)
+    assert got.shape == (3, 5, 704) and got.dtype == dtype
+    close_to(got.cpu(), swiglu64(h.cpu()), dtype, ulps=1.0 if dtype != torch.float32 else 32.0)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("start", [0, 5])
+def test_rope_qkv_equals_the_model_composition(device, dtype, start):
+    """Bit for bit the transformer's apply_rope (each float32 product and sum rounded) on the same device."""
+    b, s, h, kv, hd = 2, 7, 4, 2, 64
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(b, s, (h + 2 * kv) * hd, generator=gen).to(dtype).to(device)
+    cfg = preset("tiny", d_model=h * hd, n_heads=h, n_kv_heads=kv, max_seq_len=32)
+    from fp8ext.models.transformer import rope_tables
+    cos, sin = rope_tables(cfg, device)
+    q, k, v = fused.rope_qkv(qkv, cos[start:], sin[start:], h, kv)
+    q0, k0, v0 = qkv.split([h * hd, kv * hd, kv * hd], dim=-1)
+    wq = apply_rope(q0.view(b, s, h, hd).transpose(1, 2), cos[start:], sin[start:])
+    wk = apply_rope(k0.view(b, s, kv, hd).transpose(1, 2), cos[start:], sin[start:])
+    wv = v0.view(b, s, kv, hd).transpose(1, 2)
+    for got, want, name in ((q, wq, "q"), (k, wk, "k"), (v, wv, "v")):
+        assert got.is_contiguous() and got.shape == want.shape, name
+        assert_same_bytes(got.contiguous(), want.contiguous(), name)
+
+
+# ---- the FP8 outputs equal the composition -------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_outputs_equal_quantize_of_the_output(device, static, dtype):
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.randn(19, 512, generator=gen) * 2).to(dtype).to(device)
+    x[3] = 0  # a zero row: scale 1
+    x[5, 7] = 3000.0  # saturates with the static scale
+    g = (1 + 0.1 * torch.randn(512, generator=gen)).to(device)
+    h = (torch.randn(19, 2 * 256, generator=gen) * 3).to(dtype).to(device)
+    scale = torch.tensor([37.0], device=device) if static else None
+    for fp8_fn, hp in ((lambda: fused.rms_norm_fp8(x, g, 1e-6, scale), fused.rms_norm(x, g, 1e-6)),
+                       (lambda: fused.swiglu_fp8(h, scale), fused.swiglu(h))):
+        q, sinv = fp8_fn()
+        assert q.dtype == torch.float8_e4m3fn and q.shape == hp.shape
+        if static:
+            assert sinv is None
+            assert_same_bytes(q, fp8ext.quantize(hp.contiguous(), fp8ext.E4M3, scale.reshape(())), "static")
+        else:
+            wq, ws = fp8ext.quantize_rowwise(hp.contiguous(), fp8ext.E4M3)
+            assert_same_bytes(q, wq, "rows")
+            assert_same_bytes(sinv, ws, "scale_inv")
+
+
+@pytest.mark.parametrize("device", devices())
+def test_nan_and_inf_propagate_like_the_composition(device):
+    x = torch.randn(4, 64).to(torch.bfloat16).to(device)
+    x[1, 3] = float("nan")
+    x[2, 5] = float("inf")
+    g = torch.ones(64, device=device)
+    hp = fused.rms_norm(x, g, 1e-6)
+    assert torch.isnan(hp[1]).all() and torch.isnan(hp[2]).any() and torch.isfinite(hp[0]).all()
+    q, sinv = fused.rms_norm_fp8(x, g, 1e-6)
+    wq, ws = fp8ext.quantize_rowwise(hp.contiguous(), fp8ext.E4M3)
+    assert_same_bytes(q, wq, "rows with NaN")
+    assert_same_bytes(sinv, ws, "scale_inv with NaN")
+
+
+# ---- errors ------------------------------------------------------------------------------------------------------
+
+def test_errors_name_the_argument():
+    x = torch.randn(4, 64)
+    with pytest.raises(TypeError, match="x must be float32, bfloat16 or float16"):
+        fused.rms_norm(x.to(torch.int32), torch.ones(64), 1e-6)
+    with pytest.raises(ValueError, match="gate then up"):
+        fused.swiglu(torch.randn(4, 63))
+    with pytest.raises(ValueError, match="scale must be a one-element float32"):
+        fused.rms_norm_fp8(x, torch.ones(64), 1e-6, torch.ones(2))
+    with pytest.raises(ValueError, match="qkv's last dimension"):
+        fused.rope_qkv(torch.randn(1, 2, 100), torch.ones(8, 8), torch.ones(8, 8), 4, 2)
+    with pytest.raises(ValueError, match="cos must be float32"):
+        fused.rope_qkv(torch.randn(1, 2, 128), torch.ones(8, 4), torch.ones(8, 8), 4, 2)
+    with pytest.raises(ValueError, match="exceed"):
+        fused.rope_qkv(torch.randn(1, 9, 128), torch.ones(8, 8), torch.ones(8, 8), 4, 2)
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_gpu_errors_name_the_argument():
+    x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="gamma"):
+        fused.rms_norm(x, torch.ones(32, device="cuda"), 1e-6)
+    with pytest.raises(ValueError, match="gamma is on"):
+        fused.rms_norm(x, torch.ones(64), 1e-6)
+    with pytest.raises(ValueError, match="scale is on"):
+        fused.swiglu_fp8(torch.randn(4, 64, device="cuda"), torch.ones(1))
+    # non-contiguous and offset inputs are copied, not refused
+    xt = torch.randn(64, 8, device="cuda", dtype=torch.bfloat16).t()
+    close_to(fused.rms_norm(xt, torch.ones(64, device="cuda"), 1e-6).cpu(),
+             rms64(xt.cpu(), torch.ones(64), 1e-6), torch.bfloat16)
+    off = torch.randn(4 * 64 + 1, device="cuda", dtype=torch.bfloat16)[1:].view(4, 64)
+    close_to(fused.rms_norm(off, torch.ones(64, device="cuda"), 1e-6).cpu(), rms64(off.cpu(), torch.ones(64), 1e-6),
+             torch.bfloat16)
+
+
+# ---- in the model -------------------------------------------------------------------------------------------------
+
+@requires_cuda
+@pytest.mark.cuda
+def test_model_inference_path_matches_the_autograd_path():
+    """The transformer's forward without gradients (fused kernels, SDPA reading K/V heads in place) against the
+    same model with gradients enabled (torch ops): logits within bf16 rounding noise."""
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", d_model=128, n_heads=4, n_kv_heads=2, d_ff=256), device="cuda")
+    model = model.to(torch.bfloat16).eval()
+    ids = torch.randint(0, 256, (3, 40), device="cuda")
+    with torch.no_grad():
+        fast = model(ids).float()
+    slow = model(ids).float().detach()
+    rel = ((fast - slow).norm() / slow.norm()).item()
+    assert rel < 2e-2, rel
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("activations", ["dynamic", "static"])
+def test_fp8_model_with_fused_norms_equals_unfused(activations):
+    """quantize_model makes the norms before the QKV and w13 projections write E4M3 directly, and SwiGLU write
+    w2's E4M3 input: the logits equal those of the same FP8 model run with the unfused ops, bit for bit."""
+    from fp8ext import inference
+    torch.manual_seed(0)
+    cfg = preset("tiny", d_model=128, n_heads=4, n_kv_heads=2, d_ff=256)
+    model = Transformer(cfg, device="cuda").to(torch.bfloat16).eval()
+    ids = torch.randint(0, 256, (2, 48), device="cuda")
+    with torch.no_grad():
+        if activations == "static":
+            inference.calibrate(model, [ids], progress=False)
+        inference.quantize_model(model, "channel", activations)
+    norms = [m for m in model.modules() if isinstance(m, inference.FP8InputRMSNorm)]
+    assert len(norms) == 2 * cfg.n_layers
+    sd = model.state_dict()
+    assert "blocks.0.attn_norm.weight" in sd and "blocks.0.ffn_norm.weight" in sd
+    with torch.no_grad():
+        got = model(ids)
+        # unfused: the same layers, each norm's output quantized by the layer itself
+        plain = copy.deepcopy(model)
+        for block in plain.blocks:
+            for name in ("attn_norm", "ffn_norm"):
+                n = getattr(block, name)
+                p = fp8ext.RMSNorm(cfg.d_model, eps=n.eps, device="cuda", params_dtype=torch.bfloat16)
+                p.weight = n.weight
+                setattr(block, name, p)
+            block.ffn.w2.quantize_input = None  # instance attribute: SwiGLU then runs unfused
+        want = plain(ids)
+    assert_same_bytes(got, want, "logits")
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_fp8_activation_for_another_layer_is_refused():
+    from fp8ext.inference import FP8InferenceLinear
+    a = FP8InferenceLinear.from_linear(torch.nn.Linear(64, 32, device="cuda"), "channel", "dynamic")
+    b = FP8InferenceLinear.from_linear(torch.nn.Linear(64, 32, device="cuda"), "channel", "static", input_amax=3.0)
+    h = torch.randn(4, 128, device="cuda", dtype=torch.bfloat16)
+    act = a.quantize_input(h, "swiglu")
+    assert act is not None and act.data.dtype == torch.float8_e4m3fn
+    torch.testing.assert_close(a(act).float(), a(fused.swiglu(h)).float(), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="quantized for another layer"):
+        b(act)
