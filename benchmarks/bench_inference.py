@@ -197,7 +197,7 @@ def main() -> None:
                 if name != "bf16":
                     row(rows, f"prefill {args.prefill_batch} x {args.prefill_len}, {name}", t["bf16"][0], t[name][0],
                         t["bf16"][0] / t[name][0], GOALS["prefill"],
-                        note=f"{tokens / t[name][0] / 1e3:,.0f}k tokens/s FP8, {tokens / t['bf16'][0] / 1e3:,.0f}k bf16")
+                        note=f"{tokens / t[name][0]:,.0f}k tokens/s FP8, {tokens / t['bf16'][0]:,.0f}k bf16")
         del ids
         torch.cuda.empty_cache()
 

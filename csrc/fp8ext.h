@@ -225,6 +225,17 @@ typedef struct {
     int64_t batch, seq, n_heads, n_kv, head_dim, start_pos, table_stride;
 } fp8ext_rope_qkv_args;
 
+/* Stores a step's K or V into an FP8 KV cache: x [batch, n_kv, seq, head_dim] (bf16/f16/f32, contiguous) ->
+ * cache [batch, n_kv, max_len, head_dim] E4M3 at positions pos .. pos + seq: fp8(x / scale[head]), the
+ * division rounded to float32, saturating (fp8ext.quantize of the quotient). head_dim % 8 == 0. GPU only. */
+typedef struct {
+    const void *x;
+    int x_dtype;
+    const float *scale;
+    uint8_t *cache;
+    int64_t batch, n_kv, seq, head_dim, max_len, pos;
+} fp8ext_kv_store_args;
+
 /* CPU reference (csrc/cpu_ops.c). Pure computation: no allocation, no failure. */
 void fp8ext_cpu_quantize(const fp8ext_quantize_args *a);
 void fp8ext_cpu_dequantize(const fp8ext_dequantize_args *a);
@@ -250,6 +261,7 @@ int fp8ext_cuda_decode_attention(const fp8ext_decode_attention_args *a, void *st
 int fp8ext_cuda_weight_only(const fp8ext_weight_only_args *a, void *stream, int num_sms);
 int fp8ext_cuda_fused_rows(const fp8ext_fused_rows_args *a, void *stream, int num_sms);
 int fp8ext_cuda_rope_qkv(const fp8ext_rope_qkv_args *a, void *stream, int num_sms);
+int fp8ext_cuda_kv_store(const fp8ext_kv_store_args *a, void *stream, int num_sms);
 /* Thread blocks of the weight-only kernel for fmt and m tokens that fit on one multiprocessor of the current device. */
 int fp8ext_cuda_weight_only_blocks_per_sm(int fmt, int m, int *blocks);
 int fp8ext_cuda_write_reciprocal(const float *scale_ptr, float scale_value, float *out, void *stream);

@@ -38,7 +38,9 @@ static int cuda_decode_attention(const void *a, void *s, int n) { return fp8ext_
 static int cuda_weight_only(const void *a, void *s, int n) { return fp8ext_cuda_weight_only(a, s, n); }
 static int cuda_fused_rows(const void *a, void *s, int n) { return fp8ext_cuda_fused_rows(a, s, n); }
 static int cuda_rope_qkv(const void *a, void *s, int n) { return fp8ext_cuda_rope_qkv(a, s, n); }
+static int cuda_kv_store(const void *a, void *s, int n) { return fp8ext_cuda_kv_store(a, s, n); }
 #else
+#define cuda_kv_store NULL
 #define cuda_fused_rows NULL
 #define cuda_rope_qkv NULL
 #define cuda_decode_attention NULL
@@ -456,7 +458,58 @@ done:
     return ret;
 }
 
+/* kv_store(x, scale, cache, pos, stream=0): see fp8ext_kv_store_args. */
+static PyObject *py_kv_store(PyObject *module, PyObject *args, PyObject *kwargs) {
+    static const char *fn = "kv_store";
+    static char *kwlist[] = {"x", "scale", "cache", "pos", "stream", NULL};
+    PyObject *x_o, *s_o, *c_o;
+    long long pos;
+    Py_ssize_t stream = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOL|n:kv_store", kwlist, &x_o, &s_o, &c_o, &pos, &stream))
+        return NULL;
+    fp8ext_view x = {0}, sc = {0}, c = {0};
+    PyObject *ret = NULL;
+    fp8ext_kv_store_args a = {0};
+    if (get_arg(x_o, -1, NULL, NULL, stream, fn, "x", &x) < 0 || on_gpu(&x, fn, "x") < 0 ||
+        get_arg(s_o, FP8EXT_KIND_F32, &x, "x", stream, fn, "scale", &sc) < 0 ||
+        fp8ext_view_get(c_o, stream, fn, "cache", &c) < 0 || fp8ext_check_fp8(&c, FP8EXT_E4M3, fn, "cache") < 0 ||
+        fp8ext_check_contiguous(&c, fn, "cache") < 0 || fp8ext_check_same_device(&c, &x, fn, "cache", "x") < 0 ||
+        fp8ext_check_writable(&c, fn, "cache") < 0)
+        goto done;
+    if (x.ndim != 4 || c.ndim != 4 || c.shape[0] != x.shape[0] || c.shape[1] != x.shape[1] ||
+        c.shape[3] != x.shape[3]) {
+        value_error(fn, "x must be [batch, n_kv, seq, head_dim] and cache [batch, n_kv, max_len, head_dim]");
+        goto done;
+    }
+    a.batch = x.shape[0];
+    a.n_kv = x.shape[1];
+    a.seq = x.shape[2];
+    a.head_dim = x.shape[3];
+    a.max_len = c.shape[2];
+    if (a.head_dim % 8 || sc.numel != a.n_kv || pos < 0 || pos + a.seq > a.max_len) {
+        value_error(fn, "head_dim must be a multiple of 8, scale hold one float32 per head, and pos .. pos + seq "
+                        "lie within the cache");
+        goto done;
+    }
+    if (((uintptr_t)x.data % 16) || ((uintptr_t)c.data % 8)) {
+        value_error(fn, "x must start on a 16-byte boundary and cache on an 8-byte one");
+        goto done;
+    }
+    a.x = x.data;
+    a.x_dtype = hp_dtype(&x);
+    a.scale = sc.data;
+    a.cache = c.data;
+    a.pos = pos;
+    if (fp8ext_run_op(module, &x, stream, fn, no_cpu, cuda_kv_store, &a) < 0) goto done;
+    ret = Py_NewRef(Py_None);
+done:
+    FP8EXT_RELEASE_ALL(&x, &sc, &c);
+    return ret;
+}
+
 PyMethodDef fp8ext_inference_methods[] = {
+    {"kv_store", (PyCFunction)(void (*)(void))py_kv_store, METH_VARARGS | METH_KEYWORDS,
+     "kv_store(x, scale, cache, pos, stream=0): K or V of a step stored into an FP8 KV cache, on a GPU."},
     {"fused_rows", (PyCFunction)(void (*)(void))py_fused_rows, METH_VARARGS | METH_KEYWORDS,
      "fused_rows(x, gamma, out, scale, scale_inv, eps, op, out_mode, stream=0): RMSNorm or SwiGLU of each row, "
      "written in x's dtype or as E4M3, on a GPU."},

@@ -234,3 +234,28 @@ def test_fp8_activation_for_another_layer_is_refused():
     torch.testing.assert_close(a(act).float(), a(fused.swiglu(h)).float(), rtol=0, atol=0)
     with pytest.raises(ValueError, match="quantized for another layer"):
         b(act)
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kv_cache_store_kernel_equals_the_torch_composition(dtype):
+    """KVCache's FP8 store on a GPU (one kernel into the cache) writes the bytes of fp8(x / scale) computed
+    with torch's float32 division and fp8ext.quantize, saturating, at the right positions."""
+    from fp8ext.inference import KVCache
+    cfg = preset("tiny", d_model=128, n_heads=4, n_kv_heads=2, max_seq_len=64)
+    hd = cfg.head_dim
+    ks = torch.tensor([0.01, 0.003], device="cuda")
+    cache = KVCache(cfg, 3, 40, "fp8", device="cuda", k_scale=ks, v_scale=ks * 2)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    k = torch.randn(3, 2, 7, hd, device="cuda", generator=gen).to(dtype)
+    k[0, 1, 2, 3] = 100.0  # saturates
+    k[1, 0, 4, 5] = float("nan")
+    v = torch.randn(3, 2, 7, hd, device="cuda", generator=gen).to(dtype)
+    cache.update(0, k, v, 0)
+    step = torch.randn(3, 2, 1, hd, device="cuda", generator=gen).to(dtype)
+    cache.append(0, step, step, 7)
+    for x, stored, sc, at in ((k, cache.k[0, :, :, :7], ks, 0), (v, cache.v[0, :, :, :7], ks * 2, 0),
+                              (step, cache.k[0, :, :, 7:8], ks, 7), (step, cache.v[0, :, :, 7:8], ks * 2, 7)):
+        want = fp8ext.quantize((x.float() / sc[None, :, None, None]).contiguous(), fp8ext.E4M3, 1.0)
+        assert_same_bytes(stored.contiguous(), want, f"positions from {at}")

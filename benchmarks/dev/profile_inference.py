@@ -78,10 +78,6 @@ def main():
             torch.cuda.empty_cache()
 
 
-if __name__ == "__main__":
-    main()
-
-
 def variants(models, ids, tok, args, gen):
     """Prefill and graphed decode of FP8 dynamic with cuBLASLt fast accumulation and/or GEMM autotuning, next
     to bf16, in one run."""
@@ -133,5 +129,42 @@ def sdpa_gqa_check(b=8, s=2048, h=16, kv=4, hd=128):
     kernel_table(gqa, "SDPA enable_gqa kernels", top=5)
 
 
-if __name__ == "__main__" and os.environ.get("SDPA_CHECK"):
-    sdpa_gqa_check()
+if __name__ == "__main__":
+    if os.environ.get("SDPA_CHECK"):
+        sdpa_gqa_check()
+    else:
+        main()
+
+
+def attn_splits(b=128, h=16, kv=4, hd=128, length=1025, max_len=1025):
+    """decode_attention at one decode step's shape, over the number of splits, next to bf16 SDPA."""
+    import torch.nn.functional as F
+    from fp8ext import _C
+    from fp8ext._boundary import dl, dl_fp8, stream_of
+    from fp8ext._bench import rounds
+    import fp8ext.inference.attention as att
+    q = torch.randn(b, h, hd, device="cuda", dtype=torch.bfloat16)
+    k8 = torch.randn(b, kv, max_len, hd, device="cuda").to(torch.float8_e4m3fn)
+    v8 = torch.randn(b, kv, max_len, hd, device="cuda").to(torch.float8_e4m3fn)
+    k16 = torch.randn(b, kv, max_len, hd, device="cuda", dtype=torch.bfloat16)
+    v16 = torch.randn(b, kv, max_len, hd, device="cuda", dtype=torch.bfloat16)
+    ks = torch.full((kv,), 0.01, device="cuda")
+    out = torch.empty_like(q)
+    impls = {"sdpa bf16": lambda: F.scaled_dot_product_attention(q[:, :, None], k16, v16, enable_gqa=True)}
+    default = att._splits(b, h, kv, length, q.device)
+    for sp in sorted({1, 2, 3, 4, 5, 6, 8, 12, 16, default}):
+        ws = torch.empty(b * h * sp * (hd + 2), dtype=torch.float32, device="cuda")
+        impls[f"splits {sp}" + (" (default)" if sp == default else "")] = (
+            lambda sp=sp, ws=ws: _C.decode_attention(dl(q), dl_fp8(k8), dl_fp8(v8), dl(ks), dl(ks), dl(out), dl(ws),
+                                                     length, hd ** -0.5, sp, stream_of(q.device)))
+    t = rounds(impls, reps=30, n_rounds=3)
+    base = t["sdpa bf16"][0]
+    print(f"\n== decode_attention b={b} h={h} kv={kv} L={length}")
+    for name, v in t.items():
+        print(f"{name:>22}: {v[0] * 1e3:8.1f} us  {base / v[0]:.2f}x of SDPA bf16  "
+              f"{2 * b * kv * length * hd / v[0] / 1e9:.2f} TB/s of FP8 cache")
+
+
+if __name__ == "__main__" and os.environ.get("ATTN_SPLITS"):
+    attn_splits()
+    attn_splits(b=8, h=32, kv=8, length=32768, max_len=32768)

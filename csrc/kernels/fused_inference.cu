@@ -193,8 +193,42 @@ __global__ void __launch_bounds__(128) rope_qkv_kernel(fp8ext_rope_qkv_args a) {
     }
 }
 
+// KV store: one thread per 8 consecutive values of one position of one head.
+template <typename T>
+__global__ void __launch_bounds__(256) kv_store_kernel(fp8ext_kv_store_args a, int64_t vecs) {
+    const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= vecs) return;
+    const int64_t per_row = a.head_dim / 8, d = (i % per_row) * 8, row = i / per_row;  // row = (b, h, s)
+    const int64_t s = row % a.seq, bh = row / a.seq, h = bh % a.n_kv;
+    float f[8];
+    load8(static_cast<const T *>(a.x), i * 8, f);
+    const float sc = __ldg(a.scale + h);
+    uint32_t w[2];
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+        uint32_t r = 0;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) r |= cvt1<FP8EXT_E4M3>(__fdiv_rn(f[4 * p + t], sc), 1.0f, 1) << (8 * t);
+        w[p] = r;
+    }
+    *reinterpret_cast<uint2 *>(a.cache + (bh * a.max_len + a.pos + s) * a.head_dim + d) = make_uint2(w[0], w[1]);
+}
+
 }  // namespace
 }  // namespace fp8ext
+
+extern "C" int fp8ext_cuda_kv_store(const fp8ext_kv_store_args *a, void *stream, int /*num_sms*/) {
+    using namespace fp8ext;
+    const int64_t vecs = a->batch * a->n_kv * a->seq * (a->head_dim / 8);
+    if (vecs == 0) return cudaSuccess;
+    if (a->head_dim % 8 || !aligned(a->x, 16) || !aligned(a->cache, 8)) return cudaErrorMisalignedAddress;
+    if ((vecs + 255) / 256 > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    FP8EXT_DISPATCH_DTYPE(a->x_dtype, {
+        kv_store_kernel<T><<<static_cast<unsigned>((vecs + 255) / 256), 256, 0, s>>>(*a, vecs);
+    });
+    return cudaGetLastError();
+}
 
 extern "C" int fp8ext_cuda_fused_rows(const fp8ext_fused_rows_args *a, void *stream, int /*num_sms*/) {
     using namespace fp8ext;

@@ -62,9 +62,11 @@ class FP8InferenceLinear(nn.Module):
     """y = x W^T + b with W held as E4M3 bytes and scales (see the module docstring). Inference only: the
     buffers carry no gradient."""
 
-    # cuBLASLt's fast accumulation (no periodic promotion of the tensor cores' partial sums to float32);
-    # Transformer Engine uses it in forward passes. Off by default; set per layer or on the class.
-    fast_accum = False
+    # cuBLASLt's fast accumulation: the tensor cores' partial sums are not promoted to float32 every few
+    # K-blocks. Transformer Engine uses it in forward passes and vLLM's FP8 GEMMs on Hopper do; it made the
+    # 1b preset's prefill about 8 % faster on an H100. On by default (cuBLASLt refuses it with block128 weights,
+    # which always accumulate in float32); set False per layer or on the class.
+    fast_accum = True
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, weights: str = "channel",
                  activations: str = "dynamic", device=None, out_dtype: torch.dtype = torch.bfloat16):
@@ -187,7 +189,7 @@ class FP8InferenceLinear(nn.Module):
             self._check_activation(x)
             y = gemm(x.data, self.weight, a_scale_inv=x.scale_inv,
                      b_scale_inv=self._weight_scale_for_gemm(not per_tensor_pair), out_dtype=self.out_dtype,
-                     bias=self.bias, use_fast_accum=self.fast_accum)
+                     bias=self.bias, use_fast_accum=self._fast_accum())
             return y.reshape(*x.shape[:-1], self.out_features)
         x2 = x.reshape(-1, self.in_features)
         if not x2.is_contiguous():
@@ -202,10 +204,13 @@ class FP8InferenceLinear(nn.Module):
         else:
             xq, x_sinv = quantize_rowwise(x2, E4M3)
         y = gemm(xq, self.weight, a_scale_inv=x_sinv, b_scale_inv=self._weight_scale_for_gemm(not per_tensor_pair),
-                 out_dtype=self.out_dtype, bias=self.bias, use_fast_accum=self.fast_accum)
+                 out_dtype=self.out_dtype, bias=self.bias, use_fast_accum=self._fast_accum())
         if self.weights == "block128" and y.shape[0] != x2.shape[0]:
             y = y[:x2.shape[0]]
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _fast_accum(self) -> bool:
+        return bool(self.fast_accum) and self.weights != "block128"
 
     def _check_activation(self, x: FP8Activation) -> None:
         activations, scale = x.scheme
