@@ -60,6 +60,21 @@ __device__ __forceinline__ float block_reduce(float v, float *scratch) {
     return v;
 }
 
+template <typename T>
+__device__ __forceinline__ void store_out(void *out, int64_t i, float v);
+template <> __device__ __forceinline__ void store_out<float>(void *out, int64_t i, float v) { static_cast<float *>(out)[i] = v; }
+template <> __device__ __forceinline__ void store_out<__nv_bfloat16>(void *out, int64_t i, float v) {
+    static_cast<__nv_bfloat16 *>(out)[i] = __float2bfloat16_rn(v);
+}
+template <> __device__ __forceinline__ void store_out<__half>(void *out, int64_t i, float v) {
+    static_cast<__half *>(out)[i] = __float2half_rn(v);
+}
+__device__ __forceinline__ void store_out_any(void *out, int dtype, int64_t i, float v) {
+    if (dtype == FP8EXT_BF16) store_out<__nv_bfloat16>(out, i, v);
+    else if (dtype == FP8EXT_F16) store_out<__half>(out, i, v);
+    else store_out<float>(out, i, v);
+}
+
 template <int HD, int G>
 __global__ void __launch_bounds__(kThreads)
 decode_partial_kernel(fp8ext_decode_attention_args a, int chunk) {
@@ -183,28 +198,23 @@ decode_partial_kernel(fp8ext_decode_attention_args a, int chunk) {
         float o = 0.0f;
 #pragma unroll
         for (int w = 0; w < kWarps; ++w) o += smem[(w * G + g) * HD + d];
+        float mg = 0.0f, lg = 0.0f;
+#pragma unroll
+        for (int k = 0; k < G; ++k)
+            if (k == g) mg = m[k], lg = l[k];
+        if (a.splits == 1) {  // one split holds every position: the merge is a division, done here
+            store_out_any(a.out, a.q_dtype, (static_cast<int64_t>(b) * a.n_heads + kvh * G + g) * HD + d, (o * vs) / lg);
+            continue;
+        }
         float *ws = a.workspace + ((static_cast<int64_t>(b) * a.n_heads + kvh * G + g) * a.splits + split) * (HD + 2);
         ws[d] = o * vs;
         if (d == 0) {
-            float mg = 0.0f, lg = 0.0f;
-#pragma unroll
-            for (int k = 0; k < G; ++k)
-                if (k == g) mg = m[k], lg = l[k];
             ws[HD] = n ? mg : -INFINITY;
             ws[HD + 1] = n ? lg : 0.0f;
         }
     }
 }
 
-template <typename T>
-__device__ __forceinline__ void store_out(void *out, int64_t i, float v);
-template <> __device__ __forceinline__ void store_out<float>(void *out, int64_t i, float v) { static_cast<float *>(out)[i] = v; }
-template <> __device__ __forceinline__ void store_out<__nv_bfloat16>(void *out, int64_t i, float v) {
-    static_cast<__nv_bfloat16 *>(out)[i] = __float2bfloat16_rn(v);
-}
-template <> __device__ __forceinline__ void store_out<__half>(void *out, int64_t i, float v) {
-    static_cast<__half *>(out)[i] = __float2half_rn(v);
-}
 
 // grid (n_heads, batch), head_dim threads: merges the splits of one head.
 template <typename T>
@@ -268,7 +278,7 @@ extern "C" int fp8ext_cuda_decode_attention(const fp8ext_decode_attention_args *
     case 256: e = fp8ext::dispatch_group<256>(a, chunk, s); break;
     default: return cudaErrorInvalidValue;
     }
-    if (e != cudaSuccess) return e;
+    if (e != cudaSuccess || a->splits == 1) return e;  // one split: the partial kernel wrote out
     const dim3 grid(static_cast<unsigned>(a->n_heads), static_cast<unsigned>(a->batch));
     const unsigned threads = static_cast<unsigned>(a->head_dim);
     switch (a->q_dtype) {
