@@ -132,7 +132,7 @@ def sdpa_gqa_check(b=8, s=2048, h=16, kv=4, hd=128):
 if __name__ == "__main__":
     if os.environ.get("SDPA_CHECK"):
         sdpa_gqa_check()
-    else:
+    elif not os.environ.get("ATTN_SPLITS"):
         main()
 
 
@@ -152,7 +152,10 @@ def attn_splits(b=128, h=16, kv=4, hd=128, length=1025, max_len=1025):
     out = torch.empty_like(q)
     impls = {"sdpa bf16": lambda: F.scaled_dot_product_attention(q[:, :, None], k16, v16, enable_gqa=True)}
     default = att._splits(b, h, kv, length, q.device)
-    for sp in sorted({1, 2, 3, 4, 5, 6, 8, 12, 16, default}):
+    least = -(-length // (12288 // (h // kv)))
+    for sp in sorted({least * f for f in (1, 2, 3, 4, 6, 8, 12, 16)} | {default}):
+        if sp > 65535 or -(-length // sp) < 16:
+            continue
         ws = torch.empty(b * h * sp * (hd + 2), dtype=torch.float32, device="cuda")
         impls[f"splits {sp}" + (" (default)" if sp == default else "")] = (
             lambda sp=sp, ws=ws: _C.decode_attention(dl(q), dl_fp8(k8), dl_fp8(v8), dl(ks), dl(ks), dl(out), dl(ws),
@@ -166,5 +169,5 @@ def attn_splits(b=128, h=16, kv=4, hd=128, length=1025, max_len=1025):
 
 
 if __name__ == "__main__" and os.environ.get("ATTN_SPLITS"):
-    attn_splits()
-    attn_splits(b=8, h=32, kv=8, length=32768, max_len=32768)
+    for b in (int(x) for x in os.environ["ATTN_SPLITS"].split(",")):
+        attn_splits(b=b, h=32, kv=8, length=32768, max_len=32768)
