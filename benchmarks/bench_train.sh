@@ -6,6 +6,7 @@
 # packed into $OUT/bench_train_runs.tar.gz; the table is printed and written to $OUT/bench_train.md.
 #
 #   bash benchmarks/bench_train.sh [eager] [compiled] [quality]      (default: all three)
+#   (compiled-bf16 and compiled-fp8 run one half of `compiled` each)
 #   PRESET=1b SPEED_STEPS=40 QUALITY_STEPS=400 (the defaults) choose sizes; the table covers every run in $OUT/runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +37,10 @@ for stage in $STAGES; do
     compiled)
         run "$P-bf16-compiled" 300 "${SPEED[@]}" --compile
         run "$P-fp8-compiled" 300 "${SPEED[@]}" --compile --use_fp8 ;;
+    compiled-bf16)  # one compiled run per device call, where a call cannot hold both
+        run "$P-bf16-compiled" 540 "${SPEED[@]}" --compile ;;
+    compiled-fp8)
+        run "$P-fp8-compiled" 540 "${SPEED[@]}" --compile --use_fp8 ;;
     quality)
         run small-bf16 240 "${QUAL[@]}"
         run small-fp8-delayed 240 "${QUAL[@]}" --use_fp8

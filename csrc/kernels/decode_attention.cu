@@ -132,15 +132,6 @@ decode_partial_kernel(fp8ext_decode_attention_args a, int chunk) {
     }
     __syncthreads();
 
-    // The first V rows are requested now, so that their loads are in flight during the softmax below.
-    const uint8_t *vp = a.v + (row0 + s0) * HD + part * 16;
-    uint4 raw[kU];
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-        const int p = u * NG + grp;
-        raw[u] = p < n ? __ldcs(reinterpret_cast<const uint4 *>(vp + static_cast<int64_t>(p) * HD)) : make_uint4(0, 0, 0, 0);
-    }
-
     // 2. softmax numerators of this chunk
     float m[G], l[G];
 #pragma unroll
@@ -164,14 +155,14 @@ decode_partial_kernel(fp8ext_decode_attention_args a, int chunk) {
     for (int g = 0; g < G; ++g)
 #pragma unroll
         for (int i = 0; i < 16; ++i) acc[g][i] = 0.0f;
+    const uint8_t *vp = a.v + (row0 + s0) * HD + part * 16;
     for (int base = 0; base < n; base += NG * kU) {
-        if (base > 0)
+        uint4 raw[kU];
 #pragma unroll
-            for (int u = 0; u < kU; ++u) {
-                const int p = base + u * NG + grp;
-                raw[u] = p < n ? __ldcs(reinterpret_cast<const uint4 *>(vp + static_cast<int64_t>(p) * HD))
-                               : make_uint4(0, 0, 0, 0);
-            }
+        for (int u = 0; u < kU; ++u) {
+            const int p = base + u * NG + grp;
+            raw[u] = p < n ? __ldcs(reinterpret_cast<const uint4 *>(vp + static_cast<int64_t>(p) * HD)) : make_uint4(0, 0, 0, 0);
+        }
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
             const int p = base + u * NG + grp;
