@@ -38,9 +38,9 @@ for stage in $STAGES; do
         run "$P-bf16-compiled" 300 "${SPEED[@]}" --compile
         run "$P-fp8-compiled" 300 "${SPEED[@]}" --compile --use_fp8 ;;
     compiled-bf16)  # one compiled run per device call, where a call cannot hold both
-        run "$P-bf16-compiled" 540 "${SPEED[@]}" --compile ;;
+        run "$P-bf16-compiled" 470 "${SPEED[@]}" --compile ;;
     compiled-fp8)
-        run "$P-fp8-compiled" 540 "${SPEED[@]}" --compile --use_fp8 ;;
+        run "$P-fp8-compiled" 470 "${SPEED[@]}" --compile --use_fp8 ;;
     quality)
         run small-bf16 240 "${QUAL[@]}"
         run small-fp8-delayed 240 "${QUAL[@]}" --use_fp8
