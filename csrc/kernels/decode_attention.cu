@@ -19,7 +19,6 @@ namespace {
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
-constexpr int kU = 4;  // cache rows loaded per lane before use
 
 __device__ __forceinline__ void e4m3x16_to_float(const uint4 &w, float *f) {
     const uint32_t u[4] = {w.x, w.y, w.z, w.w};
@@ -78,6 +77,8 @@ __device__ __forceinline__ void store_out_any(void *out, int dtype, int64_t i, f
 template <int HD, int G>
 __global__ void __launch_bounds__(kThreads)
 decode_partial_kernel(fp8ext_decode_attention_args a, int chunk) {
+    // cache rows loaded per lane before use (H100, batch 32 at 32k: 8 rows 838 us, 4 rows 864 us, 2 rows 995 us)
+    constexpr int kU = HD <= 128 ? 8 : 4;
     constexpr int LP = HD / 16;          // lanes per position
     constexpr int NG = kThreads / LP;    // positions in flight per block
     extern __shared__ float smem[];      // scores [G][chunk], later the cross-warp sums [kWarps][G][HD]

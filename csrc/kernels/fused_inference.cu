@@ -110,6 +110,68 @@ __device__ __forceinline__ void row_values(const T *xr, int64_t cols, int64_t c,
     }
 }
 
+// Rows of up to kThreads * 8 * kRegChunks outputs stay in registers between the passes (the same chunks per
+// thread and the same order of the sum of squares as the general path, so the results are the same).
+constexpr int kRegChunks = 4;
+
+template <typename T, int OP, int MODE>
+__device__ __forceinline__ void row_in_registers(const T *__restrict__ xr, const float *__restrict__ gamma, float eps,
+                                                 void *__restrict__ out, const float *__restrict__ scale_ptr,
+                                                 float *__restrict__ scale_inv, int64_t row, int64_t cols) {
+    float y[kRegChunks][8];
+    if constexpr (OP == FP8EXT_FUSED_RMSNORM) {
+        float ss = 0.0f;
+#pragma unroll
+        for (int k = 0; k < kRegChunks; ++k) {
+            const int64_t c = (threadIdx.x + static_cast<int64_t>(k) * kThreads) * 8;
+            if (c < cols) {
+                load8(xr, c, y[k]);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) ss += y[k][j] * y[k][j];
+            }
+        }
+        const float rstd = rsqrtf(block_sum(ss) / static_cast<float>(cols) + eps);
+#pragma unroll
+        for (int k = 0; k < kRegChunks; ++k) {
+            const int64_t c = (threadIdx.x + static_cast<int64_t>(k) * kThreads) * 8;
+            if (c < cols) {
+                const float4 g0 = __ldg(reinterpret_cast<const float4 *>(gamma + c));
+                const float4 g1 = __ldg(reinterpret_cast<const float4 *>(gamma + c) + 1);
+                const float g[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+#pragma unroll
+                for (int j = 0; j < 8; ++j) y[k][j] = round_to<T>((y[k][j] * rstd) * g[j]);
+            }
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < kRegChunks; ++k) {
+            const int64_t c = (threadIdx.x + static_cast<int64_t>(k) * kThreads) * 8;
+            if (c < cols) row_values<T, OP>(xr, cols, c, gamma, 0.0f, y[k]);
+        }
+    }
+    float scale = 1.0f;
+    if constexpr (MODE == FP8EXT_FUSED_OUT_FP8) {
+        scale = __ldg(scale_ptr);
+    } else if constexpr (MODE == FP8EXT_FUSED_OUT_FP8_ROWS) {
+        int32_t m = 0;
+#pragma unroll
+        for (int k = 0; k < kRegChunks; ++k)
+            if ((threadIdx.x + static_cast<int64_t>(k) * kThreads) * 8 < cols)
+#pragma unroll
+                for (int j = 0; j < 8; ++j) m = max(m, abs_bits(y[k][j]));
+        scale = fp8_scale_for_amax(__int_as_float(block_max_bits(m)), FP8EXT_E4M3);
+        if (threadIdx.x == 0) scale_inv[row] = 1.0f / scale;
+    }
+#pragma unroll
+    for (int k = 0; k < kRegChunks; ++k) {
+        const int64_t c = (threadIdx.x + static_cast<int64_t>(k) * kThreads) * 8;
+        if (c < cols) {
+            if constexpr (MODE == FP8EXT_FUSED_OUT_HP) store8(static_cast<T *>(out) + row * cols, c, y[k]);
+            else store8_fp8(static_cast<uint8_t *>(out) + row * cols, c, y[k], scale);
+        }
+    }
+}
+
 template <typename T, int OP, int MODE>
 __global__ void __launch_bounds__(kThreads) fused_rows_kernel(const T *__restrict__ x, const float *__restrict__ gamma,
                                                               float eps, void *__restrict__ out,
@@ -117,6 +179,10 @@ __global__ void __launch_bounds__(kThreads) fused_rows_kernel(const T *__restric
                                                               float *__restrict__ scale_inv, int64_t cols) {
     const int64_t row = blockIdx.x;
     const T *xr = x + row * (OP == FP8EXT_FUSED_SWIGLU ? 2 * cols : cols);
+    if (cols <= kThreads * 8 * kRegChunks) {  // the row fits in registers: one read, one computation
+        row_in_registers<T, OP, MODE>(xr, gamma, eps, out, scale_ptr, scale_inv, row, cols);
+        return;
+    }
     float rstd = 0.0f;
     if constexpr (OP == FP8EXT_FUSED_RMSNORM) {
         float ss = 0.0f, f[8];
