@@ -110,11 +110,10 @@ __device__ __forceinline__ void row_values(const T *xr, int64_t cols, int64_t c,
     }
 }
 
-// Rows of up to kThreads * 8 * kRegChunks outputs stay in registers between the passes (the same chunks per
-// thread and the same order of the sum of squares as the general path, so the results are the same).
-constexpr int kRegChunks = 4;
-
-template <typename T, int OP, int MODE>
+// Rows of up to kThreads * 8 * RC outputs stay in registers between the passes (the same chunks per thread and
+// the same order of the sum of squares as the general path, so the results are the same). RC is the fewest of
+// 1, 2, 4 that holds the row: more registers per thread would cost occupancy for nothing.
+template <typename T, int OP, int MODE, int kRegChunks>
 __device__ __forceinline__ void row_in_registers(const T *__restrict__ xr, const float *__restrict__ gamma, float eps,
                                                  void *__restrict__ out, const float *__restrict__ scale_ptr,
                                                  float *__restrict__ scale_inv, int64_t row, int64_t cols) {
@@ -172,15 +171,15 @@ __device__ __forceinline__ void row_in_registers(const T *__restrict__ xr, const
     }
 }
 
-template <typename T, int OP, int MODE>
+template <typename T, int OP, int MODE, int RC>
 __global__ void __launch_bounds__(kThreads) fused_rows_kernel(const T *__restrict__ x, const float *__restrict__ gamma,
                                                               float eps, void *__restrict__ out,
                                                               const float *__restrict__ scale_ptr,
                                                               float *__restrict__ scale_inv, int64_t cols) {
     const int64_t row = blockIdx.x;
     const T *xr = x + row * (OP == FP8EXT_FUSED_SWIGLU ? 2 * cols : cols);
-    if (cols <= kThreads * 8 * kRegChunks) {  // the row fits in registers: one read, one computation
-        row_in_registers<T, OP, MODE>(xr, gamma, eps, out, scale_ptr, scale_inv, row, cols);
+    if constexpr (RC > 0) {  // the row fits in registers: one read, one computation
+        row_in_registers<T, OP, MODE, RC>(xr, gamma, eps, out, scale_ptr, scale_inv, row, cols);
         return;
     }
     float rstd = 0.0f;
@@ -305,20 +304,23 @@ extern "C" int fp8ext_cuda_fused_rows(const fp8ext_fused_rows_args *a, void *str
     if (a->rows > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     const unsigned grid = static_cast<unsigned>(a->rows);
+    const int rc = a->cols <= kThreads * 8 ? 1 : a->cols <= 2 * kThreads * 8 ? 2 : a->cols <= 4 * kThreads * 8 ? 4 : 0;
+#define FP8EXT_FUSED_RC(OP, MODE)                                                                                     \
+    switch (rc) {                                                                                                     \
+    case 1: fused_rows_kernel<T, OP, MODE, 1><<<grid, kThreads, 0, s>>>(x, a->gamma, a->eps, a->out, a->scale,        \
+                                                                        a->scale_inv, a->cols); break;               \
+    case 2: fused_rows_kernel<T, OP, MODE, 2><<<grid, kThreads, 0, s>>>(x, a->gamma, a->eps, a->out, a->scale,        \
+                                                                        a->scale_inv, a->cols); break;               \
+    case 4: fused_rows_kernel<T, OP, MODE, 4><<<grid, kThreads, 0, s>>>(x, a->gamma, a->eps, a->out, a->scale,        \
+                                                                        a->scale_inv, a->cols); break;               \
+    default: fused_rows_kernel<T, OP, MODE, 0><<<grid, kThreads, 0, s>>>(x, a->gamma, a->eps, a->out, a->scale,       \
+                                                                         a->scale_inv, a->cols);                     \
+    }
 #define FP8EXT_FUSED_LAUNCH(OP)                                                                                       \
     switch (a->out_mode) {                                                                                            \
-    case FP8EXT_FUSED_OUT_HP:                                                                                         \
-        fused_rows_kernel<T, OP, FP8EXT_FUSED_OUT_HP><<<grid, kThreads, 0, s>>>(x, a->gamma, a->eps, a->out, a->scale, \
-                                                                               a->scale_inv, a->cols);                \
-        break;                                                                                                        \
-    case FP8EXT_FUSED_OUT_FP8:                                                                                        \
-        fused_rows_kernel<T, OP, FP8EXT_FUSED_OUT_FP8><<<grid, kThreads, 0, s>>>(x, a->gamma, a->eps, a->out,          \
-                                                                                a->scale, a->scale_inv, a->cols);     \
-        break;                                                                                                        \
-    case FP8EXT_FUSED_OUT_FP8_ROWS:                                                                                   \
-        fused_rows_kernel<T, OP, FP8EXT_FUSED_OUT_FP8_ROWS><<<grid, kThreads, 0, s>>>(x, a->gamma, a->eps, a->out,     \
-                                                                                     a->scale, a->scale_inv, a->cols); \
-        break;                                                                                                        \
+    case FP8EXT_FUSED_OUT_HP: FP8EXT_FUSED_RC(OP, FP8EXT_FUSED_OUT_HP) break;                                         \
+    case FP8EXT_FUSED_OUT_FP8: FP8EXT_FUSED_RC(OP, FP8EXT_FUSED_OUT_FP8) break;                                       \
+    case FP8EXT_FUSED_OUT_FP8_ROWS: FP8EXT_FUSED_RC(OP, FP8EXT_FUSED_OUT_FP8_ROWS) break;                             \
     default: return cudaErrorInvalidValue;                                                                            \
     }
     FP8EXT_DISPATCH_DTYPE(a->x_dtype, {
@@ -332,6 +334,7 @@ extern "C" int fp8ext_cuda_fused_rows(const fp8ext_fused_rows_args *a, void *str
         }
     });
 #undef FP8EXT_FUSED_LAUNCH
+#undef FP8EXT_FUSED_RC
     return cudaGetLastError();
 }
 
