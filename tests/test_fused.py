@@ -53,10 +53,11 @@ def devices():
 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_matches_float64(device, dtype):
+@pytest.mark.parametrize("width", [1024, 9000])
+def test_rms_norm_matches_float64(device, dtype, width):
     gen = torch.Generator().manual_seed(1)
-    x = (torch.randn(37, 1024, generator=gen) * 3).to(dtype).to(device)
-    g = (1 + 0.1 * torch.randn(1024, generator=gen)).to(device)
+    x = (torch.randn(37, width, generator=gen) * 3).to(dtype).to(device)
+    g = (1 + 0.1 * torch.randn(width, generator=gen)).to(device)
     got = fused.rms_norm(x, g, 1e-5)
     assert got.dtype == dtype and got.shape == x.shape and got.device.type == device
     close_to(got.cpu(), rms64(x.cpu(), g.cpu(), 1e-5), dtype, ulps=1.0 if dtype != torch.float32 else 32.0)
@@ -98,13 +99,14 @@ def test_rope_qkv_equals_the_model_composition(device, dtype, start):
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fp8_outputs_equal_quantize_of_the_output(device, static, dtype):
+@pytest.mark.parametrize("width", [512, 3000, 6000, 9000])  # the GPU keeps rows of up to 8192 in registers
+def test_fp8_outputs_equal_quantize_of_the_output(device, static, dtype, width):
     gen = torch.Generator().manual_seed(4)
-    x = (torch.randn(19, 512, generator=gen) * 2).to(dtype).to(device)
+    x = (torch.randn(19, width, generator=gen) * 2).to(dtype).to(device)
     x[3] = 0  # a zero row: scale 1
     x[5, 7] = 3000.0  # saturates with the static scale
-    g = (1 + 0.1 * torch.randn(512, generator=gen)).to(device)
-    h = (torch.randn(19, 2 * 256, generator=gen) * 3).to(dtype).to(device)
+    g = (1 + 0.1 * torch.randn(width, generator=gen)).to(device)
+    h = (torch.randn(19, 2 * width, generator=gen) * 3).to(dtype).to(device)
     scale = torch.tensor([37.0], device=device) if static else None
     for fp8_fn, hp in ((lambda: fused.rms_norm_fp8(x, g, 1e-6, scale), fused.rms_norm(x, g, 1e-6)),
                        (lambda: fused.swiglu_fp8(h, scale), fused.swiglu(h))):
