@@ -77,8 +77,10 @@ __device__ __forceinline__ void store_out_any(void *out, int dtype, int64_t i, f
 template <int HD, int G>
 __global__ void __launch_bounds__(kThreads)
 decode_partial_kernel(fp8ext_decode_attention_args a, int chunk) {
-    // cache rows loaded per lane before use (H100, batch 32 at 32k: 8 rows 838 us, 4 rows 864 us, 2 rows 995 us)
-    constexpr int kU = HD <= 128 ? 8 : 4;
+    // cache rows loaded per lane before use. H100, 32k cached, 32/8 heads: 2 rows are slower (batch 8: 269 us vs
+    // 242); 8 rows tied with 4 at batch 8 in a sweep (244 vs 242 us) and won at batch 32 (838 vs 864 us), but in
+    // bench_inference's runs took 280-288 us at batch 8 where 4 rows took 262-267: 4 it is.
+    constexpr int kU = 4;
     constexpr int LP = HD / 16;          // lanes per position
     constexpr int NG = kThreads / LP;    // positions in flight per block
     extern __shared__ float smem[];      // scores [G][chunk], later the cross-warp sums [kWarps][G][HD]
