@@ -33,7 +33,7 @@ from ._boundary import dl, dl_fp8, stream_of
 from .formats import E4M3
 from .ops import quantize, quantize_rowwise
 
-__all__ = ["rms_norm", "rms_norm_fp8", "swiglu", "swiglu_fp8", "rope_qkv", "available"]
+__all__ = ["rms_norm", "rms_norm_fp8", "swiglu", "swiglu_fp8", "rope_qkv", "available", "version_key"]
 
 _RMSNORM, _SWIGLU = 0, 1
 _OUT_HP, _OUT_FP8, _OUT_FP8_ROWS = 0, 1, 2
@@ -46,6 +46,14 @@ def available(x: torch.Tensor, cols: int = 8) -> bool:
     tracing, and an output width `cols` that is a multiple of 8 (16-byte vectors). Otherwise the functions
     compute the same definitions with torch ops."""
     return x.is_cuda and cols % 8 == 0 and _CUDA and not torch.compiler.is_compiling()
+
+
+def version_key(t: torch.Tensor):
+    """(data_ptr, version) of t, for caches of values derived from it; None for an inference tensor (made under
+    torch.inference_mode), which has no version counter: derived values are then recomputed each call."""
+    if t.is_inference():
+        return None
+    return (t.data_ptr(), t._version)
 
 
 def _check(x: torch.Tensor, fn: str, arg: str = "x") -> None:

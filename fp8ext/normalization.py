@@ -163,7 +163,11 @@ class RMSNorm(_Normalization):
     def fused_gamma(self) -> torch.Tensor:
         """The float32 gamma of the fused kernel, made once and kept while the weight is unchanged."""
         w = self.weight
-        key = (w.data_ptr(), w._version, w.device, w.dtype, self.zero_centered_gamma)
+        vk = _fused.version_key(w)
+        if vk is None:  # an inference tensor: no version counter to key a cache on
+            with torch.no_grad():
+                return self._gamma(torch.float32).detach().contiguous()
+        key = (vk, w.device, w.dtype, self.zero_centered_gamma)
         cached = self.__dict__.get("_fused_gamma")
         if cached is None or cached[0] != key:
             with torch.no_grad():

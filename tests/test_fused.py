@@ -261,3 +261,22 @@ def test_kv_cache_store_kernel_equals_the_torch_composition(dtype):
                               (step, cache.k[0, :, :, 7:8], ks, 7), (step, cache.v[0, :, :, 7:8], ks * 2, 7)):
         want = fp8ext.quantize((x.float() / sc[None, :, None, None]).contiguous(), fp8ext.E4M3, 1.0)
         assert_same_bytes(stored.contiguous(), want, f"positions from {at}")
+
+
+def test_layers_made_under_inference_mode_work():
+    """Tensors made under torch.inference_mode have no version counter: the caches keyed on it step aside."""
+    from fp8ext.inference import FP8InferenceLinear
+    with torch.inference_mode():
+        lin = torch.nn.Linear(32, 16)
+        layer = FP8InferenceLinear.from_linear(lin, "channel", "static", input_amax=3.0)
+        norm = fp8ext.RMSNorm(32)
+        x = torch.randn(4, 32)
+        assert layer.weight.is_inference() and fused.version_key(layer.weight) is None
+        y1, y2 = layer(x), layer(x)
+        torch.testing.assert_close(y1, y2, rtol=0, atol=0)
+        torch.testing.assert_close(norm.fused_gamma(), torch.ones(32), rtol=0, atol=0)
+        torch.testing.assert_close(y1.float(), lin(x).float(), rtol=0.1, atol=0.1)
+    w = torch.ones(3)
+    assert fused.version_key(w) == (w.data_ptr(), 0)
+    w.add_(1)
+    assert fused.version_key(w) == (w.data_ptr(), 1)

@@ -121,9 +121,10 @@ class FP8InferenceLinear(nn.Module):
     def _weight_scale_for_gemm(self, rows_kind: bool) -> torch.Tensor:
         """weight_scale in the layout cuBLASLt reads, made once and kept while weight_scale is unchanged."""
         ws = self.weight_scale
-        key = (ws.data_ptr(), ws._version, ws.device, rows_kind)
+        vk = fused.version_key(ws)
+        key = None if vk is None else (vk, ws.device, rows_kind)
         cached = getattr(self, "_gemm_scale", None)
-        if cached is not None and cached[0] == key:
+        if key is not None and cached is not None and cached[0] == key:
             return cached[1]
         if self.weights == "block128":  # rows padded to a multiple of 4 floats
             nr, nc = ws.shape
@@ -140,9 +141,9 @@ class FP8InferenceLinear(nn.Module):
     def _input_scheme(self):
         """What a fused producer must write for this layer: (activations, the static scale or None)."""
         if self.activations == "static":
-            key = (self.input_scale.data_ptr(), self.input_scale._version)
+            key = fused.version_key(self.input_scale)
             cached = self.__dict__.get("_static_scale")
-            if cached is None or cached[0] != key:
+            if key is None or cached is None or cached[0] != key:
                 cached = self.__dict__["_static_scale"] = (key, self.input_scale.reciprocal().reshape(1))
             return "static", cached[1]
         return "dynamic", None
@@ -153,9 +154,10 @@ class FP8InferenceLinear(nn.Module):
             return row_scale_inv
         if self.weights == "tensor":
             return self.input_scale.reshape(())
-        key = (rows, self.input_scale.data_ptr(), self.input_scale._version)
+        vk = fused.version_key(self.input_scale)
+        key = None if vk is None else (rows, vk)
         cached = self.__dict__.get("_rows_scale_inv")
-        if cached is None or cached[0] != key:
+        if key is None or cached is None or cached[0] != key:
             cached = self.__dict__["_rows_scale_inv"] = (key, self.input_scale.expand(rows).contiguous())
         return cached[1]
 
