@@ -365,6 +365,9 @@ static PyObject *py_fused_rows(PyObject *module, PyObject *args, PyObject *kwarg
         value_error(fn, "x, out and gamma must start on a 16-byte boundary; pass freshly allocated tensors");
         goto done;
     }
+    if (fp8ext_check_disjoint(fn, 2, 5, (const fp8ext_view *const[]){&out, &si, &x, &g, &sc},
+                              (const char *const[]){"out", "scale_inv", "x", "gamma", "scale"}) < 0)
+        goto done;
     a.x = x.data;
     a.x_dtype = hp_dtype(&x);
     a.gamma = g.capsule ? g.data : NULL;
@@ -405,8 +408,8 @@ static PyObject *py_rope_qkv(PyObject *module, PyObject *args, PyObject *kwargs)
         value_error(fn, "qkv must be [batch, seq, width], cos and sin [positions, head_dim / 2], q, k, v 4-D");
         goto done;
     }
-    if (n_heads < 1 || n_kv < 1) {
-        value_error(fn, "n_heads and n_kv must be positive");
+    if (n_heads < 1 || n_kv < 1 || n_heads > x.shape[2] || n_kv > x.shape[2]) {
+        value_error(fn, "n_heads and n_kv must be positive and at most qkv's last dimension");
         goto done;
     }
     a.batch = x.shape[0];
@@ -423,7 +426,7 @@ static PyObject *py_rope_qkv(PyObject *module, PyObject *args, PyObject *kwargs)
         goto done;
     }
     if (c.shape[1] != a.head_dim / 2 || sn.shape[0] != c.shape[0] || sn.shape[1] != c.shape[1] || start_pos < 0 ||
-        start_pos + a.seq > c.shape[0]) {
+        a.seq > c.shape[0] || start_pos > c.shape[0] - a.seq) {
         value_error(fn, "cos and sin must be [positions, head_dim / 2] covering start_pos .. start_pos + seq");
         goto done;
     }
@@ -442,6 +445,9 @@ static PyObject *py_rope_qkv(PyObject *module, PyObject *args, PyObject *kwargs)
         value_error(fn, "qkv, q, k and v must start on a 16-byte boundary; pass freshly allocated tensors");
         goto done;
     }
+    if (fp8ext_check_disjoint(fn, 3, 6, (const fp8ext_view *const[]){&q, &k, &v, &x, &c, &sn},
+                              (const char *const[]){"q", "k", "v", "qkv", "cos", "sin"}) < 0)
+        goto done;
     a.qkv = x.data;
     a.dtype = hp_dtype(&x);
     a.cos = c.data;
@@ -486,7 +492,7 @@ static PyObject *py_kv_store(PyObject *module, PyObject *args, PyObject *kwargs)
     a.seq = x.shape[2];
     a.head_dim = x.shape[3];
     a.max_len = c.shape[2];
-    if (a.head_dim % 8 || sc.numel != a.n_kv || pos < 0 || pos + a.seq > a.max_len) {
+    if (a.head_dim % 8 || sc.numel != a.n_kv || pos < 0 || a.seq > a.max_len || pos > a.max_len - a.seq) {
         value_error(fn, "head_dim must be a multiple of 8, scale hold one float32 per head, and pos .. pos + seq "
                         "lie within the cache");
         goto done;
@@ -495,6 +501,9 @@ static PyObject *py_kv_store(PyObject *module, PyObject *args, PyObject *kwargs)
         value_error(fn, "x must start on a 16-byte boundary and cache on an 8-byte one");
         goto done;
     }
+    if (fp8ext_check_disjoint(fn, 1, 3, (const fp8ext_view *const[]){&c, &x, &sc},
+                              (const char *const[]){"cache", "x", "scale"}) < 0)
+        goto done;
     a.x = x.data;
     a.x_dtype = hp_dtype(&x);
     a.scale = sc.data;

@@ -43,9 +43,10 @@ _CUDA = bool(_C.WITH_CUDA)  # a CUDA tensor implies a visible device
 
 def available(x: torch.Tensor, cols: int = 8) -> bool:
     """Whether the CUDA kernels run for x: a CUDA tensor, fp8ext built with CUDA, outside torch.compile's
-    tracing, and an output width `cols` that is a multiple of 8 (16-byte vectors). Otherwise the functions
-    compute the same definitions with torch ops."""
-    return x.is_cuda and cols % 8 == 0 and _CUDA and not torch.compiler.is_compiling()
+    tracing, a float32, bfloat16 or float16 dtype, and an output width `cols` that is a multiple of 8 (16-byte
+    vectors). Otherwise the functions compute the same definitions with torch ops."""
+    return (x.is_cuda and x.dtype in _DTYPES and cols % 8 == 0 and _CUDA
+            and not torch.compiler.is_compiling())
 
 
 def version_key(t: torch.Tensor):
@@ -79,7 +80,9 @@ def _gamma(gamma: torch.Tensor, cols: int, x: torch.Tensor, fn: str) -> torch.Te
     if gamma.device != x.device:
         raise ValueError(f"{fn}(): gamma is on {gamma.device}, x on {x.device}")
     g = gamma.reshape(-1)
-    return g if g.dtype == torch.float32 and g.is_contiguous() else g.float().contiguous()
+    if g.dtype != torch.float32 or not g.is_contiguous():
+        return g.float().contiguous()
+    return g if g.data_ptr() % 16 == 0 else g.clone()  # the kernel reads gamma in 16-byte vectors
 
 
 def _scale(scale: torch.Tensor, x: torch.Tensor, fn: str) -> torch.Tensor:

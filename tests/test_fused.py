@@ -280,3 +280,29 @@ def test_layers_made_under_inference_mode_work():
     assert fused.version_key(w) == (w.data_ptr(), 0)
     w.add_(1)
     assert fused.version_key(w) == (w.data_ptr(), 1)
+
+
+def test_fused_norms_follow_the_layer_they_feed():
+    """An FP8InputRMSNorm looks its layer up in the block at each call: replacing the projection later (or
+    loading a checkpoint into an already quantized model) never feeds a stale or non-FP8 layer."""
+    from fp8ext import inference
+    torch.manual_seed(0)
+    cfg = preset("tiny", d_model=64, n_heads=4, n_kv_heads=2, d_ff=128)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        inference.quantize_model(model, "channel", "dynamic")
+    block = model.blocks[0]
+    assert isinstance(block.attn_norm, inference.FP8InputRMSNorm)
+    assert block.attn_norm.consumer() is block.attn.qkv_proj and block.ffn_norm.consumer() is block.ffn.w13
+    new = inference.FP8InferenceLinear.from_linear(torch.nn.Linear(64, block.attn.qkv_proj.out_features, bias=False),
+                                                   "tensor", "dynamic")
+    block.attn.qkv_proj = new
+    assert block.attn_norm.consumer() is new
+    block.attn.qkv_proj = fp8ext.Linear(64, new.out_features, bias=False)
+    assert block.attn_norm.consumer() is None
+    ids = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        assert torch.isfinite(model(ids)).all()  # the CPU path: plain norm into the plain linear
+    assert inference.fuse_norms(model) == 2 * cfg.n_layers - 1  # all but the norm before the plain linear
+    clone = copy.deepcopy(model)
+    assert clone.blocks[1].attn_norm.consumer() is clone.blocks[1].attn.qkv_proj

@@ -81,6 +81,7 @@ __device__ __forceinline__ int32_t block_max_bits(int32_t m) {
     __shared__ int32_t part[kThreads / 32];
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+    __syncthreads();  // part may still be read by an earlier reduction
     if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = m;
     __syncthreads();
     m = part[0];

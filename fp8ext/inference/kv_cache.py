@@ -138,7 +138,8 @@ class KVCache:
             buf[:, :, pos:pos + s] = x.to(torch.bfloat16)
             return
         # q = fp8(x / scale): the division rounded to float32 first, then E4M3 (fp8ext.quantize's convention)
-        if x.is_cuda and _C.WITH_CUDA and x.shape[-1] % 8 == 0 and not torch.compiler.is_compiling():
+        if x.is_cuda and _C.WITH_CUDA and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and \
+                x.shape[-1] % 8 == 0 and not torch.compiler.is_compiling():
             xc = x.contiguous() if not x.is_contiguous() else x if x.data_ptr() % 16 == 0 else x.clone()
             _C.kv_store(dl(xc), dl(scale), dl_fp8(buf), pos, stream_of(x.device))  # one pass, straight into buf
             return

@@ -230,11 +230,12 @@ class FP8InferenceLinear(nn.Module):
 class FP8InputRMSNorm(RMSNorm):
     """An RMSNorm that, in inference on a GPU, writes the E4M3 input of the FP8InferenceLinear it feeds (norm
     and quantization in one kernel: fp8ext.fused.rms_norm_fp8) and returns it as an FP8Activation. Otherwise
-    (gradients wanted, a CPU tensor) it is the RMSNorm it replaced. Its parameter and state-dict entry are the
-    norm's own `weight`. Made by fuse_norms."""
+    (gradients wanted, a CPU tensor, or the layer it feeds is no longer an FP8InferenceLinear that takes one)
+    it is the RMSNorm it replaced. Its parameter and state-dict entry are the norm's own `weight`. Made by
+    fuse_norms; the layer fed is looked up in the block at every call, so replacing it later is safe."""
 
     @classmethod
-    def from_norm(cls, norm: RMSNorm, consumer: FP8InferenceLinear) -> "FP8InputRMSNorm":
+    def from_norm(cls, norm: RMSNorm, block: nn.Module, consumer_path: str) -> "FP8InputRMSNorm":
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         for k, v in norm.__dict__.items():
@@ -243,27 +244,49 @@ class FP8InputRMSNorm(RMSNorm):
         new._parameters = dict(norm._parameters)
         new._buffers = dict(norm._buffers)
         new._modules = dict(norm._modules)
-        new.__dict__["_consumer"] = (consumer,)  # a plain reference, not a submodule
+        new.__dict__["_feeds"] = (block, consumer_path)  # plain references, not submodules
         return new
+
+    def consumer(self) -> Optional["FP8InferenceLinear"]:
+        """The layer this norm feeds, when it takes a fused input: an FP8InferenceLinear without block weights."""
+        block, path = self._feeds
+        try:
+            layer = block.get_submodule(path)
+        except AttributeError:
+            return None
+        return layer if isinstance(layer, FP8InferenceLinear) and layer.weights != "block128" else None
 
     def forward(self, x: torch.Tensor):
         if self._fused_ok(x):
-            a = self._consumer[0].quantize_input(x, "rmsnorm", self)
+            layer = self.consumer()
+            a = layer.quantize_input(x, "rmsnorm", self) if layer is not None else None
             if a is not None:
                 return a
         return super().forward(x)
 
 
+_FUSABLE = (("attn_norm", "attn.qkv_proj"), ("ffn_norm", "ffn.w13"))
+
+
 def fuse_norms(model: nn.Module) -> int:
     """Replaces, in each block of fp8ext's transformer whose fused QKV projection (attention) or w13 (SwiGLU)
-    is an FP8InferenceLinear, the RMSNorm before it by an FP8InputRMSNorm; returns how many. Blocks are found
-    by their attributes (attn_norm + attn.qkv_proj, ffn_norm + ffn.w13)."""
+    is an FP8InferenceLinear, the RMSNorm before it by an FP8InputRMSNorm; returns how many norms feed such a
+    layer afterwards. Blocks are found by their attributes (attn_norm + attn.qkv_proj, ffn_norm + ffn.w13);
+    norms fused earlier are re-pointed at their block."""
     n = 0
     for block in model.modules():
-        for norm_name, consumer in (("attn_norm", getattr(getattr(block, "attn", None), "qkv_proj", None)),
-                                    ("ffn_norm", getattr(getattr(block, "ffn", None), "w13", None))):
+        for norm_name, path in _FUSABLE:
             norm = getattr(block, norm_name, None)
-            if type(norm) is RMSNorm and isinstance(consumer, FP8InferenceLinear) and consumer.weights != "block128":
-                setattr(block, norm_name, FP8InputRMSNorm.from_norm(norm, consumer))
+            if not isinstance(norm, RMSNorm) or (type(norm) is not RMSNorm and not isinstance(norm, FP8InputRMSNorm)):
+                continue
+            try:
+                consumer = block.get_submodule(path)
+            except AttributeError:
+                continue
+            if isinstance(consumer, FP8InferenceLinear) and consumer.weights != "block128":
+                if isinstance(norm, FP8InputRMSNorm):
+                    norm.__dict__["_feeds"] = (block, path)
+                else:
+                    setattr(block, norm_name, FP8InputRMSNorm.from_norm(norm, block, path))
                 n += 1
     return n
