@@ -25,7 +25,6 @@ def kernel_table(fn, label, top=28):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    evs = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or getattr(e, "device_time_total", 0)]
     rows = []
     for e in prof.key_averages():
         t = getattr(e, "self_device_time_total", None)
@@ -39,7 +38,6 @@ def kernel_table(fn, label, top=28):
     print(f"\n== {label}: GPU time {total / 1e3:.3f} ms in {launches} kernel/memcpy events")
     for t, c, k in rows[:top]:
         print(f"{t / 1e3:9.3f} ms {100 * t / total:5.1f}% {c:6d}x  {k[:110]}")
-    del evs
     return total
 
 
