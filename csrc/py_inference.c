@@ -123,10 +123,17 @@ static PyObject *py_decode_attention(PyObject *module, PyObject *args, PyObject 
             goto done;
         }
         const int64_t chunk = (length + splits - 1) / splits;
-        if (chunk * g > 12288 || a.n_heads * a.batch > 65535 * 65535LL || a.batch > 65535 || a.n_kv > 65535) {
+        a.q_dtype = hp_dtype(&q);
+        const int scores_in_smem = !fp8ext_decode_attention_tensor_cores(&a);  /* head_dim is set above */
+        if ((scores_in_smem && chunk * g > 12288) || a.n_heads * a.batch > 65535 * 65535LL || a.batch > 65535 ||
+            a.n_kv > 65535) {
             PyErr_Format(PyExc_ValueError, "%s(): %lld positions per split and %lld query heads per K/V head exceed "
                          "the kernel's shared memory (at most 12288 scores per block); use more splits", fn,
                          (long long)chunk, (long long)g);
+            goto done;
+        }
+        if (((uintptr_t)k.data | (uintptr_t)v.data) % 16) {
+            value_error(fn, "k and v must start on a 16-byte boundary (the kernel reads 16 cache bytes at a time)");
             goto done;
         }
         if (ws.numel < a.batch * a.n_heads * splits * (a.head_dim + 2)) {
@@ -135,7 +142,6 @@ static PyObject *py_decode_attention(PyObject *module, PyObject *args, PyObject 
         }
     }
     a.q = q.data;
-    a.q_dtype = hp_dtype(&q);
     a.k = k.data;
     a.v = v.data;
     a.k_scale = ks.data;

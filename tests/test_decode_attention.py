@@ -77,6 +77,9 @@ CASES = [  # b, h, kv, hd, max_len, length
     (1, 32, 8, 128, 32768, 32768), (4, 8, 8, 64, 512, 333), (2, 16, 2, 128, 4096, 4000), (1, 6, 1, 256, 128, 100),
     (8, 32, 8, 128, 8192, 5003), (1, 4, 4, 32, 64, 64),
     (96, 16, 4, 128, 1100, 1025),  # 384 (batch x K/V head) pairs: not split, output written by one kernel
+    # head_dim 128: the tensor-core path for 16-bit queries, every group size, lengths not a multiple of 16
+    (2, 3, 3, 128, 300, 37), (1, 6, 3, 128, 100, 17), (2, 12, 4, 128, 600, 521), (1, 12, 2, 128, 1000, 999),
+    (3, 8, 1, 128, 20000, 19999),
 ]
 
 
@@ -92,6 +95,38 @@ def test_kernel_equals_the_reference(b, h, kv, hd, max_len, length, dtype):
     # float32 accumulation in another order, then one rounding to dtype
     tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
     torch.testing.assert_close(got.cpu().float(), want, rtol=tol, atol=tol * float(want.abs().max()))
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("splits", [1, 2, 7, 64])
+def test_any_split_of_the_positions_gives_the_same_attention(dtype, splits):
+    from fp8ext import _C
+    from fp8ext._boundary import dl, dl_fp8
+    b, h, kv, hd, length = 2, 16, 4, 128, 1500
+    q, k, v, ks, vs = make(b, h, kv, 1600, hd, dtype, "cuda", seed=splits)
+    out = torch.empty_like(q)
+    ws = torch.empty(b * h * splits * (hd + 2), dtype=torch.float32, device="cuda")
+    _C.decode_attention(dl(q), dl_fp8(k), dl_fp8(v), dl(ks), dl(vs), dl(out), dl(ws), length, hd ** -0.5, splits,
+                        torch.cuda.current_stream().cuda_stream)
+    want = decode_attention_reference(q.cpu().float(), k.cpu(), v.cpu(), length, ks.cpu(), vs.cpu())
+    tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    torch.testing.assert_close(out.cpu().float(), want, rtol=tol, atol=tol * float(want.abs().max()))
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("magnitude", [1e6, 1e-6])
+def test_queries_far_outside_float16s_range(magnitude):
+    # the tensor-core path rounds the query to f16 after scaling each head by a power of two: a bf16 query of
+    # 1e6 (f16 overflows at 65504) or 1e-6 (f16 subnormal) keeps its precision
+    q, k, v, ks, vs = make(2, 8, 2, 512, 128, torch.float32, "cuda")
+    q = (q * magnitude).to(torch.bfloat16)
+    got = decode_attention(q, k, v, 500, ks, vs)
+    want = decode_attention_reference(q.cpu().float(), k.cpu(), v.cpu(), 500, ks.cpu(), vs.cpu())
+    assert got.isfinite().all()
+    torch.testing.assert_close(got.cpu().float(), want, rtol=1.6e-2, atol=1.6e-2 * float(want.abs().max()))
 
 
 @requires_cuda
@@ -118,3 +153,11 @@ def test_kernel_refuses_what_it_cannot_do():
     q, k, v, ks, vs = make(1, 4, 2, 128, 64, torch.bfloat16, "cuda")
     with pytest.raises(ValueError, match="k_cache is on cpu"):
         decode_attention(q, k.cpu(), v, 10, ks, vs)
+    from fp8ext import _C
+    from fp8ext._boundary import dl, dl_fp8
+    q, k, v, ks, vs = make(1, 4, 2, 128, 128, torch.bfloat16, "cuda")
+    shifted = torch.empty(k.numel() + 8, dtype=torch.uint8, device="cuda")[8:].view(torch.float8_e4m3fn).view(k.shape)
+    out, ws = torch.empty_like(q), torch.empty(4 * 130, device="cuda")
+    with pytest.raises(ValueError, match="16-byte boundary"):
+        _C.decode_attention(dl(q), dl_fp8(shifted), dl_fp8(v), dl(ks), dl(vs), dl(out), dl(ws), 10, 0.1, 1,
+                            torch.cuda.current_stream().cuda_stream)

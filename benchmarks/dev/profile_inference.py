@@ -149,9 +149,11 @@ def attn_splits(b=128, h=16, kv=4, hd=128, length=1025, max_len=1025):
     ks = torch.full((kv,), 0.01, device="cuda")
     out = torch.empty_like(q)
     impls = {"sdpa bf16": lambda: F.scaled_dot_product_attention(q[:, :, None], k16, v16, enable_gqa=True)}
-    default = att._splits(b, h, kv, length, q.device)
-    least = -(-length // (12288 // (h // kv)))
-    for sp in sorted({least * f for f in (1, 2, 3, 4, 6, 8, 12, 16)} | {default}):
+    default = att._splits(b, h, kv, length, q.device, att._tensor_cores(hd, q.dtype))
+    least = 1 if att._tensor_cores(hd, q.dtype) else -(-length // (12288 // (h // kv)))
+    for sp in sorted({least * f for f in (1, 2, 3, 4, 6, 8, 12, 16)} | {default, 24, 32, 48, 64, 96} - {0}):
+        if sp < least:
+            continue
         if sp > 65535 or -(-length // sp) < 16:
             continue
         ws = torch.empty(b * h * sp * (hd + 2), dtype=torch.float32, device="cuda")

@@ -8,7 +8,9 @@ bfloat16/float16 with no scales. Grouped-query attention: query head i reads K/V
 Positions [0, length) are attended; the softmax uses softmax_scale (1 / sqrt(head_dim) by default).
 
 On a GPU with an FP8 cache, a CUDA kernel reads the FP8 bytes directly (no dequantized copy of the cache is made),
-splits the cached positions over thread blocks and merges the partial softmaxes (flash-decoding). Elsewhere the
+splits the cached positions over thread blocks and merges the partial softmaxes (flash-decoding). With head_dim 128
+and a bfloat16 or float16 query it multiplies on tensor cores (f16 operands: the cache bytes and the query exactly,
+the softmax weights rounded to f16; float32 sums); otherwise, and for a float32 query, in float32 throughout. Elsewhere the
 reference below runs: dequantize the used part of the cache to float32 and compute softmax(q K^T) V in float32
 (also on a GPU when q needs a gradient: the kernel computes none).
 """
@@ -93,7 +95,7 @@ def decode_attention(q, k_cache, v_cache, length: int, k_scale=None, v_scale=Non
         if not k_cache.is_contiguous() or not v_cache.is_contiguous():
             raise ValueError("decode_attention(): k_cache and v_cache must be contiguous on a GPU")
         scale = 1.0 / math.sqrt(hd) if softmax_scale is None else float(softmax_scale)
-        splits = _splits(b, h, kv, length, q.device)
+        splits = _splits(b, h, kv, length, q.device, _tensor_cores(hd, q.dtype))
         q = q.contiguous()
         out = torch.empty_like(q)
         workspace = torch.empty(b * h * splits * (hd + 2), dtype=torch.float32, device=q.device)
@@ -109,15 +111,30 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _splits(b: int, h: int, kv: int, length: int, device) -> int:
-    """How many thread blocks share one K/V head's positions. At least length / (12288 / (h / kv)) (a block's
-    scores sit in shared memory). With fewer (batch x K/V head) pairs than two per multiprocessor: enough
-    blocks for 16 per multiprocessor (several waves, so the last one is a small part of the time), at least
-    768 positions per block (H100, 32k positions, 8 K/V heads, batch 1: 59 us in 44 splits, 110 us in 264). With more, no further split: each split costs a round trip through the workspace
-    and a merge (H100, batch 128, 4 K/V heads, 1025 positions: 76 us unsplit, 96 us in 5 splits)."""
-    group = h // kv
-    least = -(-length // (12288 // group))
+def _tensor_cores(hd: int, dtype) -> bool:
+    """Whether the kernel takes its tensor-core path (csrc/kernels/decode_attention.cu): head_dim 128 and a
+    bfloat16 or float16 query. A float32 query keeps float32 products throughout."""
+    return hd == 128 and dtype in (torch.bfloat16, torch.float16)
+
+
+def _splits(b: int, h: int, kv: int, length: int, device, tensor_cores: bool = False) -> int:
+    """How many thread blocks share one K/V head's positions; each split costs a round trip through the
+    workspace and a merge.
+
+    Tensor-core path (no scores kept in shared memory; three blocks fit on a multiprocessor): at most two blocks
+    per multiprocessor, all in one wave, and at least 256 positions per block. H100, 32k positions, 8 K/V heads:
+    batch 8 193 us in 4 splits, 217 us in 8 (two waves), 236 us in 96; batch 1 48 us in 16-32 splits, 64 us in
+    96; batch 32 722 us unsplit, 797 us in 96.
+
+    Float path: at least length / (12288 / (h / kv)) (a block's scores sit in shared memory). With fewer
+    (batch x K/V head) pairs than two per multiprocessor: enough blocks for 16 per multiprocessor (several
+    waves, so the last one is a small part of the time), at least 768 positions per block (H100, 32k positions,
+    8 K/V heads, batch 1: 59 us in 44 splits, 110 us in 264). With more, no further split (H100, batch 128,
+    4 K/V heads, 1025 positions: 76 us unsplit, 96 us in 5 splits)."""
     sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    if tensor_cores:
+        return max(1, min(2 * sms // (b * kv), length // 256))
+    least = -(-length // (12288 // (h // kv)))
     if b * kv >= 2 * sms:
         return least
     want = -(-16 * sms // (b * kv))
