@@ -125,8 +125,13 @@ static PyObject *py_decode_attention(PyObject *module, PyObject *args, PyObject 
         const int64_t chunk = (length + splits - 1) / splits;
         a.q_dtype = hp_dtype(&q);
         const int scores_in_smem = !fp8ext_decode_attention_tensor_cores(&a);  /* head_dim is set above */
-        if ((scores_in_smem && chunk * g > 12288) || a.n_heads * a.batch > 65535 * 65535LL || a.batch > 65535 ||
-            a.n_kv > 65535) {
+        if (a.batch > 65535 || a.n_kv > 65535 || chunk > INT_MAX) {
+            PyErr_Format(PyExc_ValueError, "%s(): batch and n_kv_heads must be at most 65535 and length / splits at "
+                         "most %d, got %lld, %lld, %lld", fn, INT_MAX, (long long)a.batch, (long long)a.n_kv,
+                         (long long)chunk);
+            goto done;
+        }
+        if (scores_in_smem && chunk * g > 12288) {
             PyErr_Format(PyExc_ValueError, "%s(): %lld positions per split and %lld query heads per K/V head exceed "
                          "the kernel's shared memory (at most 12288 scores per block); use more splits", fn,
                          (long long)chunk, (long long)g);

@@ -260,7 +260,8 @@ __global__ void decode_combine_kernel(fp8ext_decode_attention_args a) {
 // patterns are then free of bank conflicts.
 //
 // Precision: E4M3 -> f16 is exact; the query is multiplied by a power of two per head (its largest magnitude
-// lands in [2^14, 2^15)) before rounding to f16, so a bf16 or f16 query is exact too; products are exact and
+// lands in [2^14, 2^15)) before rounding to f16, so a bf16 or f16 query is exact too (but for components below
+// 2^-24 of the head's largest, which f16 flushes or rounds as subnormals); products are exact and
 // summed in float32; the scale (k_scale * softmax_scale * log2 e / that power of two) is applied to the float32
 // score. P is rounded to f16 (relative error <= 2^-11) for the second product; l sums the float32 P.
 namespace tc {
@@ -272,7 +273,7 @@ constexpr int kStages = 3;
 constexpr int kTileBytes = WT * HD;             // K (or V) rows of one tile
 constexpr int kStageBytes = 2 * kTileBytes;     // K, then V
 constexpr int kWarpBytes = kStages * kStageBytes;
-constexpr int kSmemBytes = kWarps * kWarpBytes;  // 48 KB: no opt-in needed, four blocks per multiprocessor
+constexpr int kSmemBytes = kWarps * kWarpBytes;  // 48 KB: no opt-in needed; 137 registers allow three blocks per SM
 constexpr int kRow = 132;                       // merge buffer: 128 dims + one pad float per 32 (no bank conflicts)
 static_assert(kWarps * (8 * kRow + 16) * 4 <= kSmemBytes, "merge buffer must fit in the pipeline's memory");
 
@@ -354,8 +355,9 @@ decode_partial_tc_kernel(fp8ext_decode_attention_args a, int chunk) {
         amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
         amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
         int e = 0;
-        if (amax > 0.0f && amax <= 3.0e38f) (void)frexpf(amax, &e);  // amax = f * 2^e, f in [0.5, 1)
-        const int sh = (amax > 0.0f && amax <= 3.0e38f) ? 15 - e : 0;
+        const bool normal = amax > 0.0f && isfinite(amax);  // Inf / NaN in the query: left to propagate
+        if (normal) (void)frexpf(amax, &e);                    // amax = f * 2^e, f in [0.5, 1)
+        const int sh = normal ? 15 - e : 0;
 #pragma unroll
         for (int s = 0; s < 8; ++s) {
             qa[s][0] = pack_f16x2(ldexpf(qf[4 * s], sh), ldexpf(qf[4 * s + 1], sh));
