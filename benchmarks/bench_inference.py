@@ -15,6 +15,9 @@ two random batches); the embedding and output head stay bf16 in both. Rows:
   decode_attention  one query token per sequence over a 32k-token cache, batch 8, Llama-8B heads (32 query,
                  8 KV, head_dim 128): fp8ext's kernel on the FP8 cache vs torch SDPA (enable_gqa) on a bf16
                  cache of the same shape; also its error against the float32 reference             goal >= 1.6x
+  generate()     what a user runs: batch 128, a 1024-token prompt, 128 new tokens; ms per decode step of
+                 bf16 + bf16 cache (eager) against FP8 + FP8 cache eager, and FP8 + FP8 cache with its decode
+                 steps as one CUDA graph (generate's default on a GPU; the capture counted in the time)
 Timings: CUDA events after warm-up, medians; the implementations of a row interleaved over rounds. A row whose
 code raises prints the error and the run goes on. Random data throughout (never zeros). About 1-2 minutes on
 an H100; --quick shrinks the sizes (a smoke test). The JSON goes to $OUT (benchmarks/out by default).
@@ -123,6 +126,7 @@ def main() -> None:
     p.add_argument("--decode_context", type=int, default=1024)
     p.add_argument("--attn_batch", type=int, default=8)
     p.add_argument("--attn_context", type=int, default=32768)
+    p.add_argument("--gen_tokens", type=int, default=128, help="new tokens per generate() run")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke test of the script")
     args = p.parse_args()
     if not torch.cuda.is_available() or not fp8ext.cuda_available():
@@ -130,7 +134,7 @@ def main() -> None:
                  f"cuda available: {torch.cuda.is_available()}, fp8ext CUDA kernels: {fp8ext.cuda_available()}")
     if args.quick:
         args.prefill_batch, args.prefill_len, args.decode_batch, args.decode_context = 4, 512, 16, 256
-        args.attn_batch, args.attn_context = 2, 4096
+        args.attn_batch, args.attn_context, args.gen_tokens = 2, 4096, 16
 
     from fp8ext import inference
     from fp8ext.inference.attention import decode_attention, decode_attention_reference
@@ -144,7 +148,7 @@ def main() -> None:
     head = device_header()
     print(f"bench_inference: {head}", flush=True)
     cfg = preset(args.preset)
-    need = max(args.prefill_len, args.decode_context + 1)
+    need = max(args.prefill_len, args.decode_context + args.gen_tokens)
     if need > cfg.max_seq_len:
         cfg = preset(args.preset, max_seq_len=need)
     torch.manual_seed(0)
@@ -289,6 +293,38 @@ def main() -> None:
                 if name != "bf16":
                     row(rows, f"{label}, {name} + fp8 cache vs bf16 + bf16 cache (CUDA graph)", t["bf16"][0],
                         t[name][0], t["bf16"][0] / t[name][0], GOALS["decode"])
+
+    # generate(): prefill + decode as a user runs it; the FP8 cache's decode steps eager and as a CUDA graph
+    with torch.no_grad():
+        from fp8ext.inference import generate
+        prompt = torch.randint(0, cfg.vocab_size, (args.decode_batch, args.decode_context), device="cuda",
+                               generator=gen)
+        new = args.gen_tokens
+        label = f"generate(), batch {args.decode_batch}, {args.decode_context}-token prompt + {new} new"
+        runs = {"bf16": ("bf16", "bf16", False)}
+        if "fp8 dynamic" in models:
+            runs["fp8 eager"] = ("fp8 dynamic", "fp8", False)
+            runs["fp8 graph"] = ("fp8 dynamic", "fp8", True)
+        per_step = {}
+        for name, (mname, kv, graph) in runs.items():
+            try:
+                generate(models[mname], prompt[:, :8], 4, kv_cache=kv, cuda_graph=graph)  # warm-up
+                _, st = generate(models[mname], prompt, new, kv_cache=kv, cuda_graph=graph)
+                per_step[name] = args.decode_batch / st["decode_tokens_per_s"] * 1e3  # ms per decode step
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc(limit=3)
+                row(rows, f"{label}, {name}", error=error_text(e))
+            torch.cuda.empty_cache()
+        if "bf16" in per_step:
+            for name, note in (("fp8 eager", "FP8 model + FP8 cache, eager decode"),
+                               ("fp8 graph", "FP8 model + FP8 cache, decode steps as one CUDA graph (capture "
+                                             "included)")):
+                if name in per_step:
+                    row(rows, f"{label}: ms per decode step, bf16 + bf16 cache (eager) vs {note}", per_step["bf16"],
+                        per_step[name], per_step["bf16"] / per_step[name],
+                        note=f"{args.decode_batch / per_step[name] * 1e3:,.0f} tokens/s FP8, "
+                             f"{args.decode_batch / per_step['bf16'] * 1e3:,.0f} bf16")
+        del prompt
 
     print()
     print(f"{head['device']}, torch {head['torch']}, CUDA {head['cuda']}, {head['date']}; preset {args.preset}"

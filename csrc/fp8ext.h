@@ -163,6 +163,9 @@ typedef struct {
     float *workspace;
     void *out;
     int64_t batch, n_heads, n_kv, max_len, head_dim, length;
+    /* NULL, or an int64 in device memory: the positions attended are then [0, min(*length_dev, length)), read
+     * by the kernel (a CUDA graph replays one launch for every step); `length` bounds it and sizes the splits. */
+    const int64_t *length_dev;
     int splits;
     float softmax_scale;
 } fp8ext_decode_attention_args;
@@ -239,6 +242,9 @@ typedef struct {
     const float *scale;
     uint8_t *cache;
     int64_t batch, n_kv, seq, head_dim, max_len, pos;
+    /* NULL, or an int64 in device memory that replaces pos (read by the kernel, for CUDA graphs); a value
+     * outside [0, max_len - seq] stores nothing. */
+    const int64_t *pos_dev;
 } fp8ext_kv_store_args;
 
 /* CPU reference (csrc/cpu_ops.c). Pure computation: no allocation, no failure. */

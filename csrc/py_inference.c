@@ -33,6 +33,22 @@ static int get_arg(PyObject *o, int kind, const fp8ext_view *ref, const char *re
     return ref ? fp8ext_check_same_device(v, ref, fn, arg, ref_arg) : 0;
 }
 
+/* An optional int64 scalar in device memory (a position or length the kernel reads, for CUDA graphs): None leaves
+ * *ptr NULL; otherwise one contiguous int64 element on ref's device. */
+static int get_i64_dev(PyObject *o, const fp8ext_view *ref, const char *ref_arg, Py_ssize_t stream, const char *fn,
+                       const char *arg, fp8ext_view *v, const int64_t **ptr) {
+    *ptr = NULL;
+    if (o == NULL || o == Py_None) return 0;
+    if (fp8ext_view_get(o, stream, fn, arg, v) < 0) return -1;
+    if (v->code != 0 || v->bits != 64 || v->numel != 1) {
+        PyErr_Format(PyExc_TypeError, "%s(): %s must be one int64 element (torch.long), on the GPU", fn, arg);
+        return -1;
+    }
+    if (fp8ext_check_same_device(v, ref, fn, arg, ref_arg) < 0) return -1;
+    *ptr = (const int64_t *)v->data;
+    return 0;
+}
+
 #ifdef FP8EXT_WITH_CUDA
 static int cuda_decode_attention(const void *a, void *s, int n) { return fp8ext_cuda_decode_attention(a, s, n); }
 static int cuda_weight_only(const void *a, void *s, int n) { return fp8ext_cuda_weight_only(a, s, n); }
@@ -48,20 +64,21 @@ static int cuda_kv_store(const void *a, void *s, int n) { return fp8ext_cuda_kv_
 #endif
 static void no_cpu(const void *a) { (void)a; }
 
-/* decode_attention(q, k, v, k_scale, v_scale, out, workspace, length, softmax_scale, splits, stream=0) */
+/* decode_attention(q, k, v, k_scale, v_scale, out, workspace, length, softmax_scale, splits, stream=0,
+ *                  length_dev=None) */
 static PyObject *py_decode_attention(PyObject *module, PyObject *args, PyObject *kwargs) {
     static const char *fn = "decode_attention";
     static char *kwlist[] = {"q", "k", "v", "k_scale", "v_scale", "out", "workspace", "length", "softmax_scale",
-                             "splits", "stream", NULL};
-    PyObject *q_o, *k_o, *v_o, *ks_o, *vs_o, *out_o, *ws_o;
+                             "splits", "stream", "length_dev", NULL};
+    PyObject *q_o, *k_o, *v_o, *ks_o, *vs_o, *out_o, *ws_o, *ld_o = NULL;
     long long length;
     float softmax_scale;
     int splits;
     Py_ssize_t stream = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOLfi|n:decode_attention", kwlist, &q_o, &k_o, &v_o, &ks_o,
-                                     &vs_o, &out_o, &ws_o, &length, &softmax_scale, &splits, &stream))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOLfi|nO:decode_attention", kwlist, &q_o, &k_o, &v_o, &ks_o,
+                                     &vs_o, &out_o, &ws_o, &length, &softmax_scale, &splits, &stream, &ld_o))
         return NULL;
-    fp8ext_view q = {0}, k = {0}, v = {0}, ks = {0}, vs = {0}, out = {0}, ws = {0};
+    fp8ext_view q = {0}, k = {0}, v = {0}, ks = {0}, vs = {0}, out = {0}, ws = {0}, ld = {0};
     PyObject *ret = NULL;
     fp8ext_decode_attention_args a = {0};
     if (get_arg(q_o, -1, NULL, NULL, stream, fn, "q", &q) < 0 || on_gpu(&q, fn, "q") < 0 ||
@@ -73,7 +90,8 @@ static PyObject *py_decode_attention(PyObject *module, PyObject *args, PyObject 
         get_arg(vs_o, FP8EXT_KIND_F32, &q, "q", stream, fn, "v_scale", &vs) < 0 ||
         get_arg(out_o, q.kind, &q, "q", stream, fn, "out", &out) < 0 || fp8ext_check_writable(&out, fn, "out") < 0 ||
         get_arg(ws_o, FP8EXT_KIND_F32, &q, "q", stream, fn, "workspace", &ws) < 0 ||
-        fp8ext_check_writable(&ws, fn, "workspace") < 0)
+        fp8ext_check_writable(&ws, fn, "workspace") < 0 ||
+        get_i64_dev(ld_o, &q, "q", stream, fn, "length_dev", &ld, &a.length_dev) < 0)
         goto done;
     if (q.ndim != 3 || k.ndim != 4 || v.ndim != 4) {
         value_error(fn, "q must be [batch, n_heads, head_dim] and k, v [batch, n_kv_heads, max_len, head_dim]");
@@ -159,7 +177,7 @@ static PyObject *py_decode_attention(PyObject *module, PyObject *args, PyObject 
     if (fp8ext_run_op(module, &q, stream, fn, no_cpu, cuda_decode_attention, &a) < 0) goto done;
     ret = Py_NewRef(Py_None);
 done:
-    FP8EXT_RELEASE_ALL(&q, &k, &v, &ks, &vs, &out, &ws);
+    FP8EXT_RELEASE_ALL(&q, &k, &v, &ks, &vs, &out, &ws, &ld);
     return ret;
 }
 
@@ -475,23 +493,23 @@ done:
     return ret;
 }
 
-/* kv_store(x, scale, cache, pos, stream=0): see fp8ext_kv_store_args. */
+/* kv_store(x, scale, cache, pos, stream=0, pos_dev=None): see fp8ext_kv_store_args. */
 static PyObject *py_kv_store(PyObject *module, PyObject *args, PyObject *kwargs) {
     static const char *fn = "kv_store";
-    static char *kwlist[] = {"x", "scale", "cache", "pos", "stream", NULL};
-    PyObject *x_o, *s_o, *c_o;
+    static char *kwlist[] = {"x", "scale", "cache", "pos", "stream", "pos_dev", NULL};
+    PyObject *x_o, *s_o, *c_o, *pd_o = NULL;
     long long pos;
     Py_ssize_t stream = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOL|n:kv_store", kwlist, &x_o, &s_o, &c_o, &pos, &stream))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOL|nO:kv_store", kwlist, &x_o, &s_o, &c_o, &pos, &stream, &pd_o))
         return NULL;
-    fp8ext_view x = {0}, sc = {0}, c = {0};
+    fp8ext_view x = {0}, sc = {0}, c = {0}, pd = {0};
     PyObject *ret = NULL;
     fp8ext_kv_store_args a = {0};
     if (get_arg(x_o, -1, NULL, NULL, stream, fn, "x", &x) < 0 || on_gpu(&x, fn, "x") < 0 ||
         get_arg(s_o, FP8EXT_KIND_F32, &x, "x", stream, fn, "scale", &sc) < 0 ||
         fp8ext_view_get(c_o, stream, fn, "cache", &c) < 0 || fp8ext_check_fp8(&c, FP8EXT_E4M3, fn, "cache") < 0 ||
         fp8ext_check_contiguous(&c, fn, "cache") < 0 || fp8ext_check_same_device(&c, &x, fn, "cache", "x") < 0 ||
-        fp8ext_check_writable(&c, fn, "cache") < 0)
+        fp8ext_check_writable(&c, fn, "cache") < 0 || get_i64_dev(pd_o, &x, "x", stream, fn, "pos_dev", &pd, &a.pos_dev) < 0)
         goto done;
     if (x.ndim != 4 || c.ndim != 4 || c.shape[0] != x.shape[0] || c.shape[1] != x.shape[1] ||
         c.shape[3] != x.shape[3]) {
@@ -523,13 +541,14 @@ static PyObject *py_kv_store(PyObject *module, PyObject *args, PyObject *kwargs)
     if (fp8ext_run_op(module, &x, stream, fn, no_cpu, cuda_kv_store, &a) < 0) goto done;
     ret = Py_NewRef(Py_None);
 done:
-    FP8EXT_RELEASE_ALL(&x, &sc, &c);
+    FP8EXT_RELEASE_ALL(&x, &sc, &c, &pd);
     return ret;
 }
 
 PyMethodDef fp8ext_inference_methods[] = {
     {"kv_store", (PyCFunction)(void (*)(void))py_kv_store, METH_VARARGS | METH_KEYWORDS,
-     "kv_store(x, scale, cache, pos, stream=0): K or V of a step stored into an FP8 KV cache, on a GPU."},
+     "kv_store(x, scale, cache, pos, stream=0, pos_dev=None): K or V of a step stored into an FP8 KV cache, on a "
+     "GPU; pos_dev (int64 on the GPU) replaces pos when given (CUDA graphs)."},
     {"fused_rows", (PyCFunction)(void (*)(void))py_fused_rows, METH_VARARGS | METH_KEYWORDS,
      "fused_rows(x, gamma, out, scale, scale_inv, eps, op, out_mode, stream=0): RMSNorm or SwiGLU of each row, "
      "written in x's dtype or as E4M3, on a GPU."},
@@ -542,7 +561,8 @@ PyMethodDef fp8ext_inference_methods[] = {
      "weight_only(x, w, block_scales, channel_scale, tensor_scale, workspace, counters, out, fmt, splits, stream=0): "
      "x W^T with W in FP8/FP6/FP4 codes, dequantized in registers, on a GPU."},
     {"decode_attention", (PyCFunction)(void (*)(void))py_decode_attention, METH_VARARGS | METH_KEYWORDS,
-     "decode_attention(q, k, v, k_scale, v_scale, out, workspace, length, softmax_scale, splits, stream=0): "
-     "attention of one query token over an FP8 KV cache, on a GPU."},
+     "decode_attention(q, k, v, k_scale, v_scale, out, workspace, length, softmax_scale, splits, stream=0, "
+     "length_dev=None): attention of one query token over an FP8 KV cache, on a GPU; length_dev (int64 on the GPU), "
+     "when given, is the number of positions attended, at most length (CUDA graphs)."},
     {NULL, NULL, 0, NULL},
 };

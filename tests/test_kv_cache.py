@@ -85,3 +85,85 @@ def test_generate_command_line(tmp_path, capsys):
     main(["generate", "--model", str(tmp_path), "--prompt", "def f", "--max_new_tokens", "8", "--device", "cpu"])
     out = capsys.readouterr().out
     assert out.startswith("def f") and "decode" in out and "KV cache fp8" in out
+
+
+# ---- decode steps as a CUDA graph: the position in device memory ----------------------------------------------
+from conftest import requires_cuda  # noqa: E402
+from fp8ext.inference import attention, decode_loss  # noqa: E402
+
+
+def test_graphed_decoding_is_refused_where_it_cannot_run():
+    model, prompt = model_and_prompt()
+    with pytest.raises(ValueError, match="cuda_graph=True needs kv_cache='fp8' on a GPU"):
+        generate(model, prompt, 4, kv_cache="fp8", cuda_graph=True)  # on the CPU
+    with pytest.raises(ValueError, match="cuda_graph=True needs kv_cache='fp8' on a GPU"):
+        decode_loss(model, prompt, prompt, kv_cache="bf16", cuda_graph=True)
+    _, stats = generate(model, prompt, 4, kv_cache="fp8")
+    assert stats["cuda_graph"] is False  # auto: not on a CPU
+    with torch.no_grad():
+        cache = KVCache(model.cfg, 2, 64, "fp8")
+        model(prompt, kv_cache=cache, start_pos=0)
+        pos = torch.tensor([24])
+        with pytest.raises(ValueError, match="one-token decode steps over an FP8 KV cache"):
+            model(prompt, kv_cache=cache, start_pos=pos)
+        with pytest.raises(ValueError, match="needs an FP8 cache on a GPU"):
+            model(prompt[:, :1], kv_cache=cache, start_pos=pos)
+        q = torch.randn(2, model.cfg.n_heads, model.cfg.head_dim)
+        ks, vs = cache.scales(0)
+        with pytest.raises(ValueError, match="a tensor length \\(CUDA graphs\\) needs an FP8 cache on a GPU"):
+            attention.decode_attention(q, cache.k[0], cache.v[0], pos, ks, vs)
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_device_position_and_length_give_the_int_paths_bytes():
+    from fp8ext import _C
+    from fp8ext._boundary import dl, dl_fp8, stream_of
+    torch.manual_seed(0)
+    b, h, kv, hd, max_len = 2, 8, 2, 128, 700
+    q = torch.randn(b, h, hd, device="cuda", dtype=torch.bfloat16)
+    k = (torch.randn(b, kv, max_len, hd, device="cuda") * 3).to(torch.float8_e4m3fn)
+    v = (torch.randn(b, kv, max_len, hd, device="cuda") * 3).to(torch.float8_e4m3fn)
+    ks, vs = torch.rand(kv, device="cuda") * 0.05 + 0.01, torch.rand(kv, device="cuda") + 0.1
+    whole = attention.decode_attention(q, k, v, max_len, ks, vs)
+    # the same splits as the int path over the whole cache: the same bytes; beyond max_len it is clamped
+    for n in (max_len, max_len + 5):
+        assert torch.equal(attention.decode_attention(q, k, v, torch.tensor([n], device="cuda"), ks, vs), whole)
+    for n in (1, 17, 333):
+        got = attention.decode_attention(q, k, v, torch.tensor([n], device="cuda"), ks, vs)
+        want = attention.decode_attention_reference(q.float(), k, v, n, ks, vs)
+        torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1.6e-2 * float(want.abs().max()))
+    # kv_store: pos_dev stores where pos stores; out of range stores nothing
+    x = torch.randn(b, kv, 1, hd, device="cuda", dtype=torch.bfloat16)
+    a, c = torch.zeros_like(k), torch.zeros_like(k)
+    _C.kv_store(dl(x), dl(ks), dl_fp8(a), 321, stream_of(x.device))
+    _C.kv_store(dl(x), dl(ks), dl_fp8(c), 0, stream_of(x.device), pos_dev=dl(torch.tensor([321], device="cuda")))
+    assert torch.equal(a.view(torch.uint8), c.view(torch.uint8)) and a.view(torch.uint8)[:, :, 321].any()
+    for bad in (-1, max_len):
+        _C.kv_store(dl(x), dl(ks), dl_fp8(c), 0, stream_of(x.device), pos_dev=dl(torch.tensor([bad], device="cuda")))
+    assert torch.equal(a.view(torch.uint8), c.view(torch.uint8))
+    with pytest.raises(TypeError, match="pos_dev must be one int64 element"):
+        _C.kv_store(dl(x), dl(ks), dl_fp8(c), 0, stream_of(x.device), pos_dev=dl(torch.tensor([1.0], device="cuda")))
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("quantized", [False, True], ids=["bf16 model", "FP8 model"])
+def test_graphed_decode_steps_match_the_eager_ones(quantized):
+    from fp8ext import inference
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny")).to("cuda", torch.bfloat16).eval()
+    if quantized:
+        inference.quantize_model(model, "channel", "dynamic")
+    ids = torch.randint(0, 256, (3, 40), device="cuda")
+    eager = decode_loss(model, ids[:, :-1], ids[:, 1:], kv_cache="fp8", prompt_len=8, cuda_graph=False)
+    graphed = decode_loss(model, ids[:, :-1], ids[:, 1:], kv_cache="fp8", prompt_len=8, cuda_graph=True)
+    # the same kernels; decode attention splits the positions as for the whole cache, so sums differ in order
+    assert abs(graphed - eager) <= 2e-3 * eager, (graphed, eager)
+    prompt = ids[:, :12]
+    out, stats = generate(model, prompt, 10, kv_cache="fp8")
+    assert stats["cuda_graph"] is True and out.shape == (3, 22) and torch.equal(out[:, :12], prompt)
+    ref, ref_stats = generate(model, prompt, 10, kv_cache="fp8", cuda_graph=False)
+    assert ref_stats["cuda_graph"] is False
+    assert torch.equal(out[:, 12], ref[:, 12])  # the first new token comes from the prefill in both
+    assert (out == ref).float().mean() > 0.9  # later ones may part at a near-tie of the logits

@@ -90,7 +90,8 @@ decode_partial_kernel(fp8ext_decode_attention_args a, int chunk) {
     const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
     const int part = threadIdx.x % LP, grp = threadIdx.x / LP;
     const int64_t s0 = static_cast<int64_t>(split) * chunk;
-    const int64_t s1 = min(a.length, s0 + chunk);
+    const int64_t length = a.length_dev ? max(int64_t{0}, min(*a.length_dev, a.length)) : a.length;
+    const int64_t s1 = min(length, s0 + chunk);
     const int n = s1 > s0 ? static_cast<int>(s1 - s0) : 0;
     const int64_t row0 = (static_cast<int64_t>(b) * a.n_kv + kvh) * a.max_len;  // first cache row of this head
 
@@ -312,7 +313,8 @@ decode_partial_tc_kernel(fp8ext_decode_attention_args a, int chunk) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int G = static_cast<int>(a.n_heads / a.n_kv);
     const int64_t s0 = static_cast<int64_t>(split) * chunk;
-    const int64_t s1 = min(a.length, s0 + chunk);
+    const int64_t length = a.length_dev ? max(int64_t{0}, min(*a.length_dev, a.length)) : a.length;
+    const int64_t s1 = min(length, s0 + chunk);
     const int n = s1 > s0 ? static_cast<int>(s1 - s0) : 0;
     const int64_t row0 = (static_cast<int64_t>(b) * a.n_kv + kvh) * a.max_len + s0;  // first cache row of the chunk
     uint8_t *wsm = tc_smem + warp * kWarpBytes;

@@ -266,6 +266,8 @@ __global__ void __launch_bounds__(256) kv_store_kernel(fp8ext_kv_store_args a, i
     if (i >= vecs) return;
     const int64_t per_row = a.head_dim / 8, d = (i % per_row) * 8, row = i / per_row;  // row = (b, h, s)
     const int64_t s = row % a.seq, bh = row / a.seq, h = bh % a.n_kv;
+    const int64_t pos = a.pos_dev ? *a.pos_dev : a.pos;
+    if (pos < 0 || pos > a.max_len - a.seq) return;
     float f[8];
     load8(static_cast<const T *>(a.x), i * 8, f);
     const float sc = __ldg(a.scale + h);
@@ -277,7 +279,7 @@ __global__ void __launch_bounds__(256) kv_store_kernel(fp8ext_kv_store_args a, i
         for (int t = 0; t < 4; ++t) r |= cvt1<FP8EXT_E4M3>(__fdiv_rn(f[4 * p + t], sc), 1.0f, 1) << (8 * t);
         w[p] = r;
     }
-    *reinterpret_cast<uint2 *>(a.cache + (bh * a.max_len + a.pos + s) * a.head_dim + d) = make_uint2(w[0], w[1]);
+    *reinterpret_cast<uint2 *>(a.cache + (bh * a.max_len + pos + s) * a.head_dim + d) = make_uint2(w[0], w[1]);
 }
 
 }  // namespace

@@ -107,13 +107,14 @@ def _generate(args) -> None:
     model = load_quantized(args.model, lambda c: Transformer(TransformerConfig(**c)), device=device).to(device)
     prompt = torch.tensor([list(args.prompt.encode("utf-8"))], dtype=torch.long, device=device)
     ids, stats = generate(model, prompt, args.max_new_tokens, kv_cache=None if args.kv_cache == "none" else
-                          args.kv_cache, temperature=args.temperature, seed=args.seed)
+                          args.kv_cache, temperature=args.temperature, seed=args.seed,
+                          cuda_graph={"auto": None, "on": True, "off": False}[args.cuda_graph])
     print(bytes(ids[0].tolist()).decode("utf-8", errors="replace"))
     dec = stats["decode_tokens_per_s"]
     print(f"--\nprefill {stats['prefill_tokens_per_s']:,.0f} tokens/s, decode "
           f"{'n/a' if dec is None else f'{dec:,.1f}'} tokens/s, KV cache {args.kv_cache}: "
           f"{stats['cache_bytes'] / 2**20:.2f} MiB" + (f", {stats['kv_scales']} scales" if stats["kv_scales"] else "")
-          + f" ({device})")
+          + f" ({device}{', decode steps as a CUDA graph' if stats['cuda_graph'] else ''})")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -138,6 +139,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     g.add_argument("--kv_cache", choices=["fp8", "bf16", "none"], default="fp8")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--cuda_graph", choices=["auto", "on", "off"], default="auto",
+                   help="decode steps as one CUDA graph replayed per token (auto: with an FP8 cache on a GPU)")
     g.add_argument("--device", default=None)
     for s in (q, e):
         s.add_argument("--data", default=None, help="text file or directory (default: the training run's data)")

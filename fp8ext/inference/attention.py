@@ -82,28 +82,58 @@ def decode_attention_reference(q, k_cache, v_cache, length: int, k_scale=None, v
     return out.reshape(b, h, hd).to(q.dtype)
 
 
-def decode_attention(q, k_cache, v_cache, length: int, k_scale=None, v_scale=None,
+def decode_attention(q, k_cache, v_cache, length, k_scale=None, v_scale=None,
                      softmax_scale: Optional[float] = None) -> torch.Tensor:
     """Attention of one query token per sequence over positions [0, length) of the cache (see the module
-    docstring). Returns [batch, n_heads, head_dim] in q's dtype."""
+    docstring). Returns [batch, n_heads, head_dim] in q's dtype.
+
+    length is an int, or (for a decode step captured in a CUDA graph) a one-element int64 tensor on q's GPU
+    that the kernel reads when it runs: the work is then split as for the whole cache (max_len positions),
+    and a value outside [1, max_len] is clamped to it (nothing on the host can check it without a sync)."""
+    if isinstance(length, torch.Tensor):
+        return _decode_attention_dev(q, k_cache, v_cache, length, k_scale, v_scale, softmax_scale)
     fp8 = _check(q, k_cache, v_cache, length, k_scale, v_scale)
     if q.is_cuda and fp8 and not (q.requires_grad and torch.is_grad_enabled()):  # the kernel has no backward
-        from .. import _C
-        from .._boundary import dl, dl_fp8
-        b, h, hd = q.shape
-        kv = k_cache.shape[1]
-        if not k_cache.is_contiguous() or not v_cache.is_contiguous():
-            raise ValueError("decode_attention(): k_cache and v_cache must be contiguous on a GPU")
-        scale = 1.0 / math.sqrt(hd) if softmax_scale is None else float(softmax_scale)
-        splits = _splits(b, h, kv, length, q.device, _tensor_cores(hd, q.dtype))
-        q = q.contiguous()
-        out = torch.empty_like(q)
-        workspace = torch.empty(b * h * splits * (hd + 2), dtype=torch.float32, device=q.device)
-        _C.decode_attention(dl(q), dl_fp8(k_cache), dl_fp8(v_cache), dl(k_scale.contiguous()),
-                            dl(v_scale.contiguous()), dl(out), dl(workspace), length, scale, splits,
-                            torch.cuda.current_stream(q.device).cuda_stream)
-        return out
+        return _kernel(q, k_cache, v_cache, length, k_scale, v_scale, softmax_scale, None)
     return decode_attention_reference(q, k_cache, v_cache, length, k_scale, v_scale, softmax_scale)
+
+
+def _decode_attention_dev(q, k_cache, v_cache, length, k_scale, v_scale, softmax_scale):
+    max_len = k_cache.shape[2] if k_cache.dim() == 4 else 0
+    fp8 = _check(q, k_cache, v_cache, max(max_len, 1), k_scale, v_scale)
+    if not (q.is_cuda and fp8 and _C_has_cuda()):
+        raise ValueError("decode_attention(): a tensor length (CUDA graphs) needs an FP8 cache on a GPU; give an "
+                         "int otherwise")
+    if length.dtype != torch.int64 or length.numel() != 1 or length.device != q.device:
+        raise ValueError(f"decode_attention(): a tensor length must be one int64 element on {q.device}, got "
+                         f"{length.dtype} {list(length.shape)} on {length.device}")
+    if q.requires_grad and torch.is_grad_enabled():
+        raise ValueError("decode_attention(): a tensor length runs the CUDA kernel, which computes no gradient")
+    return _kernel(q, k_cache, v_cache, max_len, k_scale, v_scale, softmax_scale, length)
+
+
+def _kernel(q, k_cache, v_cache, length: int, k_scale, v_scale, softmax_scale, length_dev):
+    """The CUDA kernel over positions [0, length), or [0, min(length_dev, length)) when length_dev is a tensor."""
+    from .. import _C
+    from .._boundary import dl, dl_fp8
+    b, h, hd = q.shape
+    kv = k_cache.shape[1]
+    if not k_cache.is_contiguous() or not v_cache.is_contiguous():
+        raise ValueError("decode_attention(): k_cache and v_cache must be contiguous on a GPU")
+    scale = 1.0 / math.sqrt(hd) if softmax_scale is None else float(softmax_scale)
+    splits = _splits(b, h, kv, length, q.device, _tensor_cores(hd, q.dtype))
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    workspace = torch.empty(b * h * splits * (hd + 2), dtype=torch.float32, device=q.device)
+    _C.decode_attention(dl(q), dl_fp8(k_cache), dl_fp8(v_cache), dl(k_scale.contiguous()), dl(v_scale.contiguous()),
+                        dl(out), dl(workspace), length, scale, splits, torch.cuda.current_stream(q.device).cuda_stream,
+                        length_dev=None if length_dev is None else dl(length_dev))
+    return out
+
+
+def _C_has_cuda() -> bool:
+    from .. import _C
+    return bool(_C.WITH_CUDA)
 
 
 @functools.lru_cache(maxsize=None)

@@ -8,6 +8,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from .. import _C
 from .kv_cache import KVCache
 
 __all__ = ["generate", "decode_loss"]
@@ -18,15 +19,64 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _graph_wanted(cuda_graph: Optional[bool], kv_cache: Optional[str], device: torch.device, fn: str) -> bool:
+    """Whether decode steps run as a CUDA graph: None means wherever possible (an FP8 cache on a GPU)."""
+    possible = kv_cache == "fp8" and device.type == "cuda" and bool(_C.WITH_CUDA)
+    if cuda_graph and not possible:
+        raise ValueError(f"{fn}: cuda_graph=True needs kv_cache='fp8' on a GPU (the FP8 cache's kernels read the "
+                         f"step's position from device memory); got kv_cache={kv_cache!r} on {device}")
+    return possible if cuda_graph is None else bool(cuda_graph)
+
+
+class _GraphedStep:
+    """One decode step of `model` over an FP8 `cache`, captured once as a CUDA graph and replayed for every
+    position: the token and the position are copied into static device tensors, which the embedding, RoPE,
+    the cache store and decode attention read (start_pos as a tensor; see KVCache.append). Capture happens at
+    the first call, after two eager warm-up runs of that same step (they store the same K/V at the same
+    position as the replay, so they change nothing). The returned logits [batch, vocab] are overwritten by the
+    next call."""
+
+    def __init__(self, model, cache: KVCache, batch: int, device: torch.device):
+        self.model, self.cache = model, cache
+        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(1, dtype=torch.long, device=device)
+        self.graph = None
+        self.out = None
+
+    def _step(self) -> torch.Tensor:
+        return self.model(self.tok, kv_cache=self.cache, start_pos=self.pos)[:, -1]
+
+    def __call__(self, tok: torch.Tensor, pos: int) -> torch.Tensor:
+        self.tok.copy_(tok)
+        self.pos.fill_(pos)
+        if self.graph is None:
+            side = torch.cuda.Stream(self.tok.device)
+            side.wait_stream(torch.cuda.current_stream(self.tok.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._step()
+            torch.cuda.current_stream(self.tok.device).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = self._step()
+        self.graph.replay()
+        self.cache.advance_to(pos + 1)
+        return self.out
+
+
 @torch.no_grad()
 def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, kv_cache: Optional[str] = "fp8",
-             kv_scales: str = "auto", temperature: float = 0.0, seed: int = 0) -> Tuple[torch.Tensor, dict]:
+             kv_scales: str = "auto", temperature: float = 0.0, seed: int = 0,
+             cuda_graph: Optional[bool] = None) -> Tuple[torch.Tensor, dict]:
     """(ids [batch, prompt + new], stats): prefill the prompt once, then one token per step (greedy when
     temperature == 0). kv_cache: "fp8", "bf16", or None (no cache: the whole sequence recomputed every step,
     the reference the cached paths are tested against). kv_scales, for an FP8 cache: "auto" (the model's
     calibrated K/V scales when it carries them, else from the prefill), "calibrated" (required) or "prefill".
-    stats: prefill and decode tokens/s, cache bytes, and kv_scales: where the FP8 cache's scales came from
-    ("calibrated" or "prefill"; None without an FP8 cache)."""
+    cuda_graph: run the decode steps as one captured CUDA graph, replayed per token (no host work per layer,
+    which otherwise bounds a decode step's speed); None: whenever possible, i.e. an FP8 cache on a GPU (a bf16
+    cache's attention has shapes that grow with the context; it runs eagerly); True where impossible raises.
+    stats: prefill and decode tokens/s, cache bytes, kv_scales (where the FP8 cache's scales came from:
+    "calibrated" or "prefill"; None without an FP8 cache) and cuda_graph."""
     if prompt.dim() != 2 or prompt.shape[1] == 0:
         raise ValueError(f"generate: prompt must be [batch, length > 0] token ids, got shape {list(prompt.shape)}")
     device = prompt.device
@@ -34,6 +84,8 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, kv_cache: Opti
     total = n + max_new_tokens
     cache = None if kv_cache is None else KVCache.from_model(model, b, total, kv_cache, device=device,
                                                              scales=kv_scales)
+    graph = _GraphedStep(model, cache, b, device) if _graph_wanted(cuda_graph, kv_cache, device, "generate") \
+        else None
     g = torch.Generator(device=device).manual_seed(seed)
 
     def pick(logits):
@@ -52,23 +104,27 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, kv_cache: Opti
         ids = torch.cat([ids, nxt], dim=1)
         if pos + 1 == total:
             break
-        logits = (model(nxt, kv_cache=cache, start_pos=pos) if cache is not None else model(ids))[:, -1]
+        if graph is not None:
+            logits = graph(nxt, pos)
+        else:
+            logits = (model(nxt, kv_cache=cache, start_pos=pos) if cache is not None else model(ids))[:, -1]
     _sync(device)
     t2 = time.perf_counter()
     stats = {"prefill_tokens_per_s": b * n / (t1 - t0), "decode_tokens_per_s": b * (max_new_tokens - 1) / (t2 - t1)
              if max_new_tokens > 1 else None, "kv_cache": kv_cache, "cache_bytes": cache.nbytes if cache else 0,
-             "kv_scales": cache.scale_source if cache else None}
+             "kv_scales": cache.scale_source if cache else None, "cuda_graph": graph is not None}
     return ids, stats
 
 
 @torch.no_grad()
 def decode_loss(model, ids: torch.Tensor, targets: torch.Tensor, *, kv_cache: Optional[str] = "fp8",
-                prompt_len: int = 1, kv_scales: str = "auto") -> float:
+                prompt_len: int = 1, kv_scales: str = "auto", cuda_graph: Optional[bool] = None) -> float:
     """Mean cross-entropy of `targets` [batch, n] given `ids` [batch, n], computed the way generation reads the
     cache: the first prompt_len tokens in one prefill, then one true token per decode step through a KV cache
     ("fp8" or "bf16"; kv_scales as in generate). kv_cache=None: one forward over the whole sequence (equal to
     model(ids, targets)[1] up to rounding). Positions of the prefill count too, so the figure compares with the
-    model's ordinary loss; a short prompt makes almost every position a decode step."""
+    model's ordinary loss; a short prompt makes almost every position a decode step. cuda_graph as in
+    generate."""
     if ids.dim() != 2 or targets.shape != ids.shape:
         raise ValueError(f"decode_loss: ids and targets must both be [batch, n], got {list(ids.shape)} and "
                          f"{list(targets.shape)}")
@@ -80,6 +136,10 @@ def decode_loss(model, ids: torch.Tensor, targets: torch.Tensor, *, kv_cache: Op
     else:
         cache = KVCache.from_model(model, b, n, kv_cache, device=ids.device, scales=kv_scales)
         steps = [model(ids[:, :prompt_len], kv_cache=cache, start_pos=0)]
-        steps += [model(ids[:, t:t + 1], kv_cache=cache, start_pos=t) for t in range(prompt_len, n)]
+        if _graph_wanted(cuda_graph, kv_cache, ids.device, "decode_loss"):
+            graph = _GraphedStep(model, cache, b, ids.device)
+            steps += [graph(ids[:, t:t + 1], t)[:, None].clone() for t in range(prompt_len, n)]
+        else:
+            steps += [model(ids[:, t:t + 1], kv_cache=cache, start_pos=t) for t in range(prompt_len, n)]
         logits = torch.cat(steps, dim=1)
     return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten()).item()

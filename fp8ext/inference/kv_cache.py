@@ -181,13 +181,49 @@ class KVCache:
         return (self._load(self.k[layer], self._k_scales[layer], end, k.dtype),
                 self._load(self.v[layer], self._v_scales[layer], end, v.dtype))
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int):
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos):
         """Stores k, v [b, n_kv_heads, s, head_dim] (s = 1 for a decode step) at start_pos of `layer` and returns
         what fp8ext.inference.attention.decode_attention reads: (k_cache, v_cache, length, k_scale, v_scale),
         the layer's raw storage [b, n_kv_heads, max_len, head_dim] (E4M3 bytes, or bf16), the positions now
-        stored, and the layer's dequantizing scales [n_kv_heads] float32 (None for a bf16 cache)."""
+        stored, and the layer's dequantizing scales [n_kv_heads] float32 (None for a bf16 cache).
+
+        start_pos may also be a one-element int64 tensor on the GPU (a decode step captured in a CUDA graph: the
+        kernels read the position, so one capture serves every step). Then s must be 1, the cache FP8 with its
+        scales set (by a prefill or calibration), and `length` is returned as the tensor start_pos + 1; nothing
+        is checked on the host and `lengths` is not advanced: the caller keeps it with `advance_to`."""
+        if isinstance(start_pos, torch.Tensor):
+            return self._append_graphed(layer, k, v, start_pos)
         end = self._put(layer, k, v, start_pos, "append")
         return self.k[layer], self.v[layer], end, self._k_scales[layer], self._v_scales[layer]
+
+    def _append_graphed(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor):
+        if self.dtype != "fp8" or not k.is_cuda or not _C.WITH_CUDA:
+            raise ValueError("KVCache.append: a tensor start_pos (CUDA graphs) needs an FP8 cache on a GPU")
+        if pos.dtype != torch.int64 or pos.numel() != 1 or pos.device != k.device:
+            raise ValueError(f"KVCache.append: a tensor start_pos must be one int64 element on {k.device}, got "
+                             f"{pos.dtype} {list(pos.shape)} on {pos.device}")
+        if k.dim() != 4 or v.shape != k.shape or k.shape[2] != 1 or k.shape[0] != self.k.shape[1] or \
+                k.shape[1] != self.cfg.n_kv_heads or k.shape[3] != self.cfg.head_dim or k.shape[3] % 8:
+            raise ValueError(f"KVCache.append: with a tensor start_pos, k and v must be one position, [batch "
+                             f"{self.k.shape[1]}, {self.cfg.n_kv_heads}, 1, {self.cfg.head_dim}] (head_dim a "
+                             f"multiple of 8), got {list(k.shape)} and {list(v.shape)}")
+        ks, vs = self._k_scales[layer], self._v_scales[layer]
+        if ks is None:
+            raise ValueError("KVCache.append: the FP8 cache's scales are not set yet; run the prefill (or give "
+                             "calibrated scales) before a tensor start_pos")
+        stream = stream_of(k.device)
+        for x, buf, scale in ((k, self.k[layer], ks), (v, self.v[layer], vs)):
+            xc = x.contiguous() if not x.is_contiguous() else x if x.data_ptr() % 16 == 0 else x.clone()
+            _C.kv_store(dl(xc), dl(scale), dl_fp8(buf), 0, stream, pos_dev=dl(pos))
+        return self.k[layer], self.v[layer], pos + 1, ks, vs
+
+    def advance_to(self, length: int) -> None:
+        """Records that every layer holds positions [0, length): after decode steps that stored through a tensor
+        start_pos (see append), whose positions the host does not see."""
+        if not min(self._lengths) <= length <= self.max_len:
+            raise ValueError(f"KVCache.advance_to: length must be in [{min(self._lengths)}, {self.max_len}], got "
+                             f"{length}")
+        self._lengths = [length] * len(self._lengths)
 
     def scales(self, layer: int) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """(k_scale, v_scale) [n_kv_heads] of `layer` (None before the prefill sets them, or for bf16)."""

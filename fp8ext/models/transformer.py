@@ -212,7 +212,9 @@ class TransformerBlock(nn.Module):
 
 class Transformer(nn.Module):
     """Token ids [batch, seq] -> logits [batch, seq, vocab]; with `targets`, (logits, mean cross-entropy).
-    For generation, `kv_cache` (fp8ext.inference.KVCache) and `start_pos` (the position of ids[:, 0]).
+    For generation, `kv_cache` (fp8ext.inference.KVCache) and `start_pos` (the position of ids[:, 0]; for a
+    one-token step over an FP8 cache also a one-element int64 tensor on the GPU, read by the kernels, so that
+    one CUDA graph serves every step: see fp8ext.inference.generate).
 
     FP8 is switched on per call: `model(ids, fp8=True, fp8_recipe=...)` runs the blocks' linear layers inside
     `fp8_autocast` (fp8_group max-reduces amaxes across ranks); the embedding and the output projection always
@@ -240,14 +242,22 @@ class Transformer(nn.Module):
                 start_pos: int = 0):
         if ids.dim() != 2:
             raise ValueError(f"Transformer: ids must be [batch, seq], got shape {list(ids.shape)}")
-        if start_pos + ids.shape[1] > self.cfg.max_seq_len:
+        graphed = isinstance(start_pos, torch.Tensor)
+        if graphed:  # a decode step whose position the kernels read (CUDA graphs; KVCache.append)
+            if ids.shape[1] != 1 or kv_cache is None or kv_cache.dtype != "fp8":
+                raise ValueError("Transformer: a tensor start_pos is for one-token decode steps over an FP8 KV cache "
+                                 "(CUDA graphs); give an int otherwise")
+        elif start_pos + ids.shape[1] > self.cfg.max_seq_len:
             raise ValueError(f"Transformer: sequence length {start_pos + ids.shape[1]} exceeds max_seq_len "
                              f"{self.cfg.max_seq_len}")
         if self.rope_cos.dtype != torch.float32:  # model.to(bfloat16) rounded the tables: RoPE stays float32
             self.rope_cos, self.rope_sin = rope_tables(self.cfg, self.rope_cos.device)
         x = self.embed(ids)
         with self._fp8_context(fp8, fp8_recipe, fp8_group):
-            cos, sin = self.rope_cos[start_pos:], self.rope_sin[start_pos:]
+            if graphed:
+                cos, sin = self.rope_cos.index_select(0, start_pos), self.rope_sin.index_select(0, start_pos)
+            else:
+                cos, sin = self.rope_cos[start_pos:], self.rope_sin[start_pos:]
             for block in self.blocks:
                 x = block(x, cos, sin, is_first_microbatch, kv_cache, start_pos)
         logits = self.lm_head(self.norm(x))
