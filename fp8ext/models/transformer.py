@@ -104,6 +104,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 _SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
+def _decode_sdpa_backends():
+    """SDPA backends for a decode step over a bf16 cache: every step has a new context length, and torch's cuDNN
+    backend builds an execution plan per new shape (H100, torch 2.11, preset 1b, batch 128 at ~1k positions:
+    generate() took 89-99 ms per step where the same steps over lengths already seen took 14.6 ms; with the
+    others 13.3-14.3 ms). None where torch has no sdpa_kernel."""
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        return None
+    return lambda: sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+_DECODE_SDPA = _decode_sdpa_backends()
+
+
+def _capturing() -> bool:
+    """A CUDA graph replays one shape, so the cuDNN backend's plan is built once there (and was the fastest in
+    the graphed decode step measured: 3.71 ms against 4.14 ms with the others, same H100, batch 128)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _init_out(std: float):
     return lambda w: nn.init.normal_(w, std=std)
 
@@ -165,9 +186,15 @@ class GroupedQueryAttention(nn.Module):
                 y = attention.decode_attention(q[:, :, 0], k_cache, v_cache, length, k_scale, v_scale)
                 return self.o_proj(y.reshape(b, 1, h * hd), **mb)
             k, v = kv_cache.update(self.layer_idx, k, v, start_pos)
-            if kv != h and _SDPA_GQA:  # the cache's K/V heads are read in place, not repeated
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=s > 1, enable_gqa=True)
-                return self.o_proj(y.transpose(1, 2).reshape(b, s, h * hd), **mb)
+            pick = s == 1 and _DECODE_SDPA is not None and not _capturing()
+            with _DECODE_SDPA() if pick else contextlib.nullcontext():
+                if kv != h and _SDPA_GQA:  # the cache's K/V heads are read in place, not repeated
+                    y = F.scaled_dot_product_attention(q, k, v, is_causal=s > 1, enable_gqa=True)
+                else:
+                    if kv != h:
+                        k, v = k.repeat_interleave(h // kv, dim=1), v.repeat_interleave(h // kv, dim=1)
+                    y = F.scaled_dot_product_attention(q, k, v, is_causal=s > 1)
+            return self.o_proj(y.transpose(1, 2).reshape(b, s, h * hd), **mb)
         if kv != h and no_grad and _SDPA_GQA:  # K/V heads read in place (their gradient path stays as it was)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=s > 1, enable_gqa=True)
             return self.o_proj(y.transpose(1, 2).reshape(b, s, h * hd), **mb)
