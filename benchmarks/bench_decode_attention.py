@@ -1,7 +1,8 @@
 """Decode attention at long context: fp8ext's kernel on an FP8 (E4M3) KV cache against torch's SDPA on a bf16 cache
 of the same size, in one run; the bytes each reads, and the copy bandwidth as the ceiling.
 
-One query token per sequence, Llama-3-8B's heads (32 query heads, 8 K/V heads, head_dim 128). CUDA events around
+One query token per sequence, Llama-3-8B's heads (32 query heads, 8 K/V heads, head_dim 128; also 64 and 256 at
+32k context). CUDA events around
 loops of calls, medians, after warm-up; random caches and queries.
 
     python benchmarks/bench_decode_attention.py [--quick]
@@ -30,10 +31,11 @@ def main() -> None:
         return
     head = device_header()
     copy_bw = copy_tbps()
-    h, kv, hd = 32, 8, 128
-    cases = [(8, 32768)] if args.quick else [(1, 4096), (8, 8192), (8, 32768), (32, 32768)]
+    h, kv = 32, 8
+    cases = [(8, 32768, 128)] if args.quick else [(1, 4096, 128), (8, 8192, 128), (8, 32768, 128), (32, 32768, 128),
+                                                  (8, 32768, 64), (8, 32768, 256)]
     rows = []
-    for b, length in cases:
+    for b, length, hd in cases:
         torch.manual_seed(0)
         q = torch.randn(b, h, hd, device="cuda", dtype=torch.bfloat16)
         k16 = torch.randn(b, kv, length, hd, device="cuda", dtype=torch.bfloat16)
@@ -47,13 +49,13 @@ def main() -> None:
         err = float((fp8().float() - sdpa()[:, :, 0].float()).abs().max())
         t16, t8 = steady_ms(sdpa, steps=20), steady_ms(fp8, steps=20)
         for name, t, nbytes in (("bf16 SDPA", t16, k16.numel() * 4), ("fp8ext FP8", t8, k8.numel() * 2)):
-            rows.append({"batch": b, "context": length, "kernel": name, "us": t * 1e3, "speedup": t16 / t,
+            rows.append({"batch": b, "context": length, "head_dim": hd, "kernel": name, "us": t * 1e3, "speedup": t16 / t,
                          "cache MB": nbytes / 1e6, "TB/s": nbytes / t / 1e9, "of copy": nbytes / t / 1e9 / copy_bw,
                          "max |diff|": f"{err:.3g}" if name != "bf16 SDPA" else "-"})
         del q, k16, v16, k8, v8
         torch.cuda.empty_cache()
     print(f"# decode attention, {head['device']}, {head['date']}; copy bandwidth {copy_bw:.2f} TB/s (read + write)")
-    print(table(rows, ["batch", "context", "kernel", "us", "speedup", "cache MB", "TB/s", "of copy", "max |diff|"],
+    print(table(rows, ["batch", "context", "head_dim", "kernel", "us", "speedup", "cache MB", "TB/s", "of copy", "max |diff|"],
                 {"us": "{:.1f}", "speedup": "{:.2f}x", "cache MB": "{:.0f}", "TB/s": "{:.2f}", "of copy": "{:.0%}"}))
     save("bench_decode_attention.json", {"header": head, "copy_tbps": copy_bw, "rows": rows})
 

@@ -169,10 +169,11 @@ typedef struct {
     int splits;
     float softmax_scale;
 } fp8ext_decode_attention_args;
-/* Whether the decode-attention kernel takes its tensor-core path (head_dim 128 and a bfloat16 or float16 query):
- * that path keeps no scores in shared memory, so any number of positions per split works. */
+/* Whether the decode-attention kernel takes its tensor-core path (head_dim 64, 128 or 256 and a bfloat16 or
+ * float16 query): that path keeps no scores in shared memory, so any number of positions per split works. */
 static inline int fp8ext_decode_attention_tensor_cores(const fp8ext_decode_attention_args *a) {
-    return a->head_dim == 128 && (a->q_dtype == FP8EXT_BF16 || a->q_dtype == FP8EXT_F16);
+    return (a->head_dim == 64 || a->head_dim == 128 || a->head_dim == 256) &&
+           (a->q_dtype == FP8EXT_BF16 || a->q_dtype == FP8EXT_F16);
 }
 
 /* Weight-only matrix multiply for few tokens: out [m, n] (bf16) = x [m, k] (bf16) times W^T, W [n, k] stored

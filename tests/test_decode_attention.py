@@ -80,6 +80,8 @@ CASES = [  # b, h, kv, hd, max_len, length
     # head_dim 128: the tensor-core path for 16-bit queries, every group size, lengths not a multiple of 16
     (2, 3, 3, 128, 300, 37), (1, 6, 3, 128, 100, 17), (2, 12, 4, 128, 600, 521), (1, 12, 2, 128, 1000, 999),
     (3, 8, 1, 128, 20000, 19999),
+    # head_dim 64 and 256 on the tensor-core path (16-bit queries)
+    (2, 16, 2, 256, 3000, 2999), (2, 6, 6, 64, 5000, 4097), (1, 24, 8, 64, 900, 31), (2, 4, 2, 256, 64, 1),
 ]
 
 
@@ -101,11 +103,12 @@ def test_kernel_equals_the_reference(b, h, kv, hd, max_len, length, dtype):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("splits", [1, 2, 7, 64])
-def test_any_split_of_the_positions_gives_the_same_attention(dtype, splits):
+@pytest.mark.parametrize("hd", [64, 128, 256])
+def test_any_split_of_the_positions_gives_the_same_attention(dtype, splits, hd):
     from fp8ext import _C
     from fp8ext._boundary import dl, dl_fp8
-    b, h, kv, hd, length = 2, 16, 4, 128, 1500
-    q, k, v, ks, vs = make(b, h, kv, 1600, hd, dtype, "cuda", seed=splits)
+    b, h, kv, length = 2, 16, 4, 1500
+    q, k, v, ks, vs = make(b, h, kv, 1600, hd, dtype, "cuda", seed=splits + hd)
     out = torch.empty_like(q)
     ws = torch.empty(b * h * splits * (hd + 2), dtype=torch.float32, device="cuda")
     _C.decode_attention(dl(q), dl_fp8(k), dl_fp8(v), dl(ks), dl(vs), dl(out), dl(ws), length, hd ** -0.5, splits,

@@ -12,7 +12,7 @@
 // KV head), plus the query, the output and (splits x heads x (head_dim + 2)) floats of workspace.
 // Thread layout: LP = head_dim / 16 consecutive lanes hold one position (16 cache bytes each, one 16-byte
 // load, kU of them in flight), so a warp reads 32 / LP consecutive positions: contiguous rows of the cache.
-// That float path serves float32 queries and head dims other than 128; head_dim 128 with a bfloat16 or
+// That float path serves float32 queries and head dims 16 and 32; head_dim 64, 128 or 256 with a bfloat16 or
 // float16 query takes the tensor-core path further down (namespace tc), which has the same splits and workspace.
 #include "common.cuh"
 
@@ -241,24 +241,24 @@ __global__ void decode_combine_kernel(fp8ext_decode_attention_args a) {
     store_out<T>(a.out, (static_cast<int64_t>(b) * a.n_heads + head) * hd + d, num / den);
 }
 
-// ---- tensor-core path: head_dim 128, bfloat16 / float16 queries ----
+// ---- tensor-core path: head_dim D = 64, 128 or 256, bfloat16 / float16 queries ----
 //
 // The same split-K scheme, but a warp computes the scores and p V of 16 positions at a time with mma.sync
 // (m16n8k16, f16 inputs, float32 accumulators): far fewer instructions per cached byte than the float path
 // above, so the kernel waits on memory, not on issue. Each warp has its own cp.async pipeline (three stages of
-// 16 K rows + 16 V rows, 4 KB) and its own online softmax; the block's four warps take every fourth tile of the
+// 16 K rows + 16 V rows) and its own online softmax; the block's four warps take every fourth tile of the
 // block's positions and merge at the end.
 //
 // Operands. Query heads are the rows of A (the G <= 8 heads of a K/V head in rows 0-7, rows 8-15 zero). For the
 // scores S^T = Q K^T the reduction index (head_dim) may be permuted at will as long as A and B agree: lane (g, c)
-// (g = lane / 4, c = lane % 4) holds dims c*32 + 4s .. c*32 + 4s + 3 of k-step s, so its B fragment is 4
-// consecutive cache bytes of position g, and its 8 k-steps are the 32 consecutive bytes c*32 .. c*32 + 31 (two
-// 16-byte shared-memory loads). The score fragment (head g, positions 2c, 2c+1 | 8+2c, 9+2c) is then exactly the
+// (g = lane / 4, c = lane % 4) holds dims c*D/4 + 4s .. c*D/4 + 4s + 3 of k-step s, so its B fragment is 4
+// consecutive cache bytes of position g, and its D/16 k-steps are the D/4 consecutive bytes from c*D/4 (16-byte
+// shared-memory loads). The score fragment (head g, positions 2c, 2c+1 | 8+2c, 9+2c) is then exactly the
 // A fragment of P V (FlashAttention-2's register reuse), P rounded to f16. For P V the output columns may be
-// permuted too: column n of n-tile t is dim 16n + t, so lane (g, c) needs dims 16g .. 16g + 15 of positions
-// 2c, 2c+1, 2c+8, 2c+9 (four 16-byte loads); byte_perm pairs the two positions of each f16x2 register.
-// Shared memory rows are 128 bytes with 16-byte chunk j of row r stored at chunk j ^ (r & 7): both load
-// patterns are then free of bank conflicts.
+// permuted too: column n of n-tile t is dim n*D/8 + t, so lane (g, c) needs dims g*D/8 .. g*D/8 + D/8 - 1 of
+// positions 2c, 2c+1, 2c+8, 2c+9; byte_perm pairs the two positions of each f16x2 register.
+// Shared memory rows are D bytes with 16-byte chunk j of row r stored at chunk j ^ (r & m), m = min(8, D/16) - 1:
+// for D = 128 both load patterns are then free of bank conflicts.
 //
 // Precision: E4M3 -> f16 is exact; the query is multiplied by a power of two per head (its largest magnitude
 // lands in [2^14, 2^15)) before rounding to f16, so a bf16 or f16 query is exact too (but for components below
@@ -266,17 +266,26 @@ __global__ void decode_combine_kernel(fp8ext_decode_attention_args a) {
 // summed in float32; the scale (k_scale * softmax_scale * log2 e / that power of two) is applied to the float32
 // score. P is rounded to f16 (relative error <= 2^-11) for the second product; l sums the float32 P.
 namespace tc {
-constexpr int HD = 128;
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int WT = 16;                          // positions per warp tile
+constexpr int WT = 16;      // positions per warp tile
 constexpr int kStages = 3;
-constexpr int kTileBytes = WT * HD;             // K (or V) rows of one tile
-constexpr int kStageBytes = 2 * kTileBytes;     // K, then V
-constexpr int kWarpBytes = kStages * kStageBytes;
-constexpr int kSmemBytes = kWarps * kWarpBytes;  // 48 KB: no opt-in needed; 137 registers allow three blocks per SM
-constexpr int kRow = 132;                       // merge buffer: 128 dims + one pad float per 32 (no bank conflicts)
-static_assert(kWarps * (8 * kRow + 16) * 4 <= kSmemBytes, "merge buffer must fit in the pipeline's memory");
+
+template <int HD> struct Geo {
+    static constexpr int kTileBytes = WT * HD;             // K (or V) rows of one tile
+    static constexpr int kStageBytes = 2 * kTileBytes;     // K, then V
+    static constexpr int kWarpBytes = kStages * kStageBytes;
+    static constexpr int kSmemBytes = kWarps * kWarpBytes;  // 24, 48 or 96 KB
+    static constexpr int kChunks = HD / 16;                // 16-byte chunks of a row
+    static constexpr int kSwz = (kChunks < 8 ? kChunks : 8) - 1;
+    static constexpr int kSteps = HD / 16;                 // k-steps of the scores
+    static constexpr int kLaneK = HD / 4;                  // bytes of a K row a lane reads
+    static constexpr int kLaneV = HD / 8;                  // bytes of a V row a lane reads; also n-tiles of p V
+    static constexpr int kUnitV = kLaneV < 16 ? kLaneV : 16;
+    static constexpr int kRow = HD + HD / 32;              // merge buffer: one pad float per 32 dims
+    static_assert(kWarps * (8 * kRow + 16) * 4 <= kSmemBytes, "merge buffer must fit in the pipeline's memory");
+};
+__device__ __forceinline__ int swz(int r, int ch, int mask) { return ch ^ (r & mask); }
 
 __device__ __forceinline__ void cp_async16(void *dst, const void *src, bool valid) {
     const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
@@ -304,35 +313,47 @@ __device__ __forceinline__ void mma_rows8(float &d0, float &d1, uint32_t a0, uin
         : "+f"(d0), "+f"(d1), "+f"(z0), "+f"(z1)
         : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
 }
+// n bytes (8 or 16) of shared memory as 32-bit words
+template <int N>
+__device__ __forceinline__ void lds(const uint8_t *p, uint32_t *w) {
+    if constexpr (N == 16) {
+        const uint4 u = *reinterpret_cast<const uint4 *>(p);
+        w[0] = u.x, w[1] = u.y, w[2] = u.z, w[3] = u.w;
+    } else {
+        const uint2 u = *reinterpret_cast<const uint2 *>(p);
+        w[0] = u.x, w[1] = u.y;
+    }
+}
 
-template <typename QT>
+template <int HD, typename QT>
 __global__ void __launch_bounds__(kThreads)
 decode_partial_tc_kernel(fp8ext_decode_attention_args a, int chunk) {
+    using Z = Geo<HD>;
     extern __shared__ __align__(16) uint8_t tc_smem[];
     const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int G = static_cast<int>(a.n_heads / a.n_kv);
-    const int64_t s0 = static_cast<int64_t>(split) * chunk;
     const int64_t length = a.length_dev ? max(int64_t{0}, min(*a.length_dev, a.length)) : a.length;
+    const int64_t s0 = static_cast<int64_t>(split) * chunk;
     const int64_t s1 = min(length, s0 + chunk);
     const int n = s1 > s0 ? static_cast<int>(s1 - s0) : 0;
     const int64_t row0 = (static_cast<int64_t>(b) * a.n_kv + kvh) * a.max_len + s0;  // first cache row of the chunk
-    uint8_t *wsm = tc_smem + warp * kWarpBytes;
+    uint8_t *wsm = tc_smem + warp * Z::kWarpBytes;
 
     // this warp's tiles: warp, warp + 4, ...
     const int ntiles = (n + WT - 1) / WT;
     const int mine = warp < ntiles ? (ntiles - warp + kWarps - 1) / kWarps : 0;
     auto load_tile = [&](int i) {
-        uint8_t *dst = wsm + (i % kStages) * kStageBytes;
+        uint8_t *dst = wsm + (i % kStages) * Z::kStageBytes;
         const int p0 = (warp + i * kWarps) * WT;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int id = j * 32 + lane, r = id >> 3, ch = id & 7;  // 16 rows x 8 chunks of 16 bytes
+        for (int j = 0; j < HD / 32; ++j) {
+            const int id = j * 32 + lane, r = id / Z::kChunks, ch = id % Z::kChunks;  // 16 rows x HD / 16 chunks
             const bool ok = p0 + r < n;
             const int64_t src = (row0 + (ok ? p0 + r : 0)) * HD + ch * 16;
-            const int off = r * HD + ((ch ^ (r & 7)) << 4);
+            const int off = r * HD + (swz(r, ch, Z::kSwz) << 4);
             cp_async16(dst + off, a.k + src, ok);  // rows past the chunk are zero-filled, not read
-            cp_async16(dst + kTileBytes + off, a.v + src, ok);
+            cp_async16(dst + Z::kTileBytes + off, a.v + src, ok);
         }
     };
 #pragma unroll
@@ -341,16 +362,17 @@ decode_partial_tc_kernel(fp8ext_decode_attention_args a, int chunk) {
         cp_async_commit();
     }
 
-    // query fragments: dims c*32 .. c*32 + 31 of head g, times a power of two, as f16
-    uint32_t qa[8][2];
+    // query fragments: dims c*HD/4 .. c*HD/4 + HD/4 - 1 of head g, times a power of two, as f16
+    uint32_t qa[Z::kSteps][2];
     float qscale;
     {
-        float qf[32];
+        float qf[Z::kLaneK];
         const bool real = g < G;
-        const QT *qp = static_cast<const QT *>(a.q) + (static_cast<int64_t>(b) * a.n_heads + kvh * G + (real ? g : 0)) * HD + c * 32;
+        const QT *qp = static_cast<const QT *>(a.q) + (static_cast<int64_t>(b) * a.n_heads + kvh * G + (real ? g : 0)) * HD +
+                       c * Z::kLaneK;
         float amax = 0.0f;
 #pragma unroll
-        for (int i = 0; i < 32; ++i) {
+        for (int i = 0; i < Z::kLaneK; ++i) {
             qf[i] = real ? Elem<QT>::load1(qp, i) : 0.0f;
             amax = fmaxf(amax, fabsf(qf[i]));
         }
@@ -361,16 +383,16 @@ decode_partial_tc_kernel(fp8ext_decode_attention_args a, int chunk) {
         if (normal) (void)frexpf(amax, &e);                    // amax = f * 2^e, f in [0.5, 1)
         const int sh = normal ? 15 - e : 0;
 #pragma unroll
-        for (int s = 0; s < 8; ++s) {
+        for (int s = 0; s < Z::kSteps; ++s) {
             qa[s][0] = pack_f16x2(ldexpf(qf[4 * s], sh), ldexpf(qf[4 * s + 1], sh));
             qa[s][1] = pack_f16x2(ldexpf(qf[4 * s + 2], sh), ldexpf(qf[4 * s + 3], sh));
         }
         qscale = __ldg(a.k_scale + kvh) * a.softmax_scale * 1.4426950408889634f * ldexpf(1.0f, -sh);
     }
 
-    float o[16][2];
+    float o[Z::kLaneV][2];
 #pragma unroll
-    for (int t = 0; t < 16; ++t) o[t][0] = o[t][1] = 0.0f;
+    for (int t = 0; t < Z::kLaneV; ++t) o[t][0] = o[t][1] = 0.0f;
     float m_run = -INFINITY, l_run = 0.0f;
 
     for (int i = 0; i < mine; ++i) {
@@ -378,19 +400,20 @@ decode_partial_tc_kernel(fp8ext_decode_attention_args a, int chunk) {
         __syncwarp();  // tile i is in; every lane is done with the stage the next load overwrites
         if (i + kStages - 1 < mine) load_tile(i + kStages - 1);
         cp_async_commit();
-        const uint8_t *ks = wsm + (i % kStages) * kStageBytes, *vs = ks + kTileBytes;
+        const uint8_t *ks = wsm + (i % kStages) * Z::kStageBytes, *vs = ks + Z::kTileBytes;
         const int p0 = (warp + i * kWarps) * WT;
 
         // scores of positions 8j + 2c, 8j + 2c + 1 (j = 0, 1), head g
         float sc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-            const uint8_t *row = ks + (8 * j + g) * HD;
-            const uint4 k0 = *reinterpret_cast<const uint4 *>(row + (((2 * c) ^ g) << 4));
-            const uint4 k1 = *reinterpret_cast<const uint4 *>(row + (((2 * c + 1) ^ g) << 4));
-            const uint32_t kw[8] = {k0.x, k0.y, k0.z, k0.w, k1.x, k1.y, k1.z, k1.w};
+            const int r = 8 * j + g;
+            uint32_t kw[Z::kSteps];
 #pragma unroll
-            for (int s = 0; s < 8; ++s)
+            for (int u = 0; u < Z::kLaneK / 16; ++u)
+                lds<16>(ks + r * HD + (swz(r, c * (Z::kLaneK / 16) + u, Z::kSwz) << 4), kw + 4 * u);
+#pragma unroll
+            for (int s = 0; s < Z::kSteps; ++s)
                 mma_rows8(sc[j][0], sc[j][1], qa[s][0], qa[s][1], e4m3x2_to_f16x2(kw[s]), e4m3x2_to_f16x2(kw[s] >> 16));
         }
         float p[4];
@@ -409,7 +432,7 @@ decode_partial_tc_kernel(fp8ext_decode_attention_args a, int chunk) {
             const float alpha = exp2f(m_run - m_use);
             l_run *= alpha;
 #pragma unroll
-            for (int t = 0; t < 16; ++t) o[t][0] *= alpha, o[t][1] *= alpha;
+            for (int t = 0; t < Z::kLaneV; ++t) o[t][0] *= alpha, o[t][1] *= alpha;
             m_run = m_new;
         }
 #pragma unroll
@@ -419,15 +442,20 @@ decode_partial_tc_kernel(fp8ext_decode_attention_args a, int chunk) {
         }
         const uint32_t pa0 = pack_f16x2(p[0], p[1]), pa2 = pack_f16x2(p[2], p[3]);
 
-        // p V: rows 2c, 2c+1, 2c+8, 2c+9, dims 16g .. 16g + 15
-        const uint4 v0 = *reinterpret_cast<const uint4 *>(vs + (2 * c) * HD + ((g ^ (2 * c)) << 4));
-        const uint4 v1 = *reinterpret_cast<const uint4 *>(vs + (2 * c + 1) * HD + ((g ^ (2 * c + 1)) << 4));
-        const uint4 v2 = *reinterpret_cast<const uint4 *>(vs + (2 * c + 8) * HD + ((g ^ (2 * c)) << 4));
-        const uint4 v3 = *reinterpret_cast<const uint4 *>(vs + (2 * c + 9) * HD + ((g ^ (2 * c + 1)) << 4));
-        const uint32_t w0[4] = {v0.x, v0.y, v0.z, v0.w}, w1[4] = {v1.x, v1.y, v1.z, v1.w};
-        const uint32_t w2[4] = {v2.x, v2.y, v2.z, v2.w}, w3[4] = {v3.x, v3.y, v3.z, v3.w};
+        // p V: rows 2c, 2c+1, 2c+8, 2c+9, dims g*HD/8 .. g*HD/8 + HD/8 - 1
+        uint32_t w0[Z::kLaneV / 4], w1[Z::kLaneV / 4], w2[Z::kLaneV / 4], w3[Z::kLaneV / 4];
 #pragma unroll
-        for (int w = 0; w < 4; ++w) {
+        for (int u = 0; u < Z::kLaneV / Z::kUnitV; ++u) {
+            const int byte = g * Z::kLaneV + u * Z::kUnitV, ch = byte >> 4, in = byte & 15;
+            uint32_t *dst[4] = {w0, w1, w2, w3};
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int r = 2 * c + (q & 1) + 8 * (q >> 1);
+                lds<Z::kUnitV>(vs + r * HD + (swz(r, ch, Z::kSwz) << 4) + in, dst[q] + u * (Z::kUnitV / 4));
+            }
+        }
+#pragma unroll
+        for (int w = 0; w < Z::kLaneV / 4; ++w) {
             const uint32_t lo01 = __byte_perm(w0[w], w1[w], 0x5140), hi01 = __byte_perm(w0[w], w1[w], 0x7362);
             const uint32_t lo89 = __byte_perm(w2[w], w3[w], 0x5140), hi89 = __byte_perm(w2[w], w3[w], 0x7362);
             mma_rows8(o[4 * w][0], o[4 * w][1], pa0, pa2, e4m3x2_to_f16x2(lo01), e4m3x2_to_f16x2(lo89));
@@ -442,14 +470,15 @@ decode_partial_tc_kernel(fp8ext_decode_attention_args a, int chunk) {
     __syncthreads();  // every warp is done with its pipeline: the memory becomes the merge buffer
 
     float *fs = reinterpret_cast<float *>(tc_smem);
-    float *ms = fs + kWarps * 8 * kRow, *ls = ms + kWarps * 8;
+    float *ms = fs + kWarps * 8 * Z::kRow, *ls = ms + kWarps * 8;
     if (g < G) {
-        float *orow = fs + (warp * 8 + g) * kRow;
-        // lane (g, c) holds dims 32c + t (o[t][0]) and 32c + 16 + t (o[t][1]); dim d sits at d + d / 32
+        float *orow = fs + (warp * 8 + g) * Z::kRow;
+        // lane (g, c) holds dims 2c*HD/8 + t (o[t][0]) and (2c+1)*HD/8 + t (o[t][1]); dim d sits at d + d / 32
 #pragma unroll
-        for (int t = 0; t < 16; ++t) {
-            orow[33 * c + t] = o[t][0];
-            orow[33 * c + 16 + t] = o[t][1];
+        for (int t = 0; t < Z::kLaneV; ++t) {
+            const int d0 = 2 * c * Z::kLaneV + t, d1 = d0 + Z::kLaneV;
+            orow[d0 + d0 / 32] = o[t][0];
+            orow[d1 + d1 / 32] = o[t][1];
         }
         if (c == 0) ms[warp * 8 + g] = m_run, ls[warp * 8 + g] = l_run;
     }
@@ -465,7 +494,7 @@ decode_partial_tc_kernel(fp8ext_decode_attention_args a, int chunk) {
 #pragma unroll
         for (int w = 0; w < kWarps; ++w) {
             const float f = exp2f(ms[w * 8 + hg] - Mu);
-            num = fmaf(f, fs[(w * 8 + hg) * kRow + d + d / 32], num);
+            num = fmaf(f, fs[(w * 8 + hg) * Z::kRow + d + d / 32], num);
             den = fmaf(f, ls[w * 8 + hg], den);
         }
         const int64_t head = static_cast<int64_t>(b) * a.n_heads + kvh * G + hg;
@@ -482,11 +511,39 @@ decode_partial_tc_kernel(fp8ext_decode_attention_args a, int chunk) {
     }
 }
 
-template <typename QT>
+// Shared memory above 48 KB (head_dim 256) must be allowed once per kernel and device.
+template <int HD, typename QT>
+cudaError_t allow_smem() {
+    if (Geo<HD>::kSmemBytes <= 48 * 1024) return cudaSuccess;
+    static unsigned done = 0;  // a bit per device (the first 32)
+    int dev = 0;
+    cudaError_t err = cudaGetDevice(&dev);
+    if (err != cudaSuccess) return err;
+    const unsigned bit = dev < 32 ? 1u << dev : 0u;
+    if (bit && (__atomic_load_n(&done, __ATOMIC_ACQUIRE) & bit)) return cudaSuccess;
+    err = cudaFuncSetAttribute(decode_partial_tc_kernel<HD, QT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               Geo<HD>::kSmemBytes);
+    if (err == cudaSuccess && bit) __atomic_fetch_or(&done, bit, __ATOMIC_RELEASE);
+    return err;
+}
+
+template <int HD, typename QT>
 cudaError_t launch_tc(const fp8ext_decode_attention_args *a, int chunk, cudaStream_t stream) {
+    const cudaError_t err = allow_smem<HD, QT>();
+    if (err != cudaSuccess) return err;
     const dim3 grid(static_cast<unsigned>(a->splits), static_cast<unsigned>(a->n_kv), static_cast<unsigned>(a->batch));
-    decode_partial_tc_kernel<QT><<<grid, kThreads, kSmemBytes, stream>>>(*a, chunk);
+    decode_partial_tc_kernel<HD, QT><<<grid, kThreads, Geo<HD>::kSmemBytes, stream>>>(*a, chunk);
     return cudaGetLastError();
+}
+
+template <typename QT>
+cudaError_t dispatch_tc(const fp8ext_decode_attention_args *a, int chunk, cudaStream_t stream) {
+    switch (a->head_dim) {
+    case 64: return launch_tc<64, QT>(a, chunk, stream);
+    case 128: return launch_tc<128, QT>(a, chunk, stream);
+    case 256: return launch_tc<256, QT>(a, chunk, stream);
+    default: return cudaErrorInvalidValue;
+    }
 }
 }  // namespace tc
 
@@ -526,8 +583,8 @@ extern "C" int fp8ext_cuda_decode_attention(const fp8ext_decode_attention_args *
     const int chunk = fp8ext_decode_attention_chunk(a);
     cudaError_t e;
     if (fp8ext_decode_attention_tensor_cores(a)) {
-        e = a->q_dtype == FP8EXT_BF16 ? fp8ext::tc::launch_tc<__nv_bfloat16>(a, chunk, s)
-                                      : fp8ext::tc::launch_tc<__half>(a, chunk, s);
+        e = a->q_dtype == FP8EXT_BF16 ? fp8ext::tc::dispatch_tc<__nv_bfloat16>(a, chunk, s)
+                                      : fp8ext::tc::dispatch_tc<__half>(a, chunk, s);
     } else switch (a->head_dim) {
     case 16: e = fp8ext::dispatch_group<16>(a, chunk, s); break;
     case 32: e = fp8ext::dispatch_group<32>(a, chunk, s); break;

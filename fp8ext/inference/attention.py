@@ -8,8 +8,8 @@ bfloat16/float16 with no scales. Grouped-query attention: query head i reads K/V
 Positions [0, length) are attended; the softmax uses softmax_scale (1 / sqrt(head_dim) by default).
 
 On a GPU with an FP8 cache, a CUDA kernel reads the FP8 bytes directly (no dequantized copy of the cache is made),
-splits the cached positions over thread blocks and merges the partial softmaxes (flash-decoding). With head_dim 128
-and a bfloat16 or float16 query it multiplies on tensor cores (f16 operands: the cache bytes and the query exactly,
+splits the cached positions over thread blocks and merges the partial softmaxes (flash-decoding). With head_dim 64,
+128 or 256 and a bfloat16 or float16 query it multiplies on tensor cores (f16 operands: the cache bytes and the query exactly,
 the softmax weights rounded to f16; float32 sums); otherwise, and for a float32 query, in float32 throughout. Elsewhere the
 reference below runs: dequantize the used part of the cache to float32 and compute softmax(q K^T) V in float32
 (also on a GPU when q needs a gradient: the kernel computes none).
@@ -142,9 +142,9 @@ def _num_sms(index: int) -> int:
 
 
 def _tensor_cores(hd: int, dtype) -> bool:
-    """Whether the kernel takes its tensor-core path (csrc/kernels/decode_attention.cu): head_dim 128 and a
-    bfloat16 or float16 query. A float32 query keeps float32 products throughout."""
-    return hd == 128 and dtype in (torch.bfloat16, torch.float16)
+    """Whether the kernel takes its tensor-core path (csrc/kernels/decode_attention.cu): head_dim 64, 128 or 256
+    and a bfloat16 or float16 query. A float32 query keeps float32 products throughout."""
+    return hd in (64, 128, 256) and dtype in (torch.bfloat16, torch.float16)
 
 
 def _splits(b: int, h: int, kv: int, length: int, device, tensor_cores: bool = False) -> int:
