@@ -167,3 +167,15 @@ def test_graphed_decode_steps_match_the_eager_ones(quantized):
     assert ref_stats["cuda_graph"] is False
     assert torch.equal(out[:, 12], ref[:, 12])  # the first new token comes from the prefill in both
     assert (out == ref).float().mean() > 0.9  # later ones may part at a near-tie of the logits
+    # a graphed step checks what the host can: the tokens' shape and that the position continues the cache
+    from fp8ext.inference.generate import _GraphedStep
+    with torch.no_grad():
+        cache = KVCache.from_model(model, 3, 20, "fp8")
+        model(prompt, kv_cache=cache, start_pos=0)
+        step = _GraphedStep(model, cache, 3, ids.device)
+        with pytest.raises(ValueError, match="position 13 must continue the cache"):
+            step(ids[:, 12:13], 13)
+        with pytest.raises(ValueError, match="tokens must be"):
+            step(ids[:1, 12:13], 12)
+        step(ids[:, 12:13], 12)
+        assert cache.lengths == [13] * model.cfg.n_layers

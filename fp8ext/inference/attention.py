@@ -9,10 +9,11 @@ Positions [0, length) are attended; the softmax uses softmax_scale (1 / sqrt(hea
 
 On a GPU with an FP8 cache, a CUDA kernel reads the FP8 bytes directly (no dequantized copy of the cache is made),
 splits the cached positions over thread blocks and merges the partial softmaxes (flash-decoding). With head_dim 64,
-128 or 256 and a bfloat16 or float16 query it multiplies on tensor cores (f16 operands: the cache bytes and the query exactly,
-the softmax weights rounded to f16; float32 sums); otherwise, and for a float32 query, in float32 throughout. Elsewhere the
-reference below runs: dequantize the used part of the cache to float32 and compute softmax(q K^T) V in float32
-(also on a GPU when q needs a gradient: the kernel computes none).
+128 or 256 and a bfloat16 or float16 query it multiplies on tensor cores (f16 operands: the cache bytes exactly, the
+query scaled by a power of two per head so that it is exact too but for components below 2^-24 of the head's
+largest, the softmax weights rounded to f16; float32 sums); otherwise, and for a float32 query, in float32
+throughout. Elsewhere the reference below runs: dequantize the used part of the cache to float32 and compute
+softmax(q K^T) V in float32 (also on a GPU when q needs a gradient: the kernel computes none).
 """
 
 from __future__ import annotations
@@ -88,8 +89,9 @@ def decode_attention(q, k_cache, v_cache, length, k_scale=None, v_scale=None,
     docstring). Returns [batch, n_heads, head_dim] in q's dtype.
 
     length is an int, or (for a decode step captured in a CUDA graph) a one-element int64 tensor on q's GPU
-    that the kernel reads when it runs: the work is then split as for the whole cache (max_len positions),
-    and a value outside [1, max_len] is clamped to it (nothing on the host can check it without a sync)."""
+    that the kernel reads when it runs: the work is then split as for the whole cache (max_len positions), a
+    value above max_len counts as max_len, and one below 1 leaves nothing to attend (NaN out); nothing on the
+    host can check it without a sync."""
     if isinstance(length, torch.Tensor):
         return _decode_attention_dev(q, k_cache, v_cache, length, k_scale, v_scale, softmax_scale)
     fp8 = _check(q, k_cache, v_cache, length, k_scale, v_scale)
@@ -151,7 +153,8 @@ def _splits(b: int, h: int, kv: int, length: int, device, tensor_cores: bool = F
     """How many thread blocks share one K/V head's positions; each split costs a round trip through the
     workspace and a merge.
 
-    Tensor-core path (no scores kept in shared memory; three blocks fit on a multiprocessor): at most two blocks
+    Tensor-core path (no scores kept in shared memory; three blocks fit on a multiprocessor at head_dim 128,
+    two at 256): at most two blocks
     per multiprocessor, all in one wave, and at least 256 positions per block. H100, 32k positions, 8 K/V heads:
     batch 8 193 us in 4 splits, 217 us in 8 (two waves), 236 us in 96; batch 1 48 us in 16-32 splits, 64 us in
     96; batch 32 722 us unsplit, 797 us in 96.

@@ -47,19 +47,25 @@ class _GraphedStep:
         return self.model(self.tok, kv_cache=self.cache, start_pos=self.pos)[:, -1]
 
     def __call__(self, tok: torch.Tensor, pos: int) -> torch.Tensor:
-        self.tok.copy_(tok)
-        self.pos.fill_(pos)
-        if self.graph is None:
-            side = torch.cuda.Stream(self.tok.device)
-            side.wait_stream(torch.cuda.current_stream(self.tok.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._step()
-            torch.cuda.current_stream(self.tok.device).wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.out = self._step()
-        self.graph.replay()
+        if tok.shape != self.tok.shape:
+            raise ValueError(f"decode step: tokens must be {list(self.tok.shape)}, got {list(tok.shape)}")
+        if pos != min(self.cache.lengths) or pos >= self.cache.max_len:
+            raise ValueError(f"decode step: position {pos} must continue the cache (which holds "
+                             f"{min(self.cache.lengths)} of {self.cache.max_len} positions)")
+        with torch.cuda.device(self.tok.device):  # capture and replay on the model's GPU, whichever is current
+            self.tok.copy_(tok)
+            self.pos.fill_(pos)
+            if self.graph is None:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        self._step()
+                torch.cuda.current_stream().wait_stream(side)
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph, stream=side):
+                    self.out = self._step()
+            self.graph.replay()
         self.cache.advance_to(pos + 1)
         return self.out
 
@@ -75,8 +81,9 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, kv_cache: Opti
     cuda_graph: run the decode steps as one captured CUDA graph, replayed per token (no host work per layer,
     which otherwise bounds a decode step's speed); None: whenever possible, i.e. an FP8 cache on a GPU (a bf16
     cache's attention has shapes that grow with the context; it runs eagerly); True where impossible raises.
-    stats: prefill and decode tokens/s, cache bytes, kv_scales (where the FP8 cache's scales came from:
-    "calibrated" or "prefill"; None without an FP8 cache) and cuda_graph."""
+    stats: prefill and decode tokens/s (the graph's warm-up and capture counted in the decode time), cache
+    bytes, kv_scales (where the FP8 cache's scales came from: "calibrated" or "prefill"; None without an FP8
+    cache) and cuda_graph (whether decode steps ran as a graph)."""
     if prompt.dim() != 2 or prompt.shape[1] == 0:
         raise ValueError(f"generate: prompt must be [batch, length > 0] token ids, got shape {list(prompt.shape)}")
     device = prompt.device
@@ -112,7 +119,8 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, kv_cache: Opti
     t2 = time.perf_counter()
     stats = {"prefill_tokens_per_s": b * n / (t1 - t0), "decode_tokens_per_s": b * (max_new_tokens - 1) / (t2 - t1)
              if max_new_tokens > 1 else None, "kv_cache": kv_cache, "cache_bytes": cache.nbytes if cache else 0,
-             "kv_scales": cache.scale_source if cache else None, "cuda_graph": graph is not None}
+             "kv_scales": cache.scale_source if cache else None,
+             "cuda_graph": graph is not None and graph.graph is not None}
     return ids, stats
 
 
