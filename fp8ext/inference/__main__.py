@@ -104,6 +104,9 @@ def _eval(args) -> None:
 def _generate(args) -> None:
     from .generate import generate
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.cuda_graph == "on" and (device.type != "cuda" or args.kv_cache != "fp8"):
+        raise SystemExit(f"python -m fp8ext.inference generate: --cuda_graph on needs --kv_cache fp8 on a GPU, got "
+                         f"--kv_cache {args.kv_cache} on {device}")
     model = load_quantized(args.model, lambda c: Transformer(TransformerConfig(**c)), device=device).to(device)
     prompt = torch.tensor([list(args.prompt.encode("utf-8"))], dtype=torch.long, device=device)
     ids, stats = generate(model, prompt, args.max_new_tokens, kv_cache=None if args.kv_cache == "none" else
