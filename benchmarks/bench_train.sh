@@ -5,9 +5,12 @@
 # Each run gets its own time limit and the script goes on when one fails. Run directories go under $OUT/runs,
 # packed into $OUT/bench_train_runs.tar.gz; the table is printed and written to $OUT/bench_train.md.
 #
-#   bash benchmarks/bench_train.sh [eager] [compiled] [quality]      (default: all three)
+#   bash benchmarks/bench_train.sh [eager] [compiled] [quality] [multi]   (default: the first three)
 #   (compiled-bf16 and compiled-fp8 run one half of `compiled` each)
+#   multi: the preset on 1 GPU and on every GPU of the machine (torchrun, DDP and FSDP2), bf16 and FP8, the same
+#   batch per GPU: tokens/s, scaling efficiency (tokens/s on N GPUs / (N x on 1)), FP8 scales equal on all ranks.
 #   PRESET=1b SPEED_STEPS=40 QUALITY_STEPS=400 (the defaults) choose sizes; the table covers every run in $OUT/runs.
+#   NGPU (default: every GPU torch sees) and EXTRA_ARGS (appended to every run) serve dry runs on a CPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/benchmarks/out}
@@ -18,10 +21,17 @@ Q=${QUALITY_STEPS:-400}
 STAGES=${*:-eager compiled quality}
 R="$OUT/runs"
 mkdir -p "$R"
+# NVLink multicast stays off (the lent machines' rule; it can take a shared host's GPUs out of service)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+NGPU=${NGPU:-$($PY -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)}
+read -r -a EXTRA <<< "${EXTRA_ARGS:-}"  # appended to every run (a dry run: EXTRA_ARGS="--device cpu ...")
+LAUNCH=""  # empty: one process; "torchrun N": N processes on this host
 run() {  # name, time limit (s), arguments...
     local name=$1 limit=$2; shift 2
     echo "== $name"
-    timeout "$limit" $PY -m fp8ext.train --no_progress --no_save --out_dir "$R/$name" "$@" > "$R/$name.log" 2>&1 \
+    local launcher=(-m fp8ext.train)
+    [ -n "$LAUNCH" ] && launcher=(-m torch.distributed.run --standalone --nproc_per_node="$LAUNCH" -m fp8ext.train)
+    timeout "$limit" $PY "${launcher[@]}" --no_progress --no_save --out_dir "$R/$name" "$@" "${EXTRA[@]}" > "$R/$name.log" 2>&1 \
         || { echo "$name FAILED (rc $?)"; tail -20 "$R/$name.log"; }
     tail -1 "$R/$name.log"
 }
@@ -45,17 +55,29 @@ for stage in $STAGES; do
         run small-bf16 240 "${QUAL[@]}"
         run small-fp8-delayed 240 "${QUAL[@]}" --use_fp8
         run small-fp8-current 240 "${QUAL[@]}" --use_fp8 --fp8_recipe current ;;
+    multi)
+        if [ "$NGPU" -lt 2 ]; then echo "multi: needs 2 or more GPUs, this machine has $NGPU"; continue; fi
+        [ -f "$R/$P-bf16/run.json" ] || run "$P-bf16" 240 "${SPEED[@]}"
+        [ -f "$R/$P-fp8/run.json" ] || run "$P-fp8" 240 "${SPEED[@]}" --use_fp8
+        LAUNCH=$NGPU
+        run "$P-bf16-ddp$NGPU" 300 "${SPEED[@]}"
+        run "$P-fp8-ddp$NGPU" 300 "${SPEED[@]}" --use_fp8
+        run "$P-bf16-fsdp$NGPU" 300 "${SPEED[@]}" --fsdp
+        run "$P-fp8-fsdp$NGPU" 300 "${SPEED[@]}" --fsdp --use_fp8
+        LAUNCH="" ;;
     *) echo "unknown stage $stage" ;;
     esac
 done
-$PY - "$R" "$P" <<'EOF' | tee "$OUT/bench_train.md"
+$PY - "$R" "$P" "$NGPU" <<'EOF' | tee "$OUT/bench_train.md"
 import json, pathlib, sys
-root, p = pathlib.Path(sys.argv[1]), sys.argv[2]
+root, p, ngpu = pathlib.Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 def info(name):
     f = root / name / "run.json"
     return json.loads(f.read_text()) if f.is_file() else None
 rows = [f"{p}-bf16", f"{p}-fp8", f"{p}-bf16-separate-qkv", f"{p}-fp8-separate-qkv", f"{p}-bf16-compiled",
         f"{p}-fp8-compiled", "small-bf16", "small-fp8-delayed", "small-fp8-current"]
+multi = [f"{p}-{prec}-{mode}{ngpu}" for mode in ("ddp", "fsdp") for prec in ("bf16", "fp8")] if ngpu >= 2 else []
+rows += [r for r in multi if (root / (r + ".log")).is_file()]  # the multi-GPU runs, where they were made
 first = next((info(r) for r in rows if info(r)), {})
 print(f"# fp8ext.train on {first.get('device_name', '?')}, torch {first.get('torch', '?')}")
 print("| run | tokens/s | MFU (bf16 peak) | peak memory GiB | val loss |")
@@ -77,6 +99,16 @@ for a, b, what in ((f"{p}-bf16", f"{p}-fp8", "FP8 / bf16, eager"), (f"{p}-bf16-c
                    (f"{p}-fp8-separate-qkv", f"{p}-fp8", "fused / separate QKV, FP8")):
     r = ratio(a, b)
     print(f"- tokens/s {what}: {'n/a' if r is None else f'{r:.3f}x'}")
+for mode in ("ddp", "fsdp") if ngpu >= 2 else ():
+    for prec in ("bf16", "fp8"):
+        one, many = info(f"{p}-{prec}"), info(f"{p}-{prec}-{mode}{ngpu}")
+        if one and many and one.get("tokens_per_s") and many.get("tokens_per_s"):
+            eff = many["tokens_per_s"] / (ngpu * one["tokens_per_s"])
+            same = many.get("fp8_scales_equal_across_ranks")
+            print(f"- {prec} {mode.upper()} on {ngpu} GPUs: {many['tokens_per_s'] / one['tokens_per_s']:.2f}x the tokens/s "
+                  f"of 1 GPU, scaling efficiency {eff:.1%}" + ("" if same is None else f"; FP8 scales equal on all ranks: {same}"))
+    r = ratio(f"{p}-bf16-{mode}{ngpu}", f"{p}-fp8-{mode}{ngpu}")
+    print(f"- tokens/s FP8 / bf16, {mode.upper()} on {ngpu} GPUs: {'n/a' if r is None else f'{r:.3f}x'}")
 for c in (f"{p}-bf16-compiled", f"{p}-fp8-compiled"):
     if info(c) and "graph_breaks" in info(c):
         print(f"- graph breaks in {c}: {info(c)['graph_breaks']}")

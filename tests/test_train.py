@@ -210,6 +210,30 @@ def test_two_processes_over_gloo_hold_the_same_fp8_scales(tmp_path, mode):
     assert ck["model"]["blocks.0.ffn.w13.weight"].shape == (384, 64), "the full, unsharded weight was saved"
 
 
+TWO_GPUS = fp8ext.cuda_available() and torch.cuda.device_count() >= 2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not TWO_GPUS, reason="needs two CUDA devices and fp8ext built with CUDA")
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_gpus_over_nccl_hold_the_same_fp8_scales(tmp_path, mode):
+    """The same job on two GPUs (NCCL, torchrun): one process per GPU, bf16 autocast, FP8 GEMMs on the device."""
+    args = [a for a in RUN if a not in ("--device", "cpu")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "fp8ext.train", *args, "--max_steps", "6", "--eval_every", "3", "--use_fp8", "--out_dir", str(tmp_path)]
+    if mode == "fsdp":
+        cmd.append("--fsdp")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = json.loads((tmp_path / "run.json").read_text())
+    assert info["world_size"] == 2 and info["device"] == "cuda:0" and info["precision"] == "fp8"
+    assert info["fp8_scaled_tensors"] == 24
+    assert info["fp8_scales_equal_across_ranks"] is True, "amaxes max-reduced across ranks"
+    losses = [r["loss"] for r in metrics(tmp_path)]
+    assert len(losses) == 6 and all(math.isfinite(v) for v in losses)
+    assert math.isfinite(info["final_val_loss"])
+
+
 def test_any_seed_works_and_gives_its_own_batches():
     corpus = torch.arange(10_000).to(torch.uint8)
     a = data.batch(corpus, 2, 8, seed=20240101, step=10**6)[0]
