@@ -225,14 +225,29 @@ typedef struct {
  * seq, head_dim], k and v [batch, n_kv, seq, head_dim], contiguous, qkv's dtype. q and k are rotated in the
  * "rotate half" form by cos, sin [*, head_dim / 2] float32 (rows start_pos .. start_pos + seq): out1 = x1 * c -
  * x2 * s, out2 = x1 * s + x2 * c in float32, each product and sum rounded (no fused multiply-add), then rounded
- * to qkv's dtype; v is copied. head_dim % 16 == 0; all pointers 16-byte aligned. GPU only. */
+ * to qkv's dtype; v is copied. head_dim % 16 == 0; all pointers 16-byte aligned. GPU only.
+ * backward != 0: the gradient of that map. q, k, v hold dq, dk, dv and are read; qkv is written: for q and k,
+ * dx1 = g1 * c + g2 * s and dx2 = g2 * c - g1 * s (each product and sum rounded in float32, then rounded to the
+ * dtype), dv copied: bit for bit autograd's gradient of the float32 composition above. */
 typedef struct {
-    const void *qkv;
+    void *qkv;
+    int backward;
     int dtype;
     const float *cos, *sin;
     void *q, *k, *v;
     int64_t batch, seq, n_heads, n_kv, head_dim, start_pos, table_stride;
 } fp8ext_rope_qkv_args;
+
+/* The gradient of SwiGLU y = silu(gate) * up (fp8ext_fused_rows_args, op SWIGLU): h [rows, 2 * cols] holds gate
+ * then up in each row, dy [rows, cols] the gradient of y; dh [rows, 2 * cols] gets, in float32 with
+ * sig = 1 / (1 + exp(-gate)): d_gate = dy * up * (sig * (1 + gate * (1 - sig))), d_up = dy * (gate / (1 +
+ * exp(-gate))), each rounded once to the dtype. cols % 8 == 0; h, dy, dh 16-byte aligned, one dtype. GPU only. */
+typedef struct {
+    const void *h, *dy;
+    void *dh;
+    int dtype;
+    int64_t rows, cols;
+} fp8ext_swiglu_backward_args;
 
 /* Stores a step's K or V into an FP8 KV cache: x [batch, n_kv, seq, head_dim] (bf16/f16/f32, contiguous) ->
  * cache [batch, n_kv, max_len, head_dim] E4M3 at positions pos .. pos + seq: fp8(x / scale[head]), the
@@ -273,6 +288,7 @@ int fp8ext_cuda_decode_attention(const fp8ext_decode_attention_args *a, void *st
 int fp8ext_cuda_weight_only(const fp8ext_weight_only_args *a, void *stream, int num_sms);
 int fp8ext_cuda_fused_rows(const fp8ext_fused_rows_args *a, void *stream, int num_sms);
 int fp8ext_cuda_rope_qkv(const fp8ext_rope_qkv_args *a, void *stream, int num_sms);
+int fp8ext_cuda_swiglu_backward(const fp8ext_swiglu_backward_args *a, void *stream, int num_sms);
 int fp8ext_cuda_kv_store(const fp8ext_kv_store_args *a, void *stream, int num_sms);
 /* Thread blocks of the weight-only kernel for fmt and m tokens that fit on one multiprocessor of the current device. */
 int fp8ext_cuda_weight_only_blocks_per_sm(int fmt, int m, int *blocks);

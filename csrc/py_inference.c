@@ -1,5 +1,6 @@
 /* py_inference.c: CPython bindings of the inference kernels: decode attention over an FP8 KV cache and the
- * weight-only matrix multiply for few tokens, and the fused RMSNorm / SwiGLU / RoPE steps. GPU only; their CPU references are in Python
+ * weight-only matrix multiply for few tokens, and the fused RMSNorm / SwiGLU / RoPE steps (RoPE's and SwiGLU's
+ * gradients too). GPU only; their CPU references are in Python
  * (fp8ext/inference/attention.py, fp8ext/weight_only.py), which also chooses the work split and allocates
  * the workspace. Every argument is checked here as well: dtype, device, shape, layout.
  */
@@ -54,11 +55,13 @@ static int cuda_decode_attention(const void *a, void *s, int n) { return fp8ext_
 static int cuda_weight_only(const void *a, void *s, int n) { return fp8ext_cuda_weight_only(a, s, n); }
 static int cuda_fused_rows(const void *a, void *s, int n) { return fp8ext_cuda_fused_rows(a, s, n); }
 static int cuda_rope_qkv(const void *a, void *s, int n) { return fp8ext_cuda_rope_qkv(a, s, n); }
+static int cuda_swiglu_backward(const void *a, void *s, int n) { return fp8ext_cuda_swiglu_backward(a, s, n); }
 static int cuda_kv_store(const void *a, void *s, int n) { return fp8ext_cuda_kv_store(a, s, n); }
 #else
 #define cuda_kv_store NULL
 #define cuda_fused_rows NULL
 #define cuda_rope_qkv NULL
+#define cuda_swiglu_backward NULL
 #define cuda_decode_attention NULL
 #define cuda_weight_only NULL
 #endif
@@ -413,25 +416,32 @@ done:
     return ret;
 }
 
-/* rope_qkv(qkv, cos, sin, q, k, v, n_heads, n_kv, start_pos, stream=0): see fp8ext_rope_qkv_args. */
+/* rope_qkv(qkv, cos, sin, q, k, v, n_heads, n_kv, start_pos, stream=0, backward=False): see fp8ext_rope_qkv_args;
+ * with backward, q, k, v (the gradients) are read and qkv is written. */
 static PyObject *py_rope_qkv(PyObject *module, PyObject *args, PyObject *kwargs) {
     static const char *fn = "rope_qkv";
-    static char *kwlist[] = {"qkv", "cos", "sin", "q", "k", "v", "n_heads", "n_kv", "start_pos", "stream", NULL};
+    static char *kwlist[] = {"qkv", "cos", "sin", "q", "k", "v", "n_heads", "n_kv", "start_pos", "stream",
+                             "backward", NULL};
     PyObject *x_o, *c_o, *s_o, *q_o, *k_o, *v_o;
     long long n_heads, n_kv, start_pos;
     Py_ssize_t stream = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOLLL|n:rope_qkv", kwlist, &x_o, &c_o, &s_o, &q_o, &k_o, &v_o,
-                                     &n_heads, &n_kv, &start_pos, &stream))
+    int backward = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOLLL|np:rope_qkv", kwlist, &x_o, &c_o, &s_o, &q_o, &k_o,
+                                     &v_o, &n_heads, &n_kv, &start_pos, &stream, &backward))
         return NULL;
     fp8ext_view x = {0}, c = {0}, sn = {0}, q = {0}, k = {0}, v = {0};
     PyObject *ret = NULL;
     fp8ext_rope_qkv_args a = {0};
     if (get_arg(x_o, -1, NULL, NULL, stream, fn, "qkv", &x) < 0 || on_gpu(&x, fn, "qkv") < 0 ||
+        (backward && fp8ext_check_writable(&x, fn, "qkv") < 0) ||
         get_arg(c_o, FP8EXT_KIND_F32, &x, "qkv", stream, fn, "cos", &c) < 0 ||
         get_arg(s_o, FP8EXT_KIND_F32, &x, "qkv", stream, fn, "sin", &sn) < 0 ||
-        get_arg(q_o, x.kind, &x, "qkv", stream, fn, "q", &q) < 0 || fp8ext_check_writable(&q, fn, "q") < 0 ||
-        get_arg(k_o, x.kind, &x, "qkv", stream, fn, "k", &k) < 0 || fp8ext_check_writable(&k, fn, "k") < 0 ||
-        get_arg(v_o, x.kind, &x, "qkv", stream, fn, "v", &v) < 0 || fp8ext_check_writable(&v, fn, "v") < 0)
+        get_arg(q_o, x.kind, &x, "qkv", stream, fn, "q", &q) < 0 ||
+        (!backward && fp8ext_check_writable(&q, fn, "q") < 0) ||
+        get_arg(k_o, x.kind, &x, "qkv", stream, fn, "k", &k) < 0 ||
+        (!backward && fp8ext_check_writable(&k, fn, "k") < 0) ||
+        get_arg(v_o, x.kind, &x, "qkv", stream, fn, "v", &v) < 0 ||
+        (!backward && fp8ext_check_writable(&v, fn, "v") < 0))
         goto done;
     if (x.ndim != 3 || c.ndim != 2 || sn.ndim != 2 || q.ndim != 4 || k.ndim != 4 || v.ndim != 4) {
         value_error(fn, "qkv must be [batch, seq, width], cos and sin [positions, head_dim / 2], q, k, v 4-D");
@@ -474,10 +484,13 @@ static PyObject *py_rope_qkv(PyObject *module, PyObject *args, PyObject *kwargs)
         value_error(fn, "qkv, q, k and v must start on a 16-byte boundary; pass freshly allocated tensors");
         goto done;
     }
-    if (fp8ext_check_disjoint(fn, 3, 6, (const fp8ext_view *const[]){&q, &k, &v, &x, &c, &sn},
-                              (const char *const[]){"q", "k", "v", "qkv", "cos", "sin"}) < 0)
+    if (backward ? fp8ext_check_disjoint(fn, 1, 6, (const fp8ext_view *const[]){&x, &q, &k, &v, &c, &sn},
+                                         (const char *const[]){"qkv", "q", "k", "v", "cos", "sin"}) < 0
+                 : fp8ext_check_disjoint(fn, 3, 6, (const fp8ext_view *const[]){&q, &k, &v, &x, &c, &sn},
+                                         (const char *const[]){"q", "k", "v", "qkv", "cos", "sin"}) < 0)
         goto done;
     a.qkv = x.data;
+    a.backward = backward;
     a.dtype = hp_dtype(&x);
     a.cos = c.data;
     a.sin = sn.data;
@@ -490,6 +503,50 @@ static PyObject *py_rope_qkv(PyObject *module, PyObject *args, PyObject *kwargs)
     ret = Py_NewRef(Py_None);
 done:
     FP8EXT_RELEASE_ALL(&x, &c, &sn, &q, &k, &v);
+    return ret;
+}
+
+/* swiglu_backward(h, dy, dh, stream=0): see fp8ext_swiglu_backward_args. */
+static PyObject *py_swiglu_backward(PyObject *module, PyObject *args, PyObject *kwargs) {
+    static const char *fn = "swiglu_backward";
+    static char *kwlist[] = {"h", "dy", "dh", "stream", NULL};
+    PyObject *h_o, *dy_o, *dh_o;
+    Py_ssize_t stream = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|n:swiglu_backward", kwlist, &h_o, &dy_o, &dh_o, &stream))
+        return NULL;
+    fp8ext_view h = {0}, dy = {0}, dh = {0};
+    PyObject *ret = NULL;
+    fp8ext_swiglu_backward_args a = {0};
+    if (get_arg(h_o, -1, NULL, NULL, stream, fn, "h", &h) < 0 || on_gpu(&h, fn, "h") < 0 ||
+        get_arg(dy_o, h.kind, &h, "h", stream, fn, "dy", &dy) < 0 ||
+        get_arg(dh_o, h.kind, &h, "h", stream, fn, "dh", &dh) < 0 || fp8ext_check_writable(&dh, fn, "dh") < 0)
+        goto done;
+    if (h.ndim != 2 || dy.ndim != 2 || dh.ndim != 2 || h.shape[1] % 2 || dy.shape[0] != h.shape[0] ||
+        dy.shape[1] * 2 != h.shape[1] || dh.shape[0] != h.shape[0] || dh.shape[1] != h.shape[1]) {
+        value_error(fn, "h and dh must be [rows, 2 * cols] and dy [rows, cols]");
+        goto done;
+    }
+    if (dy.shape[1] % 8) {
+        PyErr_Format(PyExc_ValueError, "%s(): cols must be a multiple of 8, got %lld", fn, (long long)dy.shape[1]);
+        goto done;
+    }
+    if (((uintptr_t)h.data % 16) || ((uintptr_t)dy.data % 16) || ((uintptr_t)dh.data % 16)) {
+        value_error(fn, "h, dy and dh must start on a 16-byte boundary; pass freshly allocated tensors");
+        goto done;
+    }
+    if (fp8ext_check_disjoint(fn, 1, 3, (const fp8ext_view *const[]){&dh, &h, &dy},
+                              (const char *const[]){"dh", "h", "dy"}) < 0)
+        goto done;
+    a.h = h.data;
+    a.dy = dy.data;
+    a.dh = dh.data;
+    a.dtype = hp_dtype(&h);
+    a.rows = h.shape[0];
+    a.cols = dy.shape[1];
+    if (fp8ext_run_op(module, &h, stream, fn, no_cpu, cuda_swiglu_backward, &a) < 0) goto done;
+    ret = Py_NewRef(Py_None);
+done:
+    FP8EXT_RELEASE_ALL(&h, &dy, &dh);
     return ret;
 }
 
@@ -553,8 +610,10 @@ PyMethodDef fp8ext_inference_methods[] = {
      "fused_rows(x, gamma, out, scale, scale_inv, eps, op, out_mode, stream=0): RMSNorm or SwiGLU of each row, "
      "written in x's dtype or as E4M3, on a GPU."},
     {"rope_qkv", (PyCFunction)(void (*)(void))py_rope_qkv, METH_VARARGS | METH_KEYWORDS,
-     "rope_qkv(qkv, cos, sin, q, k, v, n_heads, n_kv, start_pos, stream=0): RoPE on a fused QKV projection, split "
-     "into q, k, v, on a GPU."},
+     "rope_qkv(qkv, cos, sin, q, k, v, n_heads, n_kv, start_pos, stream=0, backward=False): RoPE on a fused QKV "
+     "projection, split into q, k, v, on a GPU; with backward, its gradient (reads q, k, v, writes qkv)."},
+    {"swiglu_backward", (PyCFunction)(void (*)(void))py_swiglu_backward, METH_VARARGS | METH_KEYWORDS,
+     "swiglu_backward(h, dy, dh, stream=0): the gradient of silu(gate) * up, h = [gate, up] per row, on a GPU."},
     {"weight_only_blocks_per_sm", py_weight_only_blocks_per_sm, METH_VARARGS,
      "weight_only_blocks_per_sm(fmt, m, device): thread blocks of the weight-only kernel per multiprocessor."},
     {"weight_only", (PyCFunction)(void (*)(void))py_weight_only, METH_VARARGS | METH_KEYWORDS,

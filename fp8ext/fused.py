@@ -18,8 +18,12 @@ Definitions (the CPU computes exactly these with torch ops; a CUDA kernel comput
             k, v [batch, n_kv, seq, head_dim], contiguous; rotates q and k ("rotate half") by cos, sin
             [positions, head_dim / 2] float32 from row start_pos: x1 * c - x2 * s, x1 * s + x2 * c in float32,
             each product and sum rounded, then to qkv's dtype. Bit for bit the same on CPU and GPU.
-No autograd: these are for forward passes without gradients (fp8ext's model uses them under torch.no_grad
-and inference_mode, and its differentiable composition otherwise).
+Gradients: swiglu and rope_qkv are differentiable. On a GPU their backward is one kernel each: for rope_qkv the
+exact gradient of its float32 composition (bit for bit autograd's), for swiglu, in float32 with sig = 1 / (1 +
+exp(-gate)), d_gate = dy * up * (sig * (1 + gate * (1 - sig))) and d_up = dy * gate / (1 + exp(-gate)), each
+rounded once to h's dtype (within one unit in the last place of the CPU's). The GPU's swiglu saves only h for
+its backward (torch's composition saves silu(gate) as well). On a CPU, autograd differentiates the torch
+composition. rms_norm and the *_fp8 functions are for forward passes without gradients.
 """
 
 from __future__ import annotations
@@ -157,12 +161,42 @@ def _half_shape(h: torch.Tensor, fn: str):
     return (*h.shape[:-1], h.shape[-1] // 2)
 
 
+def _grad_wanted(*ts: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+
+
+def _aligned(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t as a contiguous, 16-byte aligned tensor of dtype (the kernels read and write 16-byte vectors)."""
+    t = t.to(dtype).contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h):
+        h2 = _rows(h, h.shape[-1])
+        out, _ = _run_rows(h2, None, 0.0, _SWIGLU, _OUT_HP, None, "swiglu")
+        ctx.save_for_backward(h2)
+        ctx.shape = h.shape
+        return out.reshape(*h.shape[:-1], h.shape[-1] // 2)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (h2,) = ctx.saved_tensors
+        dy2 = _aligned(dy.reshape(h2.shape[0], h2.shape[1] // 2), h2.dtype)
+        dh = torch.empty_like(h2)
+        _C.swiglu_backward(dl(h2), dl(dy2), dl(dh), stream_of(h2.device))
+        return dh.reshape(ctx.shape)
+
+
 def swiglu(h: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for h = [gate, up] along the last dimension, in h's dtype."""
+    """silu(gate) * up for h = [gate, up] along the last dimension, in h's dtype; differentiable."""
     _check(h, "swiglu", "h")
     shape = _half_shape(h, "swiglu")
     if not available(h, shape[-1]):
         return _swiglu_reference(h)
+    if _grad_wanted(h):
+        return _SwiGLU.apply(h)
     out, _ = _run_rows(_rows(h, h.shape[-1]), None, 0.0, _SWIGLU, _OUT_HP, None, "swiglu")
     return out.reshape(shape)
 
@@ -210,10 +244,39 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: i
         return (_rope_reference(q.view(b, s, n_heads, hd).transpose(1, 2), c, n),
                 _rope_reference(k.view(b, s, n_kv, hd).transpose(1, 2), c, n),
                 v.view(b, s, n_kv, hd).transpose(1, 2).contiguous())
-    x = qkv if qkv.is_contiguous() and qkv.data_ptr() % 16 == 0 else qkv.contiguous().clone()
+    if _grad_wanted(qkv):
+        return _RopeQKV.apply(qkv, cos, sin, n_heads, n_kv, start_pos)
+    return _rope_qkv_gpu(qkv, cos, sin, n_heads, n_kv, start_pos)
+
+
+def _rope_qkv_gpu(qkv, cos, sin, n_heads, n_kv, start_pos):
+    b, s, width = qkv.shape
+    hd = width // (n_heads + 2 * n_kv)
+    x = _aligned(qkv, qkv.dtype)
     q = torch.empty(b, n_heads, s, hd, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(b, n_kv, s, hd, dtype=qkv.dtype, device=qkv.device)
     v = torch.empty(b, n_kv, s, hd, dtype=qkv.dtype, device=qkv.device)
     _C.rope_qkv(dl(x), dl(cos.contiguous()), dl(sin.contiguous()), dl(q), dl(k), dl(v), n_heads, n_kv, start_pos,
                 stream_of(qkv.device))
     return q, k, v
+
+
+class _RopeQKV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, cos, sin, n_heads, n_kv, start_pos):
+        ctx.save_for_backward(cos, sin)
+        ctx.meta = (qkv.shape, qkv.dtype, n_heads, n_kv, start_pos)
+        return _rope_qkv_gpu(qkv, cos, sin, n_heads, n_kv, start_pos)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        cos, sin = ctx.saved_tensors
+        (b, s, width), dtype, n_heads, n_kv, start_pos = ctx.meta
+        hd = width // (n_heads + 2 * n_kv)
+        grads = []
+        for g, heads in ((dq, n_heads), (dk, n_kv), (dv, n_kv)):
+            grads.append(cos.new_zeros(b, heads, s, hd, dtype=dtype) if g is None else _aligned(g, dtype))
+        dqkv = torch.empty(b, s, width, dtype=dtype, device=cos.device)
+        _C.rope_qkv(dl(dqkv), dl(cos.contiguous()), dl(sin.contiguous()), *(dl(g) for g in grads), n_heads, n_kv,
+                    start_pos, stream_of(cos.device), True)
+        return dqkv, None, None, None, None, None

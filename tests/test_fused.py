@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import fp8ext
 from fp8ext import fused
+from fp8ext.models import transformer as transformer_module
 from fp8ext.models.transformer import Transformer, apply_rope, preset
 
 from conftest import requires_cuda
@@ -92,6 +93,89 @@ def test_rope_qkv_equals_the_model_composition(device, dtype, start):
     for got, want, name in ((q, wq, "q"), (k, wk, "k"), (v, wv, "v")):
         assert got.is_contiguous() and got.shape == want.shape, name
         assert_same_bytes(got.contiguous(), want.contiguous(), name)
+
+
+# ---- gradients (training) -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("start", [0, 5])
+def test_rope_qkv_gradient_equals_autograd_of_the_composition(device, dtype, start):
+    """The gradient of rope_qkv (one kernel on a GPU) is bit for bit autograd's through the transformer's
+    apply_rope composition on the same device, for q, k and v."""
+    b, s, h, kv, hd = 2, 7, 4, 2, 64
+    gen = torch.Generator().manual_seed(4)
+    qkv = torch.randn(b, s, (h + 2 * kv) * hd, generator=gen).to(dtype).to(device)
+    grads = [torch.randn(b, n, s, hd, generator=gen).to(dtype).to(device) for n in (h, kv, kv)]
+    cfg = preset("tiny", d_model=h * hd, n_heads=h, n_kv_heads=kv, max_seq_len=32)
+    from fp8ext.models.transformer import rope_tables
+    cos, sin = rope_tables(cfg, device)
+    a = qkv.clone().requires_grad_()
+    out = fused.rope_qkv(a, cos[start:], sin[start:], h, kv)
+    assert all(t.requires_grad for t in out)
+    torch.autograd.backward(out, grads)
+    w = qkv.clone().requires_grad_()
+    q0, k0, v0 = w.split([h * hd, kv * hd, kv * hd], dim=-1)
+    want = (apply_rope(q0.view(b, s, h, hd).transpose(1, 2), cos[start:], sin[start:]),
+            apply_rope(k0.view(b, s, kv, hd).transpose(1, 2), cos[start:], sin[start:]),
+            v0.view(b, s, kv, hd).transpose(1, 2))
+    torch.autograd.backward(want, grads)
+    assert_same_bytes(a.grad, w.grad, "dqkv")
+    # a gradient that reaches only q (k and v unused) leaves zeros for them
+    a.grad = None
+    fused.rope_qkv(a, cos[start:], sin[start:], h, kv)[0].backward(grads[0])
+    assert not a.grad[..., h * hd:].any()
+
+
+def _swiglu_grad_close(got: torch.Tensor, h: torch.Tensor, dy: torch.Tensor, dtype) -> None:
+    """got against float64 autograd: one unit in the last place of dtype, plus float32 arithmetic on the
+    terms' scale (d_gate = dy * up * (sig + gate * sig * (1 - sig)) cancels near gate = -1.28)."""
+    h64 = h.detach().cpu().double().requires_grad_()
+    swiglu64(h64).backward(dy.cpu().double())
+    g, u = h64.detach().chunk(2, dim=-1)
+    scale = torch.cat([(dy.cpu().double() * u).abs() * (1 + g.abs()), (dy.cpu().double() * g).abs()], dim=-1)
+    tol = ULP[dtype] * h64.grad.abs() + 2.0 ** -20 * scale + torch.finfo(dtype).tiny
+    bad = (got.cpu().double() - h64.grad).abs() > tol
+    assert not bad.any(), f"{int(bad.sum())} off, e.g. got {got.cpu().double()[bad][:4]} want {h64.grad[bad][:4]}"
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_gradient_matches_float64(device, dtype):
+    gen = torch.Generator().manual_seed(5)
+    h = (torch.randn(3, 5, 2 * 704, generator=gen) * 4).to(dtype).to(device).requires_grad_()
+    dy = torch.randn(3, 5, 704, generator=gen).to(dtype).to(device)
+    y = fused.swiglu(h)
+    close_to(y.detach().cpu(), swiglu64(h.detach().cpu()), dtype, ulps=1.0 if dtype != torch.float32 else 32.0)
+    y.backward(dy)
+    assert h.grad.dtype == dtype and h.grad.shape == h.shape
+    _swiglu_grad_close(h.grad, h, dy, dtype)
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_swiglu_gradient_of_a_non_contiguous_output_gradient():
+    h = torch.randn(64, 2 * 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16).t()  # strided
+    fused.swiglu(h).backward(dy)
+    _swiglu_grad_close(h.grad, h, dy, torch.bfloat16)
+
+
+def test_gradient_kernels_refuse_host_memory_and_bad_shapes():
+    from fp8ext import _C
+    from fp8ext._boundary import dl
+    h, dy = torch.randn(4, 32), torch.randn(4, 16)
+    with pytest.raises(ValueError, match="h is in host memory"):
+        _C.swiglu_backward(dl(h), dl(dy), dl(torch.empty_like(h)))
+    if fp8ext.cuda_available():
+        hc, dyc = h.cuda(), dy.cuda()
+        with pytest.raises(ValueError, match=r"dy \[rows, cols\]"):
+            _C.swiglu_backward(dl(hc), dl(hc), dl(torch.empty_like(hc)))
+        with pytest.raises(ValueError, match="multiple of 8"):
+            _C.swiglu_backward(dl(hc[:, :12].contiguous()), dl(dyc[:, :6].contiguous()),
+                               dl(torch.empty(4, 12, device="cuda")))
+        with pytest.raises(ValueError, match="dh"):
+            _C.swiglu_backward(dl(hc), dl(dyc), dl(hc))  # dh overlapping h
 
 
 # ---- the FP8 outputs equal the composition -------------------------------------------------------------------
@@ -176,7 +260,7 @@ def test_gpu_errors_name_the_argument():
 
 @requires_cuda
 @pytest.mark.cuda
-def test_model_inference_path_matches_the_autograd_path():
+def test_model_inference_path_matches_the_autograd_path(monkeypatch):
     """The transformer's forward without gradients (fused kernels, SDPA reading K/V heads in place) against the
     same model with gradients enabled (torch ops): logits within bf16 rounding noise."""
     torch.manual_seed(0)
@@ -185,9 +269,35 @@ def test_model_inference_path_matches_the_autograd_path():
     ids = torch.randint(0, 256, (3, 40), device="cuda")
     with torch.no_grad():
         fast = model(ids).float()
+    monkeypatch.setattr(transformer_module, "FUSED_TRAINING", False)
     slow = model(ids).float().detach()
     rel = ((fast - slow).norm() / slow.norm()).item()
     assert rel < 2e-2, rel
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("fp8", [False, True])
+def test_model_training_with_fused_kernels_matches_the_composition(monkeypatch, fp8):
+    """A training step on the GPU with the fused RoPE / SwiGLU kernels and in-place GQA against torch's
+    composition (bf16 autocast): the loss and every gradient within bf16 rounding noise."""
+    cfg = preset("tiny", d_model=128, n_heads=4, n_kv_heads=2, d_ff=256)
+    ids = torch.randint(0, 256, (3, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    out = {}
+    for fused_on in (True, False):
+        monkeypatch.setattr(transformer_module, "FUSED_TRAINING", fused_on)
+        torch.manual_seed(0)
+        model = Transformer(cfg, device="cuda")
+        recipe = fp8ext.DelayedScaling()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(ids[:, :-1], ids[:, 1:], fp8=fp8, fp8_recipe=recipe)[1]
+        loss.backward()
+        out[fused_on] = (loss.item(), {n: p.grad.float() for n, p in model.named_parameters()})
+    (l1, g1), (l0, g0) = out[True], out[False]
+    assert abs(l1 - l0) < 2e-2 * abs(l0), (l1, l0)
+    for n in g0:
+        rel = ((g1[n] - g0[n]).norm() / g0[n].norm()).item()
+        assert rel < (0.1 if fp8 else 3e-2), (n, rel)
 
 
 @requires_cuda

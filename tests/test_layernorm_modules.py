@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 import fp8ext
 import fp8ext as te
+from conftest import requires_cuda
 
 RECIPE = fp8ext.DelayedScaling(fp8_format=fp8ext.Format.HYBRID)
 
@@ -84,6 +85,32 @@ def test_fp8_forward_and_backward_run_and_stay_close_to_high_precision():
     y.square().sum().backward()
     assert (y - ref).norm() / ref.norm() < 0.1
     assert x.grad is not None and m.fc1_weight.grad is not None and m.layer_norm_weight.grad is not None
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_swiglu_mlp_on_the_gpu_runs_the_fused_kernel_both_ways():
+    """On a GPU the SwiGLU of LayerNormMLP is fp8ext.fused's kernel (forward and backward): output and gradients
+    against the float64 composition with the module's own weights."""
+    m = randomize(te.LayerNormMLP(64, 128, normalization="RMSNorm", activation="swiglu", bias=False,
+                                  params_dtype=torch.bfloat16, device="cuda"))
+    x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = m(x)
+    names, todo = set(), [y.grad_fn]
+    while todo:
+        f = todo.pop()
+        if f is not None and type(f).__name__ not in names:
+            names.add(type(f).__name__)
+            todo += [g for g, _ in f.next_functions]
+    assert "_SwiGLUBackward" in names, names
+    y.float().square().sum().backward()
+    x64 = x.detach().double().requires_grad_()
+    ln = F.rms_norm(x64, (64,), m.layer_norm_weight.double(), eps=m.layer_norm.eps)
+    gate, up = (ln @ m.fc1_weight.double().T).chunk(2, dim=-1)
+    want = (F.silu(gate) * up) @ m.fc2_weight.double().T
+    want.square().sum().backward()
+    assert ((y.double() - want).norm() / want.norm()).item() < 2e-2
+    assert ((x.grad.double() - x64.grad).norm() / x64.grad.norm()).item() < 3e-2
 
 
 def test_bad_arguments_are_named():

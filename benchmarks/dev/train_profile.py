@@ -1,6 +1,8 @@
 """Where the GPU time of one fp8ext.train step goes (development aid): torch.profiler's kernel times of one
-optimizer step of a Transformer preset, bf16 next to FP8 (delayed scaling), grouped into GEMMs, attention,
-fp8ext's casts, the optimizer and the rest, with the step's wall time (CUDA events) next to the kernels' sum.
+optimizer step of a Transformer preset, bf16 next to FP8 (delayed scaling), each with torch's composition of
+RoPE, SwiGLU and grouped-query attention and with fp8ext's fused kernels (the default on a GPU), grouped into
+GEMMs, attention, fp8ext's casts, the optimizer and the rest, with the step's wall time (CUDA events) next to
+the kernels' sum.
 
     python benchmarks/dev/train_profile.py [--preset 1b] [--batch_size 8] [--seq_len 2048]
 
@@ -13,6 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fp8ext
+from fp8ext.models import transformer
 from fp8ext.models.transformer import Transformer, default_recipe, preset
 
 
@@ -49,7 +52,9 @@ def main():
     ids = torch.randint(0, 256, (a.batch_size, a.seq_len + 1), device=dev, generator=g)
     x, y = ids[:, :-1], ids[:, 1:]
     summary = {}
-    for name, fp8 in (("bf16", False), ("fp8", True)):
+    for name, fp8, fused in (("bf16", False, False), ("fp8", True, False), ("bf16 fused", False, True),
+                             ("fp8 fused", True, True)):
+        transformer.FUSED_TRAINING = fused
         torch.manual_seed(0)
         model = Transformer(preset(a.preset), device=dev)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -99,10 +104,11 @@ def main():
             print(f"     {t:8.3f} ms {c:5d}x  {k[:120]}")
         del model, opt
         torch.cuda.empty_cache()
-    (wb, gb), (wf, gf) = summary["bf16"], summary["fp8"]
-    print(f"== FP8 / bf16 step time: {wb / wf:.3f}x faster; per group, bf16 ms -> FP8 ms:")
-    for k in sorted(set(gb) | set(gf), key=lambda k: -gb.get(k, 0.0)):
-        print(f"   {k:<38} {gb.get(k, 0.0):8.2f} -> {gf.get(k, 0.0):8.2f}")
+    for a_, b_ in (("bf16", "fp8"), ("bf16 fused", "fp8 fused"), ("bf16", "bf16 fused"), ("fp8", "fp8 fused")):
+        (wb, gb), (wf, gf) = summary[a_], summary[b_]
+        print(f"== {b_} / {a_}: step {wb / wf:.3f}x faster; per group, ms per step:")
+        for k in sorted(set(gb) | set(gf), key=lambda k: -gb.get(k, 0.0)):
+            print(f"   {k:<38} {gb.get(k, 0.0):8.2f} -> {gf.get(k, 0.0):8.2f}")
 
 
 if __name__ == "__main__":

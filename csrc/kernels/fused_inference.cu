@@ -1,6 +1,6 @@
-// fused_inference.cu: the elementwise steps around a transformer's GEMMs, each fused into one pass, for
-// inference (no autograd): RMSNorm and SwiGLU, writing bf16 or E4M3 directly (with a static scale or one scale
-// per row), and RoPE applied to a fused QKV projection's output while splitting it into q, k and v.
+// fused_inference.cu: the elementwise steps around a transformer's GEMMs, each fused into one pass: RMSNorm and
+// SwiGLU, writing bf16 or E4M3 directly (with a static scale or one scale per row), and RoPE applied to a fused
+// QKV projection's output while splitting it into q, k and v; for training, the gradients of RoPE and SwiGLU.
 //
 // Unfused, PyTorch runs RMSNorm over bf16 as three passes (to float32, the norm, back to bf16), SwiGLU as two,
 // RoPE as about ten, and the FP8 layers quantize their input in one more. Here each is one read of its input
@@ -223,11 +223,12 @@ __global__ void __launch_bounds__(kThreads) fused_rows_kernel(const T *__restric
 }
 
 // RoPE: one block per token (b, s); each thread takes 8 consecutive pairs (j, j + head_dim / 2) of one head.
-template <typename T>
+// BACKWARD: the same walk in the other direction: reads dq, dk, dv, writes the token's row of dqkv.
+template <typename T, bool BACKWARD>
 __global__ void __launch_bounds__(128) rope_qkv_kernel(fp8ext_rope_qkv_args a) {
     const int64_t token = blockIdx.x, b = token / a.seq, s = token % a.seq;
     const int64_t half = a.head_dim / 2, groups = half / 8, heads = a.n_heads + 2 * a.n_kv;
-    const T *in = static_cast<const T *>(a.qkv) + token * heads * a.head_dim;
+    T *row = static_cast<T *>(a.qkv) + token * heads * a.head_dim;
     const float *cr = a.cos + (a.start_pos + s) * a.table_stride;
     const float *sr = a.sin + (a.start_pos + s) * a.table_stride;
     for (int64_t item = threadIdx.x; item < heads * groups; item += blockDim.x) {
@@ -237,8 +238,12 @@ __global__ void __launch_bounds__(128) rope_qkv_kernel(fp8ext_rope_qkv_args a) {
         if (head < a.n_heads) { dst = static_cast<T *>(a.q); nh = a.n_heads; hh = head; }
         else if (head < a.n_heads + a.n_kv) { dst = static_cast<T *>(a.k); nh = a.n_kv; hh = head - a.n_heads; }
         else { dst = static_cast<T *>(a.v); nh = a.n_kv; hh = head - a.n_heads - a.n_kv; }
-        T *o = dst + ((b * nh + hh) * a.seq + s) * a.head_dim;
-        const T *xi = in + head * a.head_dim;
+        T *o = dst + ((b * nh + hh) * a.seq + s) * a.head_dim, *xi = row + head * a.head_dim;
+        if constexpr (BACKWARD) {  // read the head's gradient, write the qkv row
+            T *t = o;
+            o = xi;
+            xi = t;
+        }
         float x1[8], x2[8];
         load8(xi, j, x1);
         load8(xi, half + j, x2);
@@ -247,8 +252,13 @@ __global__ void __launch_bounds__(128) rope_qkv_kernel(fp8ext_rope_qkv_args a) {
 #pragma unroll
             for (int t = 0; t < 8; ++t) {
                 const float c = __ldg(cr + j + t), n = __ldg(sr + j + t);
-                o1[t] = round_to<T>(__fsub_rn(__fmul_rn(x1[t], c), __fmul_rn(x2[t], n)));
-                o2[t] = round_to<T>(__fadd_rn(__fmul_rn(x1[t], n), __fmul_rn(x2[t], c)));
+                if constexpr (BACKWARD) {  // autograd of x1 c - x2 s, x1 s + x2 c: a sum of two products is exact
+                    o1[t] = round_to<T>(__fadd_rn(__fmul_rn(x1[t], c), __fmul_rn(x2[t], n)));  // in either order
+                    o2[t] = round_to<T>(__fsub_rn(__fmul_rn(x2[t], c), __fmul_rn(x1[t], n)));
+                } else {
+                    o1[t] = round_to<T>(__fsub_rn(__fmul_rn(x1[t], c), __fmul_rn(x2[t], n)));
+                    o2[t] = round_to<T>(__fadd_rn(__fmul_rn(x1[t], n), __fmul_rn(x2[t], c)));
+                }
             }
             store8(o, j, o1);
             store8(o, half + j, o2);
@@ -257,6 +267,28 @@ __global__ void __launch_bounds__(128) rope_qkv_kernel(fp8ext_rope_qkv_args a) {
             store8(o, half + j, x2);
         }
     }
+}
+
+// SwiGLU's gradient: one thread per 8 consecutive columns of one row (gate, up and dy read once, dh written once).
+template <typename T>
+__global__ void __launch_bounds__(256) swiglu_backward_kernel(fp8ext_swiglu_backward_args a, int64_t vecs) {
+    const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= vecs) return;
+    const int64_t per_row = a.cols / 8, row = i / per_row, c = (i % per_row) * 8;
+    const T *hr = static_cast<const T *>(a.h) + row * 2 * a.cols;
+    T *dr = static_cast<T *>(a.dh) + row * 2 * a.cols;
+    float g[8], u[8], dy[8], dg[8], du[8];
+    load8(hr, c, g);
+    load8(hr, a.cols + c, u);
+    load8(static_cast<const T *>(a.dy), row * a.cols + c, dy);
+#pragma unroll
+    for (int t = 0; t < 8; ++t) {
+        const float e = 1.0f + expf(-g[t]), sig = 1.0f / e;
+        du[t] = round_to<T>(dy[t] * (g[t] / e));
+        dg[t] = round_to<T>(dy[t] * u[t] * (sig * (1.0f + g[t] * (1.0f - sig))));
+    }
+    store8(dr, c, dg);
+    store8(dr, a.cols + c, du);
 }
 
 // KV store: one thread per 8 consecutive values of one position of one head.
@@ -356,7 +388,22 @@ extern "C" int fp8ext_cuda_rope_qkv(const fp8ext_rope_qkv_args *a, void *stream,
     if (tokens > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     FP8EXT_DISPATCH_DTYPE(a->dtype, {
-        rope_qkv_kernel<T><<<static_cast<unsigned>(tokens), 128, 0, s>>>(*a);
+        if (a->backward) rope_qkv_kernel<T, true><<<static_cast<unsigned>(tokens), 128, 0, s>>>(*a);
+        else rope_qkv_kernel<T, false><<<static_cast<unsigned>(tokens), 128, 0, s>>>(*a);
+    });
+    return cudaGetLastError();
+}
+
+extern "C" int fp8ext_cuda_swiglu_backward(const fp8ext_swiglu_backward_args *a, void *stream, int /*num_sms*/) {
+    using namespace fp8ext;
+    const int64_t vecs = a->rows * (a->cols / 8);
+    if (vecs == 0) return cudaSuccess;
+    if (a->cols % 8 || !aligned(a->h, 16) || !aligned(a->dy, 16) || !aligned(a->dh, 16))
+        return cudaErrorMisalignedAddress;
+    if ((vecs + 255) / 256 > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    FP8EXT_DISPATCH_DTYPE(a->dtype, {
+        swiglu_backward_kernel<T><<<static_cast<unsigned>((vecs + 255) / 256), 256, 0, s>>>(*a, vecs);
     });
     return cudaGetLastError();
 }
