@@ -1,6 +1,8 @@
 """Two transformer layers at Llama-3-8B sizes (d 4096, 32 heads, 8 KV heads, SwiGLU 14336), 2 x 2048 tokens:
 one training step (forward, backward, SGD) in bf16 and with fp8ext's FP8 linear layers, eager, compiled and
-captured as a CUDA graph, side by side in one run; torchao float8 (tensorwise, compiled) where it is installed.
+captured as a CUDA graph, side by side in one run; torchao float8 (tensorwise, compiled) where it is installed;
+and rows with SwiGLU as fp8ext's fused kernel (forward and backward), in bf16 and FP8. Speedups are against the
+first row, bf16 eager with torch's SwiGLU.
 
 The layers: RMSNorm, one fused QKV projection with grouped-query attention through SDPA (flash), SwiGLU; bf16
 parameters; the four linear layers of each block are FP8 in the fp8ext rows (delayed scaling, HYBRID), norms and
@@ -26,13 +28,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _harness import device_header, save, table  # noqa: E402
 
 import fp8ext  # noqa: E402
+from fp8ext import fused  # noqa: E402
 
 D, H, KV, HD, FF, LAYERS = 4096, 32, 8, 128, 14336, 2
 
 
 class Block(nn.Module):
-    def __init__(self, linear):
+    def __init__(self, linear, fused_swiglu=False):
         super().__init__()
+        self.fused_swiglu = fused_swiglu  # fp8ext.fused.swiglu: one kernel forward, one backward
         self.n1 = nn.RMSNorm(D, eps=1e-6, dtype=torch.bfloat16)
         self.n2 = nn.RMSNorm(D, eps=1e-6, dtype=torch.bfloat16)
         self.qkv, self.o = linear(D, (H + 2 * KV) * HD), linear(H * HD, D)
@@ -44,7 +48,10 @@ class Block(nn.Module):
         q, k, v = (z.view(b, t, -1, HD).transpose(1, 2) for z in (q, k, v))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         x = x + self.o(a.transpose(1, 2).reshape(b, t, H * HD))
-        g, u = self.w13(self.n2(x)).chunk(2, -1)
+        h = self.w13(self.n2(x))
+        if self.fused_swiglu:
+            return x + self.w2(fused.swiglu(h))
+        g, u = h.chunk(2, -1)
         return x + self.w2(F.silu(g) * u)
 
 
@@ -56,9 +63,9 @@ def fp8_linear(i, o):
     return fp8ext.Linear(i, o, bias=False, params_dtype=torch.bfloat16)
 
 
-def model(linear):
+def model(linear, fused_swiglu=False):
     torch.manual_seed(0)
-    return nn.Sequential(*[Block(linear) for _ in range(LAYERS)]).cuda()
+    return nn.Sequential(*[Block(linear, fused_swiglu) for _ in range(LAYERS)]).cuda()
 
 
 def training_step(mod, x, gy, fp8: bool, recipe):
@@ -133,6 +140,10 @@ def main() -> None:
         ("fp8ext eager", lambda: model(fp8_linear), True, False),
         ("fp8ext compiled", fp8_compiled, True, False),
         ("fp8ext graphed", lambda: model(fp8_linear), True, True),
+        # SwiGLU as fp8ext's fused kernel (as fp8ext.LayerNormMLP and the transformer run it on a GPU), in both
+        ("bf16 eager, fused SwiGLU", lambda: model(bf16_linear, True), False, False),
+        ("fp8ext eager, fused SwiGLU", lambda: model(fp8_linear, True), True, False),
+        ("fp8ext graphed, fused SwiGLU", lambda: model(fp8_linear, True), True, True),
     ]
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
