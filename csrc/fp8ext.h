@@ -249,6 +249,35 @@ typedef struct {
     int64_t rows, cols;
 } fp8ext_swiglu_backward_args;
 
+/* RMSNorm for training (csrc/kernels/rms_norm_train.cu), forward and backward, over rows of x [rows, cols]:
+ * forward:  rstd[r] = 1 / sqrt(mean(x_r^2) + eps) and y = (x * rstd) * gamma in float32, rounded once to y's
+ *           dtype (which may differ from x's: float32 x under autocast gives bf16 y directly);
+ * backward: with xh = x * rstd and gy = dy * gamma, dx = rstd * (gy - xh * (sum(gy * xh) / cols)) rounded to
+ *           dx's dtype, and dgamma[c] = sum over rows of dy * xh, in float32: each of `blocks` thread blocks sums
+ *           its rows into partial[block, cols], then one pass adds the blocks in order (deterministic).
+ * Dtypes float32 / bf16 / f16 (FP8EXT_F32 ...); gamma, rstd, partial, dgamma float32; cols % 8 == 0 and
+ * cols <= 8192 (rows held in registers); every pointer 16-byte aligned. GPU only. */
+typedef struct {
+    const void *x;
+    int x_dtype;
+    const float *gamma;
+    float eps;
+    void *y;
+    int y_dtype;
+    float *rstd;
+    int64_t rows, cols;
+} fp8ext_rms_norm_fwd_args;
+
+typedef struct {
+    const void *x, *dy;
+    int x_dtype, dy_dtype;
+    const float *gamma, *rstd;
+    void *dx;
+    float *partial, *dgamma;
+    int64_t rows, cols;
+    int blocks;
+} fp8ext_rms_norm_bwd_args;
+
 /* Stores a step's K or V into an FP8 KV cache: x [batch, n_kv, seq, head_dim] (bf16/f16/f32, contiguous) ->
  * cache [batch, n_kv, max_len, head_dim] E4M3 at positions pos .. pos + seq: fp8(x / scale[head]), the
  * division rounded to float32, saturating (fp8ext.quantize of the quotient). head_dim % 8 == 0. GPU only. */
@@ -289,6 +318,8 @@ int fp8ext_cuda_weight_only(const fp8ext_weight_only_args *a, void *stream, int 
 int fp8ext_cuda_fused_rows(const fp8ext_fused_rows_args *a, void *stream, int num_sms);
 int fp8ext_cuda_rope_qkv(const fp8ext_rope_qkv_args *a, void *stream, int num_sms);
 int fp8ext_cuda_swiglu_backward(const fp8ext_swiglu_backward_args *a, void *stream, int num_sms);
+int fp8ext_cuda_rms_norm_fwd(const fp8ext_rms_norm_fwd_args *a, void *stream, int num_sms);
+int fp8ext_cuda_rms_norm_bwd(const fp8ext_rms_norm_bwd_args *a, void *stream, int num_sms);
 int fp8ext_cuda_kv_store(const fp8ext_kv_store_args *a, void *stream, int num_sms);
 /* Thread blocks of the weight-only kernel for fmt and m tokens that fit on one multiprocessor of the current device. */
 int fp8ext_cuda_weight_only_blocks_per_sm(int fmt, int m, int *blocks);

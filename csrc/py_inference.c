@@ -56,12 +56,16 @@ static int cuda_weight_only(const void *a, void *s, int n) { return fp8ext_cuda_
 static int cuda_fused_rows(const void *a, void *s, int n) { return fp8ext_cuda_fused_rows(a, s, n); }
 static int cuda_rope_qkv(const void *a, void *s, int n) { return fp8ext_cuda_rope_qkv(a, s, n); }
 static int cuda_swiglu_backward(const void *a, void *s, int n) { return fp8ext_cuda_swiglu_backward(a, s, n); }
+static int cuda_rms_norm_fwd(const void *a, void *s, int n) { return fp8ext_cuda_rms_norm_fwd(a, s, n); }
+static int cuda_rms_norm_bwd(const void *a, void *s, int n) { return fp8ext_cuda_rms_norm_bwd(a, s, n); }
 static int cuda_kv_store(const void *a, void *s, int n) { return fp8ext_cuda_kv_store(a, s, n); }
 #else
 #define cuda_kv_store NULL
 #define cuda_fused_rows NULL
 #define cuda_rope_qkv NULL
 #define cuda_swiglu_backward NULL
+#define cuda_rms_norm_fwd NULL
+#define cuda_rms_norm_bwd NULL
 #define cuda_decode_attention NULL
 #define cuda_weight_only NULL
 #endif
@@ -550,6 +554,125 @@ done:
     return ret;
 }
 
+static int aligned16(const char *fn, int n, const fp8ext_view *const views[], const char *what) {
+    for (int i = 0; i < n; ++i)
+        if ((uintptr_t)views[i]->data % 16) {
+            PyErr_Format(PyExc_ValueError, "%s(): %s must start on a 16-byte boundary; pass freshly allocated "
+                         "tensors", fn, what);
+            return -1;
+        }
+    return 0;
+}
+
+static int norm_cols_ok(const char *fn, int64_t cols) {
+    if (cols % 8 || cols > 8192 || cols < 8) {
+        PyErr_Format(PyExc_ValueError, "%s(): the row length must be a multiple of 8 from 8 to 8192, got %lld", fn,
+                     (long long)cols);
+        return -1;
+    }
+    return 0;
+}
+
+/* rms_norm_fwd(x, gamma, y, rstd, eps, stream=0): see fp8ext_rms_norm_fwd_args. */
+static PyObject *py_rms_norm_fwd(PyObject *module, PyObject *args, PyObject *kwargs) {
+    static const char *fn = "rms_norm_fwd";
+    static char *kwlist[] = {"x", "gamma", "y", "rstd", "eps", "stream", NULL};
+    PyObject *x_o, *g_o, *y_o, *r_o;
+    float eps;
+    Py_ssize_t stream = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOf|n:rms_norm_fwd", kwlist, &x_o, &g_o, &y_o, &r_o, &eps,
+                                     &stream))
+        return NULL;
+    fp8ext_view x = {0}, g = {0}, y = {0}, r = {0};
+    PyObject *ret = NULL;
+    fp8ext_rms_norm_fwd_args a = {0};
+    if (get_arg(x_o, -1, NULL, NULL, stream, fn, "x", &x) < 0 || on_gpu(&x, fn, "x") < 0 ||
+        get_arg(g_o, FP8EXT_KIND_F32, &x, "x", stream, fn, "gamma", &g) < 0 ||
+        get_arg(y_o, -1, &x, "x", stream, fn, "y", &y) < 0 || fp8ext_check_writable(&y, fn, "y") < 0 ||
+        get_arg(r_o, FP8EXT_KIND_F32, &x, "x", stream, fn, "rstd", &r) < 0 || fp8ext_check_writable(&r, fn, "rstd") < 0)
+        goto done;
+    if (x.ndim != 2 || y.ndim != 2 || g.ndim != 1 || r.ndim != 1 || y.shape[0] != x.shape[0] ||
+        y.shape[1] != x.shape[1] || g.shape[0] != x.shape[1] || r.shape[0] != x.shape[0]) {
+        value_error(fn, "x and y must be [rows, cols], gamma [cols] and rstd [rows]");
+        goto done;
+    }
+    if (norm_cols_ok(fn, x.shape[1]) < 0 ||
+        aligned16(fn, 3, (const fp8ext_view *const[]){&x, &y, &g}, "x, y and gamma") < 0 ||
+        fp8ext_check_disjoint(fn, 2, 4, (const fp8ext_view *const[]){&y, &r, &x, &g},
+                              (const char *const[]){"y", "rstd", "x", "gamma"}) < 0)
+        goto done;
+    a.x = x.data;
+    a.x_dtype = hp_dtype(&x);
+    a.gamma = g.data;
+    a.eps = eps;
+    a.y = y.data;
+    a.y_dtype = hp_dtype(&y);
+    a.rstd = r.data;
+    a.rows = x.shape[0];
+    a.cols = x.shape[1];
+    if (fp8ext_run_op(module, &x, stream, fn, no_cpu, cuda_rms_norm_fwd, &a) < 0) goto done;
+    ret = Py_NewRef(Py_None);
+done:
+    FP8EXT_RELEASE_ALL(&x, &g, &y, &r);
+    return ret;
+}
+
+/* rms_norm_bwd(x, dy, gamma, rstd, dx, partial, dgamma, stream=0): see fp8ext_rms_norm_bwd_args; the number of
+ * thread blocks is partial's first dimension. */
+static PyObject *py_rms_norm_bwd(PyObject *module, PyObject *args, PyObject *kwargs) {
+    static const char *fn = "rms_norm_bwd";
+    static char *kwlist[] = {"x", "dy", "gamma", "rstd", "dx", "partial", "dgamma", "stream", NULL};
+    PyObject *x_o, *dy_o, *g_o, *r_o, *dx_o, *p_o, *dg_o;
+    Py_ssize_t stream = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOO|n:rms_norm_bwd", kwlist, &x_o, &dy_o, &g_o, &r_o, &dx_o,
+                                     &p_o, &dg_o, &stream))
+        return NULL;
+    fp8ext_view x = {0}, dy = {0}, g = {0}, r = {0}, dx = {0}, pt = {0}, dg = {0};
+    PyObject *ret = NULL;
+    fp8ext_rms_norm_bwd_args a = {0};
+    if (get_arg(x_o, -1, NULL, NULL, stream, fn, "x", &x) < 0 || on_gpu(&x, fn, "x") < 0 ||
+        get_arg(dy_o, -1, &x, "x", stream, fn, "dy", &dy) < 0 ||
+        get_arg(g_o, FP8EXT_KIND_F32, &x, "x", stream, fn, "gamma", &g) < 0 ||
+        get_arg(r_o, FP8EXT_KIND_F32, &x, "x", stream, fn, "rstd", &r) < 0 ||
+        get_arg(dx_o, x.kind, &x, "x", stream, fn, "dx", &dx) < 0 || fp8ext_check_writable(&dx, fn, "dx") < 0 ||
+        get_arg(p_o, FP8EXT_KIND_F32, &x, "x", stream, fn, "partial", &pt) < 0 ||
+        fp8ext_check_writable(&pt, fn, "partial") < 0 ||
+        get_arg(dg_o, FP8EXT_KIND_F32, &x, "x", stream, fn, "dgamma", &dg) < 0 ||
+        fp8ext_check_writable(&dg, fn, "dgamma") < 0)
+        goto done;
+    if (x.ndim != 2 || dy.ndim != 2 || dx.ndim != 2 || pt.ndim != 2 || g.ndim != 1 || r.ndim != 1 || dg.ndim != 1 ||
+        dy.shape[0] != x.shape[0] || dy.shape[1] != x.shape[1] || dx.shape[0] != x.shape[0] ||
+        dx.shape[1] != x.shape[1] || g.shape[0] != x.shape[1] || r.shape[0] != x.shape[0] ||
+        dg.shape[0] != x.shape[1] || pt.shape[1] != x.shape[1] || pt.shape[0] < 1 ||
+        (x.shape[0] > 0 && pt.shape[0] > x.shape[0]) || pt.shape[0] > 65535) {
+        value_error(fn, "x, dy and dx must be [rows, cols], gamma and dgamma [cols], rstd [rows], partial "
+                        "[blocks, cols] with 1 <= blocks <= min(rows, 65535)");
+        goto done;
+    }
+    if (norm_cols_ok(fn, x.shape[1]) < 0 ||
+        aligned16(fn, 5, (const fp8ext_view *const[]){&x, &dy, &dx, &g, &pt}, "x, dy, dx, gamma and partial") < 0 ||
+        fp8ext_check_disjoint(fn, 3, 7, (const fp8ext_view *const[]){&dx, &pt, &dg, &x, &dy, &g, &r},
+                              (const char *const[]){"dx", "partial", "dgamma", "x", "dy", "gamma", "rstd"}) < 0)
+        goto done;
+    a.x = x.data;
+    a.x_dtype = hp_dtype(&x);
+    a.dy = dy.data;
+    a.dy_dtype = hp_dtype(&dy);
+    a.gamma = g.data;
+    a.rstd = r.data;
+    a.dx = dx.data;
+    a.partial = pt.data;
+    a.dgamma = dg.data;
+    a.rows = x.shape[0];
+    a.cols = x.shape[1];
+    a.blocks = (int)pt.shape[0];
+    if (fp8ext_run_op(module, &x, stream, fn, no_cpu, cuda_rms_norm_bwd, &a) < 0) goto done;
+    ret = Py_NewRef(Py_None);
+done:
+    FP8EXT_RELEASE_ALL(&x, &dy, &g, &r, &dx, &pt, &dg);
+    return ret;
+}
+
 /* kv_store(x, scale, cache, pos, stream=0, pos_dev=None): see fp8ext_kv_store_args. */
 static PyObject *py_kv_store(PyObject *module, PyObject *args, PyObject *kwargs) {
     static const char *fn = "kv_store";
@@ -612,6 +735,11 @@ PyMethodDef fp8ext_inference_methods[] = {
     {"rope_qkv", (PyCFunction)(void (*)(void))py_rope_qkv, METH_VARARGS | METH_KEYWORDS,
      "rope_qkv(qkv, cos, sin, q, k, v, n_heads, n_kv, start_pos, stream=0, backward=False): RoPE on a fused QKV "
      "projection, split into q, k, v, on a GPU; with backward, its gradient (reads q, k, v, writes qkv)."},
+    {"rms_norm_fwd", (PyCFunction)(void (*)(void))py_rms_norm_fwd, METH_VARARGS | METH_KEYWORDS,
+     "rms_norm_fwd(x, gamma, y, rstd, eps, stream=0): RMSNorm of each row of x into y (any float dtype), saving "
+     "1 / rms per row, on a GPU."},
+    {"rms_norm_bwd", (PyCFunction)(void (*)(void))py_rms_norm_bwd, METH_VARARGS | METH_KEYWORDS,
+     "rms_norm_bwd(x, dy, gamma, rstd, dx, partial, dgamma, stream=0): RMSNorm's gradients dx and dgamma, on a GPU."},
     {"swiglu_backward", (PyCFunction)(void (*)(void))py_swiglu_backward, METH_VARARGS | METH_KEYWORDS,
      "swiglu_backward(h, dy, dh, stream=0): the gradient of silu(gate) * up, h = [gate, up] per row, on a GPU."},
     {"weight_only_blocks_per_sm", py_weight_only_blocks_per_sm, METH_VARARGS,

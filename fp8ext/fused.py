@@ -22,8 +22,10 @@ Gradients: swiglu and rope_qkv are differentiable. On a GPU their backward is on
 exact gradient of its float32 composition (bit for bit autograd's), for swiglu, in float32 with sig = 1 / (1 +
 exp(-gate)), d_gate = dy * up * (sig * (1 + gate * (1 - sig))) and d_up = dy * gate / (1 + exp(-gate)), each
 rounded once to h's dtype (within one unit in the last place of the CPU's). The GPU's swiglu saves only h for
-its backward (torch's composition saves silu(gate) as well). On a CPU, autograd differentiates the torch
-composition. rms_norm and the *_fp8 functions are for forward passes without gradients.
+its backward (torch's composition saves silu(gate) as well). rms_norm_train is RMSNorm for training: its output
+in any float dtype, and a backward kernel (see its docstring). On a CPU, autograd differentiates the torch
+composition. rms_norm and the *_fp8 functions are for forward passes without gradients. TRAINING (below)
+switches fp8ext's layers and model between these kernels and torch's composition when gradients are wanted.
 """
 
 from __future__ import annotations
@@ -31,13 +33,20 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from . import _C
 from ._boundary import dl, dl_fp8, stream_of
 from .formats import E4M3
 from .ops import quantize, quantize_rowwise
 
-__all__ = ["rms_norm", "rms_norm_fp8", "swiglu", "swiglu_fp8", "rope_qkv", "available", "version_key"]
+__all__ = ["rms_norm", "rms_norm_fp8", "rms_norm_train", "swiglu", "swiglu_fp8", "rope_qkv", "available",
+           "version_key", "TRAINING"]
+
+# Whether fp8ext's layers and model run these kernels with gradients too (training on a GPU): RMSNorm (the
+# modules' forward and backward), SwiGLU, RoPE, and the transformer's grouped-query attention reading K/V in
+# place. False: torch's composition, as on a CPU and under torch.compile (for comparisons and debugging).
+TRAINING = True
 
 _RMSNORM, _SWIGLU = 0, 1
 _OUT_HP, _OUT_FP8, _OUT_FP8_ROWS = 0, 1, 2
@@ -138,6 +147,65 @@ def rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
     cols = x.shape[-1]
     out, _ = _run_rows(_rows(x, cols), _gamma(gamma, cols, x, "rms_norm"), eps, _RMSNORM, _OUT_HP, None, "rms_norm")
     return out.reshape(x.shape)
+
+
+_SMS = {}
+
+
+def _sms(device: torch.device) -> int:
+    if device.index not in _SMS:
+        _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device.index]
+
+
+class _RMSNormTrain(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, gamma, eps, out_dtype):
+        cols = x.shape[-1]
+        x2 = _rows(x, cols)
+        g = _aligned(gamma.detach(), torch.float32)
+        y = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
+        rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
+        if x2.shape[0]:
+            _C.rms_norm_fwd(dl(x2), dl(g), dl(y), dl(rstd), float(eps), stream_of(x.device))
+        ctx.save_for_backward(x2, g, rstd)
+        ctx.shape, ctx.gamma_dtype = x.shape, gamma.dtype
+        return y.reshape(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, g, rstd = ctx.saved_tensors
+        rows, cols = x2.shape
+        if rows == 0:
+            return torch.zeros(ctx.shape, dtype=x2.dtype, device=x2.device), torch.zeros_like(g), None, None
+        dy2 = dy.reshape(rows, cols)
+        dy2 = _aligned(dy2, dy2.dtype)
+        dx = torch.empty_like(x2)
+        blocks = min(rows, 4 * _sms(x2.device), 65535)
+        partial = torch.empty(blocks, cols, dtype=torch.float32, device=x2.device)
+        dgamma = torch.empty(cols, dtype=torch.float32, device=x2.device)
+        _C.rms_norm_bwd(dl(x2), dl(dy2), dl(g), dl(rstd), dl(dx), dl(partial), dl(dgamma), stream_of(x2.device))
+        return dx.reshape(ctx.shape), dgamma.to(ctx.gamma_dtype), None, None
+
+
+def rms_norm_train(x: torch.Tensor, gamma: torch.Tensor, eps: float,
+                   out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """RMSNorm over x's last dimension, differentiable in x and gamma, written in out_dtype (default x's: a
+    float32 residual stream normalised under autocast gives its bf16 output directly). On a GPU one kernel each
+    way (rows up to 8192 wide): y = (x * rstd) * gamma in float32 rounded once; dx and dgamma in float32, dgamma
+    summed in a fixed order (deterministic). On a CPU, and for wider rows, torch's F.rms_norm computes the same
+    definition."""
+    _check(x, "rms_norm_train")
+    out_dtype = out_dtype or x.dtype
+    cols = x.shape[-1]
+    if not isinstance(gamma, torch.Tensor) or gamma.numel() != cols or gamma.device != x.device:
+        raise ValueError(f"rms_norm_train(): gamma must be a tensor of {cols} values (x's last dimension) on "
+                         f"{x.device}")
+    if out_dtype not in _DTYPES:
+        raise TypeError(f"rms_norm_train(): out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
+    if not available(x, cols) or cols > 8192:
+        return F.rms_norm(x.float(), (cols,), gamma.reshape(cols).float(), eps).to(out_dtype)
+    return _RMSNormTrain.apply(x, gamma.reshape(cols), eps, out_dtype)
 
 
 def rms_norm_fp8(x: torch.Tensor, gamma: torch.Tensor, eps: float,

@@ -3,8 +3,9 @@
 `import fp8ext as te; te.LayerNorm(1024, zero_centered_gamma=True)` builds what transformer_engine.pytorch
 (2.x) builds: parameters `weight` (and `bias`) as nn.LayerNorm / nn.RMSNorm name them, so state dicts
 move between the three. The arithmetic is torch's: F.layer_norm / F.rms_norm in float32 (float64 for
-float64 input), gradients by autograd. Nothing here is computed in FP8 and nothing uses fp8ext's native
-core; a fused normalization + FP8 cast kernel would be a separate op in csrc/.
+float64 input), gradients by autograd; on a GPU, RMSNorm runs fp8ext's fused kernels instead (fp8ext.fused:
+rms_norm without gradients, rms_norm_train forward and backward with them), the same definition. Nothing here
+is computed in FP8.
 """
 
 from __future__ import annotations
@@ -151,7 +152,15 @@ class RMSNorm(_Normalization):
         ct = self._compute_dtype(x)
         if self._fused_ok(x):  # inference on a GPU: one pass (fp8ext.fused.rms_norm), same definition
             return _fused.rms_norm(x, self.fused_gamma(), self.eps)
+        if self._fused_train_ok(x):  # training on a GPU: one kernel each way, the output in the autocast dtype
+            return _fused.rms_norm_train(x, self._gamma(torch.float32), self.eps, activation_dtype(x))
         return F.rms_norm(x.to(ct), self.normalized_shape, self._gamma(ct), self.eps).to(activation_dtype(x))
+
+    def _fused_train_ok(self, x: torch.Tensor) -> bool:
+        """Whether a forward with gradients can run fp8ext's training kernels (fp8ext.fused.rms_norm_train):
+        fused.TRAINING, a one-dimensional normalized_shape of at most 8192, a CUDA tensor that is not float64."""
+        return (_fused.TRAINING and len(self.normalized_shape) == 1 and self.normalized_shape[0] <= 8192
+                and x.dtype != torch.float64 and _fused.available(x, self.normalized_shape[0]))
 
     def _fused_ok(self, x: torch.Tensor) -> bool:
         """Whether the forward pass can run fp8ext's fused kernel: no gradient wanted, a one-dimensional

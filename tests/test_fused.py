@@ -11,7 +11,6 @@ import torch.nn.functional as F
 
 import fp8ext
 from fp8ext import fused
-from fp8ext.models import transformer as transformer_module
 from fp8ext.models.transformer import Transformer, apply_rope, preset
 
 from conftest import requires_cuda
@@ -125,6 +124,94 @@ def test_rope_qkv_gradient_equals_autograd_of_the_composition(device, dtype, sta
     a.grad = None
     fused.rope_qkv(a, cos[start:], sin[start:], h, kv)[0].backward(grads[0])
     assert not a.grad[..., h * hd:].any()
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("x_dtype, out_dtype", [(torch.float32, torch.bfloat16), (torch.float32, torch.float32),
+                                                (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)])
+@pytest.mark.parametrize("width", [2048, 520])
+def test_rms_norm_train_matches_float64_forward_and_backward(device, x_dtype, out_dtype, width):
+    gen = torch.Generator().manual_seed(6)
+    x = (torch.randn(301, width, generator=gen) * 3).to(x_dtype).to(device).requires_grad_()
+    g = (1 + 0.1 * torch.randn(width, generator=gen)).to(device).requires_grad_()
+    dy = torch.randn(301, width, generator=gen).to(out_dtype).to(device)
+    y = fused.rms_norm_train(x, g, 1e-5, out_dtype)
+    assert y.dtype == out_dtype and y.shape == x.shape
+    close_to(y.detach().cpu(), rms64(x.detach().cpu(), g.detach().cpu(), 1e-5), out_dtype,
+             ulps=1.0 if out_dtype != torch.float32 else 32.0)
+    y.backward(dy)
+    x64, g64 = x.detach().cpu().double().requires_grad_(), g.detach().cpu().double().requires_grad_()
+    rms64(x64, g64, 1e-5).backward(dy.cpu().double())
+    assert x.grad.dtype == x_dtype and g.grad.dtype == torch.float32
+    # dx = rstd * (gy - xh * mean(gy * xh)) cancels: float32 noise on the terms' scale, plus x's rounding
+    xh = x64.detach() * torch.rsqrt(x64.detach().square().mean(-1, keepdim=True) + 1e-5)
+    gy = dy.cpu().double() * g64.detach()
+    terms = (gy.abs() + xh.abs() * (gy * xh).abs().mean(-1, keepdim=True)) * xh.abs().div(x64.detach().abs()
+                                                                                             .clamp_min(1e-30))
+    tol = ULP[x_dtype] * x64.grad.abs() + 2.0 ** -18 * terms + torch.finfo(x_dtype).tiny
+    bad = (x.grad.cpu().double() - x64.grad).abs() > tol
+    assert not bad.any(), f"dx: {int(bad.sum())} off"
+    dg_tol = 2.0 ** -16 * (dy.cpu().double() * xh).abs().sum(0) + 1e-30
+    assert ((g.grad.cpu().double() - g64.grad).abs() <= dg_tol).all(), "dgamma"
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_rms_norm_train_kernels_agree_with_the_inference_kernel_and_are_deterministic():
+    x = torch.randn(1000, 4096, device="cuda", dtype=torch.bfloat16)
+    g = 1 + 0.1 * torch.randn(4096, device="cuda")
+    with torch.no_grad():
+        assert_same_bytes(fused.rms_norm_train(x, g, 1e-6), fused.rms_norm(x, g, 1e-6), "same sum order")
+    xg, gg = x.clone().requires_grad_(), g.clone().requires_grad_()
+    dy = torch.randn_like(x)
+    fused.rms_norm_train(xg, gg, 1e-6).backward(dy)
+    first = (xg.grad.clone(), gg.grad.clone())
+    xg.grad, gg.grad = None, None
+    fused.rms_norm_train(xg, gg, 1e-6).backward(dy)
+    assert_same_bytes(xg.grad, first[0], "dx")
+    assert_same_bytes(gg.grad, first[1], "dgamma summed in a fixed order")
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_rmsnorm_module_trains_through_the_kernels_under_autocast():
+    norm = fp8ext.RMSNorm(2048, eps=1e-5, device="cuda")
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.1)
+    x = torch.randn(2, 64, 2048, device="cuda", requires_grad=True)  # a float32 residual stream
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = norm(x)
+    assert y.dtype == torch.bfloat16 and type(y.grad_fn).__name__ == "_RMSNormTrainBackward"
+    y.float().square().sum().backward()
+    x2, w2 = x.detach().clone().requires_grad_(), norm.weight.detach().clone().requires_grad_()
+    F.rms_norm(x2, (2048,), w2, 1e-5).to(torch.bfloat16).float().square().sum().backward()
+    assert ((x.grad - x2.grad).norm() / x2.grad.norm()).item() < 1e-2
+    assert ((norm.weight.grad - w2.grad).norm() / w2.grad.norm()).item() < 1e-2
+
+
+def test_rms_norm_train_kernels_refuse_bad_arguments():
+    from fp8ext import _C
+    from fp8ext._boundary import dl
+    x, g, r = torch.randn(4, 32), torch.ones(32), torch.empty(4)
+    with pytest.raises(ValueError, match="x is in host memory"):
+        _C.rms_norm_fwd(dl(x), dl(g), dl(torch.empty_like(x)), dl(r), 1e-6)
+    with pytest.raises(TypeError, match="out_dtype"):
+        fused.rms_norm_train(x, g, 1e-6, torch.int32)
+    with pytest.raises(ValueError, match="gamma must be a tensor of 32"):
+        fused.rms_norm_train(x, torch.ones(31), 1e-6)
+    if fp8ext.cuda_available():
+        xc, gc, rc = x.cuda(), g.cuda(), r.cuda()
+        with pytest.raises(ValueError, match="multiple of 8 from 8 to 8192"):
+            _C.rms_norm_fwd(dl(xc[:, :12].contiguous()), dl(gc[:12].contiguous()),
+                            dl(torch.empty(4, 12, device="cuda")), dl(rc), 1e-6)
+        with pytest.raises(ValueError, match="rstd"):
+            _C.rms_norm_fwd(dl(xc), dl(gc), dl(torch.empty_like(xc)), dl(torch.empty(3, device="cuda")), 1e-6)
+        with pytest.raises(ValueError, match="blocks <= min"):
+            _C.rms_norm_bwd(dl(xc), dl(xc), dl(gc), dl(rc), dl(torch.empty_like(xc)),
+                            dl(torch.empty(5, 32, device="cuda")), dl(torch.empty(32, device="cuda")))
+        with pytest.raises(ValueError, match="dx"):
+            _C.rms_norm_bwd(dl(xc), dl(xc.clone()), dl(gc), dl(rc), dl(xc),
+                            dl(torch.empty(2, 32, device="cuda")), dl(torch.empty(32, device="cuda")))
 
 
 def _swiglu_grad_close(got: torch.Tensor, h: torch.Tensor, dy: torch.Tensor, dtype) -> None:
@@ -269,7 +356,7 @@ def test_model_inference_path_matches_the_autograd_path(monkeypatch):
     ids = torch.randint(0, 256, (3, 40), device="cuda")
     with torch.no_grad():
         fast = model(ids).float()
-    monkeypatch.setattr(transformer_module, "FUSED_TRAINING", False)
+    monkeypatch.setattr(fused, "TRAINING", False)
     slow = model(ids).float().detach()
     rel = ((fast - slow).norm() / slow.norm()).item()
     assert rel < 2e-2, rel
@@ -286,7 +373,7 @@ def test_model_training_with_fused_kernels_matches_the_composition(monkeypatch, 
     ids = torch.randint(0, 256, (3, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     out = {}
     for fused_on, fp8_on in ((True, fp8), (False, fp8), (False, False)):
-        monkeypatch.setattr(transformer_module, "FUSED_TRAINING", fused_on)
+        monkeypatch.setattr(fused, "TRAINING", fused_on)
         torch.manual_seed(0)
         model = Transformer(cfg, device="cuda")
         recipe = fp8ext.DelayedScaling()

@@ -1,6 +1,7 @@
 """Where the GPU time of one fp8ext.train step goes (development aid): torch.profiler's kernel times of one
 optimizer step of a Transformer preset, bf16 next to FP8 (delayed scaling), each with torch's composition of
-RoPE, SwiGLU and grouped-query attention and with fp8ext's fused kernels (the default on a GPU), grouped into
+RMSNorm, RoPE, SwiGLU and grouped-query attention and with fp8ext's fused kernels (fp8ext.fused.TRAINING, the
+default on a GPU), grouped into
 GEMMs, attention, fp8ext's casts, the optimizer and the rest, with the step's wall time (CUDA events) next to
 the kernels' sum.
 
@@ -15,7 +16,6 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fp8ext
-from fp8ext.models import transformer
 from fp8ext.models.transformer import Transformer, default_recipe, preset
 
 
@@ -25,6 +25,8 @@ def group(name: str) -> str:
         return "GEMM"
     if "flash" in n or "fmha" in n or "attention" in n or "cudnn" in n:
         return "attention"
+    if "fp8ext" in n and ("rms_norm" in n or "rope" in n or "swiglu" in n):
+        return "fp8ext fused RMSNorm / RoPE / SwiGLU"
     if "fp8ext" in n:
         return "fp8ext casts / amax / scale update"
     if "adam" in n or "multi_tensor" in n or "foreach" in n:
@@ -54,7 +56,7 @@ def main():
     summary = {}
     for name, fp8, fused in (("bf16", False, False), ("fp8", True, False), ("bf16 fused", False, True),
                              ("fp8 fused", True, True)):
-        transformer.FUSED_TRAINING = fused
+        fp8ext.fused.TRAINING = fused
         torch.manual_seed(0)
         model = Transformer(preset(a.preset), device=dev)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)

@@ -291,6 +291,106 @@ __global__ void __launch_bounds__(256) swiglu_backward_kernel(fp8ext_swiglu_back
     store8(dr, a.cols + c, du);
 }
 
+// RMSNorm for training. Forward: one block per row, two passes over the row (the second read hits L1/L2): the
+// sum of squares in the same order as the inference kernels above, then y in y's own dtype, and rstd saved.
+template <typename TX, typename TY>
+__global__ void __launch_bounds__(kThreads) rms_norm_fwd_kernel(fp8ext_rms_norm_fwd_args a) {
+    const int64_t row = blockIdx.x;
+    const TX *xr = static_cast<const TX *>(a.x) + row * a.cols;
+    float f[8], ss = 0.0f;
+    for (int64_t c = threadIdx.x * 8; c < a.cols; c += kThreads * 8) {
+        load8(xr, c, f);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) ss += f[j] * f[j];
+    }
+    const float rstd = rsqrtf(block_sum(ss) / static_cast<float>(a.cols) + a.eps);
+    if (threadIdx.x == 0) a.rstd[row] = rstd;
+    TY *yr = static_cast<TY *>(a.y) + row * a.cols;
+    for (int64_t c = threadIdx.x * 8; c < a.cols; c += kThreads * 8) {
+        load8(xr, c, f);
+        const float4 g0 = __ldg(reinterpret_cast<const float4 *>(a.gamma + c));
+        const float4 g1 = __ldg(reinterpret_cast<const float4 *>(a.gamma + c) + 1);
+        const float g[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) f[j] = (f[j] * rstd) * g[j];
+        store8(yr, c, f);  // rounds to TY (to nearest even)
+    }
+}
+
+// Backward: a grid of a.blocks blocks walks the rows (row = block, block + blocks, ...). Each thread owns the
+// same 8-column chunks in every row, so its share of dgamma accumulates in shared memory without atomics
+// (laid out [chunk][j][thread]: a warp's 32 threads hit 32 banks); at the end each block writes its partial
+// sums, and rms_norm_dgamma_kernel adds the blocks in order.
+constexpr int kRowStep = kThreads * 8;
+__device__ __forceinline__ int acc_slot(int64_t c, int j) {
+    return static_cast<int>(((c / kRowStep) * 8 + j) * kThreads + threadIdx.x);
+}
+
+template <typename TX, typename TG>
+__global__ void __launch_bounds__(kThreads) rms_norm_bwd_kernel(fp8ext_rms_norm_bwd_args a) {
+    extern __shared__ float acc[];
+    for (int64_t c = threadIdx.x * 8; c < a.cols; c += kRowStep)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[acc_slot(c, j)] = 0.0f;
+    const float inv_cols = 1.0f / static_cast<float>(a.cols);
+    for (int64_t row = blockIdx.x; row < a.rows; row += a.blocks) {
+        const TX *xr = static_cast<const TX *>(a.x) + row * a.cols;
+        const TG *dyr = static_cast<const TG *>(a.dy) + row * a.cols;
+        const float rstd = __ldg(a.rstd + row);
+        float x[8], dy[8], dot = 0.0f;
+        for (int64_t c = threadIdx.x * 8; c < a.cols; c += kThreads * 8) {
+            load8(xr, c, x);
+            load8(dyr, c, dy);
+            const float4 g0 = __ldg(reinterpret_cast<const float4 *>(a.gamma + c));
+            const float4 g1 = __ldg(reinterpret_cast<const float4 *>(a.gamma + c) + 1);
+            const float g[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const float xh = x[j] * rstd;
+                acc[acc_slot(c, j)] += dy[j] * xh;
+                dot += (dy[j] * g[j]) * xh;
+            }
+        }
+        dot = block_sum(dot) * inv_cols;
+        TX *dxr = static_cast<TX *>(a.dx) + row * a.cols;
+        for (int64_t c = threadIdx.x * 8; c < a.cols; c += kThreads * 8) {
+            load8(xr, c, x);
+            load8(dyr, c, dy);
+            const float4 g0 = __ldg(reinterpret_cast<const float4 *>(a.gamma + c));
+            const float4 g1 = __ldg(reinterpret_cast<const float4 *>(a.gamma + c) + 1);
+            const float g[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+#pragma unroll
+            for (int j = 0; j < 8; ++j) x[j] = rstd * ((dy[j] * g[j]) - (x[j] * rstd) * dot);
+            store8(dxr, c, x);
+        }
+    }
+    float *part = a.partial + static_cast<int64_t>(blockIdx.x) * a.cols;
+    for (int64_t c = threadIdx.x * 8; c < a.cols; c += kRowStep) {
+        reinterpret_cast<float4 *>(part + c)[0] =
+            make_float4(acc[acc_slot(c, 0)], acc[acc_slot(c, 1)], acc[acc_slot(c, 2)], acc[acc_slot(c, 3)]);
+        reinterpret_cast<float4 *>(part + c)[1] =
+            make_float4(acc[acc_slot(c, 4)], acc[acc_slot(c, 5)], acc[acc_slot(c, 6)], acc[acc_slot(c, 7)]);
+    }
+}
+
+__global__ void __launch_bounds__(256) rms_norm_dgamma_kernel(const float *__restrict__ partial,
+                                                              float *__restrict__ dgamma, int blocks, int64_t cols) {
+    const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (c >= cols) return;
+    float s = 0.0f;
+    for (int b = 0; b < blocks; ++b) s += partial[static_cast<int64_t>(b) * cols + c];
+    dgamma[c] = s;
+}
+
+// Binds U to the type of a second dtype code inside FP8EXT_DISPATCH_DTYPE (which binds T).
+#define FP8EXT_DISPATCH_DTYPE_U(dtype, ...)                                   \
+    switch (dtype) {                                                          \
+    case FP8EXT_F32: { using U = float; __VA_ARGS__; } break;                 \
+    case FP8EXT_BF16: { using U = __nv_bfloat16; __VA_ARGS__; } break;        \
+    case FP8EXT_F16: { using U = __half; __VA_ARGS__; } break;                \
+    default: return cudaErrorInvalidValue;                                    \
+    }
+
 // KV store: one thread per 8 consecutive values of one position of one head.
 template <typename T>
 __global__ void __launch_bounds__(256) kv_store_kernel(fp8ext_kv_store_args a, int64_t vecs) {
@@ -405,5 +505,41 @@ extern "C" int fp8ext_cuda_swiglu_backward(const fp8ext_swiglu_backward_args *a,
     FP8EXT_DISPATCH_DTYPE(a->dtype, {
         swiglu_backward_kernel<T><<<static_cast<unsigned>((vecs + 255) / 256), 256, 0, s>>>(*a, vecs);
     });
+    return cudaGetLastError();
+}
+
+extern "C" int fp8ext_cuda_rms_norm_fwd(const fp8ext_rms_norm_fwd_args *a, void *stream, int /*num_sms*/) {
+    using namespace fp8ext;
+    if (a->rows == 0) return cudaSuccess;
+    if (a->cols % 8 || a->cols > 8192 || !aligned(a->x, 16) || !aligned(a->y, 16) || !aligned(a->gamma, 16))
+        return cudaErrorMisalignedAddress;
+    if (a->rows > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    FP8EXT_DISPATCH_DTYPE(a->x_dtype, {
+        FP8EXT_DISPATCH_DTYPE_U(a->y_dtype, {
+            rms_norm_fwd_kernel<T, U><<<static_cast<unsigned>(a->rows), kThreads, 0, s>>>(*a);
+        });
+    });
+    return cudaGetLastError();
+}
+
+extern "C" int fp8ext_cuda_rms_norm_bwd(const fp8ext_rms_norm_bwd_args *a, void *stream, int /*num_sms*/) {
+    using namespace fp8ext;
+    if (a->rows == 0 || a->cols == 0) return cudaSuccess;
+    if (a->cols % 8 || a->cols > 8192 || a->blocks < 1 || a->blocks > a->rows) return cudaErrorInvalidValue;
+    if (!aligned(a->x, 16) || !aligned(a->dy, 16) || !aligned(a->dx, 16) || !aligned(a->gamma, 16) ||
+        !aligned(a->partial, 16))
+        return cudaErrorMisalignedAddress;
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    const size_t smem = static_cast<size_t>((a->cols + kRowStep - 1) / kRowStep) * kRowStep * sizeof(float);  // <= 32 KB
+    FP8EXT_DISPATCH_DTYPE(a->x_dtype, {
+        FP8EXT_DISPATCH_DTYPE_U(a->dy_dtype, {
+            rms_norm_bwd_kernel<T, U><<<static_cast<unsigned>(a->blocks), kThreads, smem, s>>>(*a);
+        });
+    });
+    const int rc = cudaGetLastError();
+    if (rc != cudaSuccess) return rc;
+    rms_norm_dgamma_kernel<<<static_cast<unsigned>((a->cols + 255) / 256), 256, 0, s>>>(a->partial, a->dgamma,
+                                                                                     a->blocks, a->cols);
     return cudaGetLastError();
 }

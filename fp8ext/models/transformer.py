@@ -127,12 +127,6 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-# On a GPU, training (with gradients) also runs RoPE and SwiGLU as fp8ext's fused kernels, forward and backward
-# (fp8ext.fused), and grouped-query attention reads the K/V heads in place. False: torch's composition, as on a
-# CPU and under torch.compile (for comparisons; benchmarks/dev/train_profile.py measures both).
-FUSED_TRAINING = True
-
-
 def _init_out(std: float):
     return lambda w: nn.init.normal_(w, std=std)
 
@@ -170,7 +164,7 @@ class GroupedQueryAttention(nn.Module):
         no_grad = not torch.is_grad_enabled()
         if self.cfg.fused_qkv:
             qkv = self.qkv_proj(x, **mb)
-            if (no_grad or FUSED_TRAINING) and fused.available(qkv, 16 if hd % 16 == 0 else 1):
+            if (no_grad or fused.TRAINING) and fused.available(qkv, 16 if hd % 16 == 0 else 1):
                 # one pass: split, rotate, lay out (and one pass back in the backward)
                 q, k, v = fused.rope_qkv(qkv, cos, sin, h, kv)
             else:
@@ -204,7 +198,7 @@ class GroupedQueryAttention(nn.Module):
                         k, v = k.repeat_interleave(h // kv, dim=1), v.repeat_interleave(h // kv, dim=1)
                     y = F.scaled_dot_product_attention(q, k, v, is_causal=s > 1)
             return self.o_proj(y.transpose(1, 2).reshape(b, s, h * hd), **mb)
-        if kv != h and _SDPA_GQA and (no_grad or FUSED_TRAINING and fused.available(q)):  # K/V heads read in place
+        if kv != h and _SDPA_GQA and (no_grad or fused.TRAINING and fused.available(q)):  # K/V heads read in place
             y = F.scaled_dot_product_attention(q, k, v, is_causal=s > 1, enable_gqa=True)
             return self.o_proj(y.transpose(1, 2).reshape(b, s, h * hd), **mb)
         if kv != h:  # grouped-query attention: each K/V head serves h / kv query heads
@@ -229,7 +223,7 @@ class SwiGLU(nn.Module):
             into = getattr(self.w2, "quantize_input", None)
             a = into(h, "swiglu") if into is not None else None
             return self.w2(a if a is not None else fused.swiglu(h), is_first_microbatch=is_first_microbatch)
-        if FUSED_TRAINING and fused.available(h, h.shape[-1] // 2):  # with gradients: one kernel each way
+        if fused.TRAINING and fused.available(h, h.shape[-1] // 2):  # with gradients: one kernel each way
             return self.w2(fused.swiglu(h), is_first_microbatch=is_first_microbatch)
         gate, up = h.chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up, is_first_microbatch=is_first_microbatch)
