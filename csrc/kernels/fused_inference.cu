@@ -531,7 +531,8 @@ extern "C" int fp8ext_cuda_rms_norm_bwd(const fp8ext_rms_norm_bwd_args *a, void 
         !aligned(a->partial, 16))
         return cudaErrorMisalignedAddress;
     cudaStream_t s = static_cast<cudaStream_t>(stream);
-    const size_t smem = static_cast<size_t>((a->cols + kRowStep - 1) / kRowStep) * kRowStep * sizeof(float);  // <= 32 KB
+    // dgamma's accumulators: whole 2048-column steps, at most 32 KB (no opt-in needed)
+    const size_t smem = static_cast<size_t>((a->cols + kRowStep - 1) / kRowStep) * kRowStep * sizeof(float);
     FP8EXT_DISPATCH_DTYPE(a->x_dtype, {
         FP8EXT_DISPATCH_DTYPE_U(a->dy_dtype, {
             rms_norm_bwd_kernel<T, U><<<static_cast<unsigned>(a->blocks), kThreads, smem, s>>>(*a);
