@@ -25,7 +25,7 @@ def group(name: str) -> str:
         return "GEMM"
     if "flash" in n or "fmha" in n or "attention" in n or "cudnn" in n:
         return "attention"
-    if "fp8ext" in n and ("rms_norm" in n or "rope" in n or "swiglu" in n):
+    if "fp8ext" in n and ("rms_norm" in n or "rope" in n or "swiglu" in n or "fused_rows" in n):
         return "fp8ext fused RMSNorm / RoPE / SwiGLU"
     if "fp8ext" in n:
         return "fp8ext casts / amax / scale update"
