@@ -249,14 +249,15 @@ typedef struct {
     int64_t rows, cols;
 } fp8ext_swiglu_backward_args;
 
-/* RMSNorm for training (csrc/kernels/rms_norm_train.cu), forward and backward, over rows of x [rows, cols]:
+/* RMSNorm for training (csrc/kernels/fused_inference.cu), forward and backward, over rows of x [rows, cols]:
  * forward:  rstd[r] = 1 / sqrt(mean(x_r^2) + eps) and y = (x * rstd) * gamma in float32, rounded once to y's
  *           dtype (which may differ from x's: float32 x under autocast gives bf16 y directly);
  * backward: with xh = x * rstd and gy = dy * gamma, dx = rstd * (gy - xh * (sum(gy * xh) / cols)) rounded to
  *           dx's dtype, and dgamma[c] = sum over rows of dy * xh, in float32: each of `blocks` thread blocks sums
  *           its rows into partial[block, cols], then one pass adds the blocks in order (deterministic).
  * Dtypes float32 / bf16 / f16 (FP8EXT_F32 ...); gamma, rstd, partial, dgamma float32; cols % 8 == 0 and
- * cols <= 8192 (rows held in registers); every pointer 16-byte aligned. GPU only. */
+ * cols <= 8192 (dgamma's per-block sums fit in 32 KB of shared memory); every pointer 16-byte aligned; zero rows
+ * give dgamma = 0. GPU only. */
 typedef struct {
     const void *x;
     int x_dtype;

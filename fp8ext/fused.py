@@ -34,6 +34,7 @@ from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from . import _C
 from ._boundary import dl, dl_fp8, stream_of
@@ -173,6 +174,7 @@ class _RMSNormTrain(torch.autograd.Function):
         return y.reshape(x.shape)
 
     @staticmethod
+    @once_differentiable  # a second derivative raises instead of coming out silently wrong
     def backward(ctx, dy):
         x2, g, rstd = ctx.saved_tensors
         rows, cols = x2.shape
@@ -249,6 +251,7 @@ class _SwiGLU(torch.autograd.Function):
         return out.reshape(*h.shape[:-1], h.shape[-1] // 2)
 
     @staticmethod
+    @once_differentiable  # a second derivative raises instead of coming out silently wrong
     def backward(ctx, dy):
         (h2,) = ctx.saved_tensors
         dy2 = _aligned(dy.reshape(h2.shape[0], h2.shape[1] // 2), h2.dtype)
@@ -306,7 +309,7 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: i
             raise ValueError(f"rope_qkv(): {arg} is on {t.device}, qkv on {qkv.device}")
     if not 0 <= start_pos or start_pos + s > cos.shape[0]:
         raise ValueError(f"rope_qkv(): positions {start_pos}..{start_pos + s} exceed the {cos.shape[0]} rows of cos")
-    if not available(qkv, 16 if hd % 16 == 0 else 1):
+    if not available(qkv, 16 if hd % 16 == 0 else 1) or _grad_wanted(cos, sin):  # learned tables: torch's ops
         q, k, v = qkv.split([n_heads * hd, n_kv * hd, n_kv * hd], dim=-1)
         c, n = cos[start_pos:start_pos + s], sin[start_pos:start_pos + s]
         return (_rope_reference(q.view(b, s, n_heads, hd).transpose(1, 2), c, n),
@@ -337,6 +340,7 @@ class _RopeQKV(torch.autograd.Function):
         return _rope_qkv_gpu(qkv, cos, sin, n_heads, n_kv, start_pos)
 
     @staticmethod
+    @once_differentiable  # a second derivative raises instead of coming out silently wrong
     def backward(ctx, dq, dk, dv):
         cos, sin = ctx.saved_tensors
         (b, s, width), dtype, n_heads, n_kv, start_pos = ctx.meta

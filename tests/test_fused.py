@@ -182,11 +182,34 @@ def test_rmsnorm_module_trains_through_the_kernels_under_autocast():
     with torch.autocast("cuda", dtype=torch.bfloat16):
         y = norm(x)
     assert y.dtype == torch.bfloat16 and type(y.grad_fn).__name__ == "_RMSNormTrainBackward"
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):  # without gradients: as before
+        assert_same_bytes(norm(x), F.rms_norm(x, (2048,), norm.weight, 1e-5).to(torch.bfloat16), "no_grad")
     y.float().square().sum().backward()
     x2, w2 = x.detach().clone().requires_grad_(), norm.weight.detach().clone().requires_grad_()
     F.rms_norm(x2, (2048,), w2, 1e-5).to(torch.bfloat16).float().square().sum().backward()
     assert ((x.grad - x2.grad).norm() / x2.grad.norm()).item() < 1e-2
     assert ((norm.weight.grad - w2.grad).norm() / w2.grad.norm()).item() < 1e-2
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_second_derivatives_raise_and_learned_rope_tables_get_gradients():
+    """The kernels' backward passes are not differentiable again: asking for that raises (never a silently
+    wrong higher-order gradient). A RoPE table that requires grad takes torch's differentiable ops."""
+    h = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(8, 64, device="cuda", requires_grad=True)
+    gamma = torch.ones(64, device="cuda", requires_grad=True)
+    for out, inp in ((fused.swiglu(h), h), (fused.rms_norm_train(x, gamma, 1e-6), x)):
+        (g,) = torch.autograd.grad(out.float().square().sum(), inp, create_graph=True)
+        with pytest.raises(RuntimeError, match="once_differentiable"):
+            g.float().sum().backward()
+    from fp8ext.models.transformer import rope_tables
+    cos, sin = rope_tables(preset("tiny", d_model=128, n_heads=2, n_kv_heads=1, max_seq_len=16), "cuda")
+    cos.requires_grad_()
+    qkv = torch.randn(1, 4, 4 * 64, device="cuda", requires_grad=True)
+    q, k, v = fused.rope_qkv(qkv, cos, sin, 2, 1)
+    (q.sum() + k.sum()).backward()
+    assert cos.grad is not None and cos.grad[:4].abs().sum() > 0 and qkv.grad is not None
 
 
 def test_rms_norm_train_kernels_refuse_bad_arguments():

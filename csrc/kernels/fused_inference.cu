@@ -511,8 +511,8 @@ extern "C" int fp8ext_cuda_swiglu_backward(const fp8ext_swiglu_backward_args *a,
 extern "C" int fp8ext_cuda_rms_norm_fwd(const fp8ext_rms_norm_fwd_args *a, void *stream, int /*num_sms*/) {
     using namespace fp8ext;
     if (a->rows == 0) return cudaSuccess;
-    if (a->cols % 8 || a->cols > 8192 || !aligned(a->x, 16) || !aligned(a->y, 16) || !aligned(a->gamma, 16))
-        return cudaErrorMisalignedAddress;
+    if (a->cols % 8 || a->cols > 8192) return cudaErrorInvalidValue;
+    if (!aligned(a->x, 16) || !aligned(a->y, 16) || !aligned(a->gamma, 16)) return cudaErrorMisalignedAddress;
     if (a->rows > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     FP8EXT_DISPATCH_DTYPE(a->x_dtype, {
@@ -525,12 +525,13 @@ extern "C" int fp8ext_cuda_rms_norm_fwd(const fp8ext_rms_norm_fwd_args *a, void 
 
 extern "C" int fp8ext_cuda_rms_norm_bwd(const fp8ext_rms_norm_bwd_args *a, void *stream, int /*num_sms*/) {
     using namespace fp8ext;
-    if (a->rows == 0 || a->cols == 0) return cudaSuccess;
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (a->cols == 0) return cudaSuccess;
+    if (a->rows == 0) return cudaMemsetAsync(a->dgamma, 0, static_cast<size_t>(a->cols) * sizeof(float), s);
     if (a->cols % 8 || a->cols > 8192 || a->blocks < 1 || a->blocks > a->rows) return cudaErrorInvalidValue;
     if (!aligned(a->x, 16) || !aligned(a->dy, 16) || !aligned(a->dx, 16) || !aligned(a->gamma, 16) ||
         !aligned(a->partial, 16))
         return cudaErrorMisalignedAddress;
-    cudaStream_t s = static_cast<cudaStream_t>(stream);
     // dgamma's accumulators: whole 2048-column steps, at most 32 KB (no opt-in needed)
     const size_t smem = static_cast<size_t>((a->cols + kRowStep - 1) / kRowStep) * kRowStep * sizeof(float);
     FP8EXT_DISPATCH_DTYPE(a->x_dtype, {
