@@ -5,7 +5,8 @@
 # Each run gets its own time limit and the script goes on when one fails. Run directories go under $OUT/runs,
 # packed into $OUT/bench_train_runs.tar.gz; the table is printed and written to $OUT/bench_train.md.
 #
-#   bash benchmarks/bench_train.sh [eager] [compiled] [quality] [multi]   (default: the first three)
+#   bash benchmarks/bench_train.sh [eager] [compiled] [quality] [unfused] [multi]   (default: the first three)
+#   unfused: the preset eager with torch's RMSNorm, RoPE and SwiGLU (--no_fused_kernels), bf16 and FP8.
 #   (compiled-bf16 and compiled-fp8 run one half of `compiled` each)
 #   multi: the preset on 1 GPU and on every GPU of the machine (torchrun, DDP and FSDP2), bf16 and FP8, the same
 #   batch per GPU: tokens/s, scaling efficiency (tokens/s on N GPUs / (N x on 1)), FP8 scales equal on all ranks.
@@ -44,6 +45,9 @@ for stage in $STAGES; do
         run "$P-fp8" 240 "${SPEED[@]}" --use_fp8
         run "$P-bf16-separate-qkv" 240 "${SPEED[@]}" --separate_qkv
         run "$P-fp8-separate-qkv" 240 "${SPEED[@]}" --separate_qkv --use_fp8 ;;
+    unfused)  # torch's ops for RMSNorm, RoPE and SwiGLU instead of fp8ext's fused kernels
+        run "$P-bf16-unfused" 240 "${SPEED[@]}" --no_fused_kernels
+        run "$P-fp8-unfused" 240 "${SPEED[@]}" --no_fused_kernels --use_fp8 ;;
     compiled)
         run "$P-bf16-compiled" 300 "${SPEED[@]}" --compile
         run "$P-fp8-compiled" 300 "${SPEED[@]}" --compile --use_fp8 ;;
@@ -74,7 +78,8 @@ root, p, ngpu = pathlib.Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 def info(name):
     f = root / name / "run.json"
     return json.loads(f.read_text()) if f.is_file() else None
-rows = [f"{p}-bf16", f"{p}-fp8", f"{p}-bf16-separate-qkv", f"{p}-fp8-separate-qkv", f"{p}-bf16-compiled",
+rows = [f"{p}-bf16", f"{p}-fp8", f"{p}-bf16-separate-qkv", f"{p}-fp8-separate-qkv", f"{p}-bf16-unfused",
+        f"{p}-fp8-unfused", f"{p}-bf16-compiled",
         f"{p}-fp8-compiled", "small-bf16", "small-fp8-delayed", "small-fp8-current"]
 multi = [f"{p}-{prec}-{mode}{ngpu}" for mode in ("ddp", "fsdp") for prec in ("bf16", "fp8")] if ngpu >= 2 else []
 rows += [r for r in multi if (root / (r + ".log")).is_file()]  # the multi-GPU runs, where they were made
@@ -96,7 +101,10 @@ def ratio(a, b, key="tokens_per_s"):
     return ib[key] / ia[key] if ia and ib and ia.get(key) and ib.get(key) else None
 for a, b, what in ((f"{p}-bf16", f"{p}-fp8", "FP8 / bf16, eager"), (f"{p}-bf16-compiled", f"{p}-fp8-compiled", "FP8 / bf16, compiled"),
                    (f"{p}-bf16-separate-qkv", f"{p}-bf16", "fused / separate QKV, bf16"),
-                   (f"{p}-fp8-separate-qkv", f"{p}-fp8", "fused / separate QKV, FP8")):
+                   (f"{p}-fp8-separate-qkv", f"{p}-fp8", "fused / separate QKV, FP8"),
+                   (f"{p}-bf16-unfused", f"{p}-fp8-unfused", "FP8 / bf16, eager, torch's RMSNorm/RoPE/SwiGLU"),
+                   (f"{p}-bf16-unfused", f"{p}-bf16", "fused kernels / torch's ops, bf16"),
+                   (f"{p}-fp8-unfused", f"{p}-fp8", "fused kernels / torch's ops, FP8")):
     r = ratio(a, b)
     print(f"- tokens/s {what}: {'n/a' if r is None else f'{r:.3f}x'}")
 for mode in ("ddp", "fsdp") if ngpu >= 2 else ():

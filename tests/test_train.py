@@ -234,6 +234,14 @@ def test_two_gpus_over_nccl_hold_the_same_fp8_scales(tmp_path, mode):
     assert math.isfinite(info["final_val_loss"])
 
 
+def test_fused_kernels_switch_is_recorded_and_restored(tmp_path):
+    assert fp8ext.fused.TRAINING
+    cli.main(RUN + ["--max_steps", "2", "--eval_every", "2", "--no_fused_kernels", "--out_dir", str(tmp_path)])
+    info = json.loads((tmp_path / "run.json").read_text())
+    assert info["fused_kernels"] is False and info["args"]["no_fused_kernels"] is True
+    assert fp8ext.fused.TRAINING, "the switch is restored after the run"
+
+
 def test_any_seed_works_and_gives_its_own_batches():
     corpus = torch.arange(10_000).to(torch.uint8)
     a = data.batch(corpus, 2, 8, seed=20240101, step=10**6)[0]

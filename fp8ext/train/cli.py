@@ -30,6 +30,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--amax_history_len", type=int, default=16)
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--separate_qkv", action="store_true", help="three Q/K/V projections instead of one fused")
+    p.add_argument("--no_fused_kernels", action="store_true",
+                   help="on a GPU, run RMSNorm, RoPE and SwiGLU as torch's ops instead of fp8ext's fused kernels")
     p.add_argument("--batch_size", type=int, default=8, help="sequences per micro-batch per device")
     p.add_argument("--grad_accum_steps", type=int, default=1)
     p.add_argument("--seq_len", type=int, default=64)

@@ -162,6 +162,15 @@ def train(args: Namespace) -> dict:
 def _train(args: Namespace, device: torch.device, rank: int, world: int) -> dict:
     if args.use_fp8:
         _check_fp8(device, rank)
+    fused_before = fp8ext.fused.TRAINING
+    fp8ext.fused.TRAINING = not getattr(args, "no_fused_kernels", False)
+    try:
+        return _train_loop(args, device, rank, world)
+    finally:
+        fp8ext.fused.TRAINING = fused_before
+
+
+def _train_loop(args: Namespace, device: torch.device, rank: int, world: int) -> dict:
     corpus = load_corpus(args.data)
     base = preset(args.preset, fused_qkv=not args.separate_qkv)
     cfg = preset(args.preset, fused_qkv=not args.separate_qkv, max_seq_len=max(base.max_seq_len, args.seq_len))
@@ -187,7 +196,10 @@ def _train(args: Namespace, device: torch.device, rank: int, world: int) -> dict
     info = {"args": vars(args), "config": asdict(cfg), "device": str(device), "world_size": world,
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "precision": precision, "parameters": raw.num_parameters(), "corpus": corpus.description,
-            "torch": torch.__version__, "fp8ext": fp8ext.__version__, "start_step": start}
+            "torch": torch.__version__, "fp8ext": fp8ext.__version__, "start_step": start,
+            # fp8ext's fused RMSNorm / RoPE / SwiGLU kernels ran (a GPU, fp8ext built with CUDA, not compiled)
+            "fused_kernels": bool(fp8ext.fused.TRAINING and device.type == "cuda" and fp8ext.cuda_available()
+                                  and not args.compile)}
     if rank == 0:
         print(f"fp8ext.train: preset {args.preset} ({info['parameters'] / 1e6:.1f}M parameters), {precision}"
               f"{' (' + args.fp8_recipe + ' scaling)' if args.use_fp8 else ''}, {info['device_name']} x {world}"
