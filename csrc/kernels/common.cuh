@@ -122,20 +122,6 @@ __device__ __forceinline__ float load_scale(const float *ptr, float value) { ret
 
 inline bool aligned(const void *p, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(p) % bytes) == 0; }
 
-// Dynamic shared memory above 48 KB must be allowed once per kernel and device. `done` is the caller's flag word
-// for this kernel (static, zero at first): a bit per device, the first 32 (later devices ask on every call).
-template <typename Kernel>
-inline cudaError_t allow_dynamic_smem(Kernel kernel, int bytes, unsigned *done) {
-    int dev = 0;
-    cudaError_t err = cudaGetDevice(&dev);
-    if (err != cudaSuccess) return err;
-    const unsigned bit = dev < 32 ? 1u << dev : 0u;
-    if (bit && (__atomic_load_n(done, __ATOMIC_ACQUIRE) & bit)) return cudaSuccess;
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (err == cudaSuccess && bit) __atomic_fetch_or(done, bit, __ATOMIC_RELEASE);
-    return err;
-}
-
 }  // namespace fp8ext
 
 // Dispatch on a high-precision dtype code: runs the body with `T` bound to the element type.
