@@ -8,8 +8,9 @@
 #   bash benchmarks/bench_train.sh [eager] [compiled] [quality] [unfused] [multi]   (default: the first three)
 #   unfused: the preset eager with torch's RMSNorm, RoPE and SwiGLU (--no_fused_kernels), bf16 and FP8.
 #   (compiled-bf16 and compiled-fp8 run one half of `compiled` each)
-#   multi: the preset on 1 GPU and on every GPU of the machine (torchrun, DDP and FSDP2), bf16 and FP8, the same
-#   batch per GPU: tokens/s, scaling efficiency (tokens/s on N GPUs / (N x on 1)), FP8 scales equal on all ranks.
+#   multi: the preset on 1 GPU and on 2, 4, 8 ... and all GPUs of the machine (torchrun, DDP and FSDP2), bf16 and
+#   FP8, the same batch per GPU: tokens/s, scaling efficiency (tokens/s on N GPUs / (N x on 1)), peak memory per
+#   GPU, FP8 scales equal on all ranks. SPEED_STEPS sets the steps per run.
 #   PRESET=1b SPEED_STEPS=40 QUALITY_STEPS=400 (the defaults) choose sizes; the table covers every run in $OUT/runs.
 #   NGPU (default: every GPU torch sees) and EXTRA_ARGS (appended to every run) serve dry runs on a CPU.
 set -uo pipefail
@@ -63,11 +64,14 @@ for stage in $STAGES; do
         if [ "$NGPU" -lt 2 ]; then echo "multi: needs 2 or more GPUs, this machine has $NGPU"; continue; fi
         [ -f "$R/$P-bf16/run.json" ] || run "$P-bf16" 240 "${SPEED[@]}"
         [ -f "$R/$P-fp8/run.json" ] || run "$P-fp8" 240 "${SPEED[@]}" --use_fp8
-        LAUNCH=$NGPU
-        run "$P-bf16-ddp$NGPU" 300 "${SPEED[@]}"
-        run "$P-fp8-ddp$NGPU" 300 "${SPEED[@]}" --use_fp8
-        run "$P-bf16-fsdp$NGPU" 300 "${SPEED[@]}" --fsdp
-        run "$P-fp8-fsdp$NGPU" 300 "${SPEED[@]}" --fsdp --use_fp8
+        for n in $(seq 2 "$NGPU"); do  # 2, 4, 8, ... up to NGPU, and NGPU itself
+            [ $(( n & (n - 1) )) -eq 0 ] || [ "$n" -eq "$NGPU" ] || continue
+            LAUNCH=$n
+            run "$P-bf16-ddp$n" 300 "${SPEED[@]}"
+            run "$P-fp8-ddp$n" 300 "${SPEED[@]}" --use_fp8
+            run "$P-bf16-fsdp$n" 300 "${SPEED[@]}" --fsdp
+            run "$P-fp8-fsdp$n" 300 "${SPEED[@]}" --fsdp --use_fp8
+        done
         LAUNCH="" ;;
     *) echo "unknown stage $stage" ;;
     esac
@@ -81,7 +85,8 @@ def info(name):
 rows = [f"{p}-bf16", f"{p}-fp8", f"{p}-bf16-separate-qkv", f"{p}-fp8-separate-qkv", f"{p}-bf16-unfused",
         f"{p}-fp8-unfused", f"{p}-bf16-compiled",
         f"{p}-fp8-compiled", "small-bf16", "small-fp8-delayed", "small-fp8-current"]
-multi = [f"{p}-{prec}-{mode}{ngpu}" for mode in ("ddp", "fsdp") for prec in ("bf16", "fp8")] if ngpu >= 2 else []
+counts = [n for n in range(2, ngpu + 1) if n & (n - 1) == 0 or n == ngpu]
+multi = [f"{p}-{prec}-{mode}{n}" for n in counts for mode in ("ddp", "fsdp") for prec in ("bf16", "fp8")]
 rows += [r for r in multi if (root / (r + ".log")).is_file()]  # the multi-GPU runs, where they were made
 first = next((info(r) for r in rows if info(r)), {})
 print(f"# fp8ext.train on {first.get('device_name', '?')}, torch {first.get('torch', '?')}")
@@ -107,16 +112,18 @@ for a, b, what in ((f"{p}-bf16", f"{p}-fp8", "FP8 / bf16, eager"), (f"{p}-bf16-c
                    (f"{p}-fp8-unfused", f"{p}-fp8", "fused kernels / torch's ops, FP8")):
     r = ratio(a, b)
     print(f"- tokens/s {what}: {'n/a' if r is None else f'{r:.3f}x'}")
-for mode in ("ddp", "fsdp") if ngpu >= 2 else ():
-    for prec in ("bf16", "fp8"):
-        one, many = info(f"{p}-{prec}"), info(f"{p}-{prec}-{mode}{ngpu}")
-        if one and many and one.get("tokens_per_s") and many.get("tokens_per_s"):
-            eff = many["tokens_per_s"] / (ngpu * one["tokens_per_s"])
-            same = many.get("fp8_scales_equal_across_ranks")
-            print(f"- {prec} {mode.upper()} on {ngpu} GPUs: {many['tokens_per_s'] / one['tokens_per_s']:.2f}x the tokens/s "
-                  f"of 1 GPU, scaling efficiency {eff:.1%}" + ("" if same is None else f"; FP8 scales equal on all ranks: {same}"))
-    r = ratio(f"{p}-bf16-{mode}{ngpu}", f"{p}-fp8-{mode}{ngpu}")
-    print(f"- tokens/s FP8 / bf16, {mode.upper()} on {ngpu} GPUs: {'n/a' if r is None else f'{r:.3f}x'}")
+for n in counts:
+    for mode in ("ddp", "fsdp"):
+        for prec in ("bf16", "fp8"):
+            one, many = info(f"{p}-{prec}"), info(f"{p}-{prec}-{mode}{n}")
+            if one and many and one.get("tokens_per_s") and many.get("tokens_per_s"):
+                eff = many["tokens_per_s"] / (n * one["tokens_per_s"])
+                same = many.get("fp8_scales_equal_across_ranks")
+                print(f"- {prec} {mode.upper()} on {n} GPUs: {many['tokens_per_s'] / one['tokens_per_s']:.2f}x the "
+                      f"tokens/s of 1 GPU, scaling efficiency {eff:.1%}"
+                      + ("" if same is None else f"; FP8 scales equal on all ranks: {same}"))
+        r = ratio(f"{p}-bf16-{mode}{n}", f"{p}-fp8-{mode}{n}")
+        print(f"- tokens/s FP8 / bf16, {mode.upper()} on {n} GPUs: {'n/a' if r is None else f'{r:.3f}x'}")
 for c in (f"{p}-bf16-compiled", f"{p}-fp8-compiled"):
     if info(c) and "graph_breaks" in info(c):
         print(f"- graph breaks in {c}: {info(c)['graph_breaks']}")
