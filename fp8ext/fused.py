@@ -1,7 +1,8 @@
-"""Fused forward steps of a transformer block, for inference: RMSNorm, SwiGLU and RoPE in one pass each, the
-first two optionally writing the E4M3 input of the next FP8 GEMM directly.
+"""Fused steps of a transformer block: RMSNorm, SwiGLU and RoPE in one pass each, for inference (the first two
+optionally writing the E4M3 input of the next FP8 GEMM directly) and for training (with backward kernels).
 
     y = fp8ext.fused.rms_norm(x, gamma, eps)                 # x's dtype
+    y = fp8ext.fused.rms_norm_train(x, gamma, eps, torch.bfloat16)  # differentiable; any output dtype
     q, scale_inv = fp8ext.fused.rms_norm_fp8(x, gamma, eps)  # E4M3, one scale per row (scale_inv [rows])
     q, _ = fp8ext.fused.rms_norm_fp8(x, gamma, eps, scale)   # E4M3 with a static scale ([1] float32 tensor)
     h = fp8ext.fused.swiglu(gate_up)                         # silu(gate) * up; gate_up [..., 2 * d_ff]
