@@ -16,6 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fp8ext
+from fp8ext._bench import bench_ms
 from fp8ext.models.transformer import Transformer, default_recipe, preset
 
 
@@ -71,18 +72,7 @@ def main():
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        for _ in range(4):
-            step()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(6):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            step()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
-        wall = sorted(times)[len(times) // 2]
+        wall = bench_ms(step, reps=6, warmup=4)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(2):
                 step()
