@@ -7,7 +7,7 @@ around a loop of calls from Python: includes the host's work per call when it ex
 same loop captured once as a CUDA graph and replayed, as decode servers run it: the GPU time alone). Medians of 5
 repeats after warm-up; random weights and inputs.
 
-    python benchmarks/bench_weight_only.py [--quick]
+    python benchmarks/bench_weight_only.py [--quick] [--formats fp8,mxfp4]
 """
 from __future__ import annotations
 
@@ -33,7 +33,11 @@ L2_BYTES = 256 << 20  # the copies of one layer together: well past H100's 50 MB
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="one shape, M in (1, 16)")
+    ap.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, of {FORMATS}")
     args = ap.parse_args()
+    formats = args.formats.split(",")
+    if not set(formats) <= set(FORMATS):
+        ap.error(f"--formats: choose from {FORMATS}")
     if not torch.cuda.is_available():
         print("bench_weight_only: no CUDA device; nothing to measure")
         return
@@ -53,13 +57,13 @@ def main() -> None:
         with torch.no_grad():
             lin.weight.copy_(w)  # packed on the GPU (fp8ext.mx runs there too)
         layers = {}
-        for fmt in FORMATS:
+        for fmt in formats:
             one = WeightOnlyLinear.from_linear(lin, fmt).cuda()
             layers[fmt] = [one] + [copy_layer(one) for _ in range(reps - 1)]
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             calls = {"bf16": lambda i: F.linear(x, bf16[i])}
-            for fmt in FORMATS:
+            for fmt in formats:
                 assert layers[fmt][0].uses_kernel(x)
                 calls[fmt] = lambda i, L=layers[fmt]: L[i](x)
             eager = {name: cycle_ms(call, reps) for name, call in calls.items()}

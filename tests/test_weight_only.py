@@ -304,3 +304,46 @@ def test_a_state_dict_saved_in_the_plain_layout_loads_into_the_tiles(fmt, tmp_pa
     again = WeightOnlyLinear(512, 128, fmt)
     again.load_state_dict(layer.state_dict())  # version 2: unchanged
     assert torch.equal(again.codes, layer.codes)
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("m", [1, 8, 16])
+def test_fp8_kernel_is_exact_over_a_wide_range_of_x(m):
+    """x values spread over 2^-30 .. 2^30 give the product to float32 accumulation accuracy, and a single value per
+    token is carried exactly (one product, rounded once), whatever its exponent."""
+    k, n = 1024, 128
+    layer = WeightOnlyLinear.from_linear(linear(k, n, seed=11), "fp8").cuda()
+    g = torch.Generator().manual_seed(m)
+    x = (torch.randn(m, k, generator=g) * 2.0 ** torch.randint(-30, 31, (m, k), generator=g)).bfloat16().cuda()
+    want = _float64_product(layer, x)
+    got = layer(x).double()
+    assert ((got - want).abs() / want.abs().amax(dim=1, keepdim=True)).max() < 4e-3
+    # one value per token (every bfloat16 mantissa, both signs, exponents -40 .. 40) at one column: out = v * W[:, k]
+    # with a single rounding to float32 and one to bfloat16, as in float64
+    w = layer.dequantized_weight(torch.float64).cuda()
+    vals = ((1 + torch.arange(128) / 128) * 2.0 ** torch.arange(-40, 41, 5).repeat(8)[:128]
+            * torch.where(torch.arange(128) % 3 == 0, -1.0, 1.0)).bfloat16()
+    for start in range(0, 128, m):
+        v = vals[start:start + m].cuda()
+        cols = torch.arange(start, start + len(v), device="cuda") * 7 % k
+        xk = torch.zeros(len(v), k, dtype=torch.bfloat16, device="cuda")
+        xk[torch.arange(len(v)), cols] = v
+        want = (v.double()[:, None] * w[:, cols].T).float().bfloat16()
+        assert torch.equal(layer(xk), want), f"values {start}..{start + len(v) - 1}"
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", WEIGHT_ONLY_FORMATS)
+def test_kernel_propagates_nan_and_inf_of_x_to_that_token(fmt):
+    k, n = 512, 64
+    layer = WeightOnlyLinear.from_linear(linear(k, n, seed=5), fmt).cuda()
+    x = torch.randn(3, k, dtype=torch.bfloat16, device="cuda")
+    x[1, 300] = float("nan")
+    x[2, 7] = float("inf")
+    got = layer(x)
+    assert bool(got[1].isnan().all()), "a NaN in x makes every output of its token NaN"
+    assert not bool(got[2].isfinite().any()), "an Inf in x makes every output of its token Inf or NaN"
+    want = _float64_product(layer, x[:1])
+    assert float(((got[:1].double() - want).abs() / want.abs().max()).max()) < 4e-3
