@@ -1,20 +1,23 @@
 """Two transformer layers at Llama-3-8B sizes (d 4096, 32 heads, 8 KV heads, SwiGLU 14336), 2 x 2048 tokens:
 one training step (forward, backward, SGD) in bf16 and with fp8ext's FP8 linear layers, eager, compiled and
 captured as a CUDA graph, side by side in one run; torchao float8 (tensorwise, compiled) where it is installed;
-and rows with SwiGLU as fp8ext's fused kernel (forward and backward), in bf16 and FP8. Speedups are against the
-first row, bf16 eager with torch's SwiGLU.
+rows with SwiGLU as fp8ext's fused kernel (forward and backward), in bf16 and FP8; and rows with the layer built
+from fp8ext.LayerNormLinear and fp8ext.LayerNormMLP, Transformer Engine's fused modules (RMSNorm and SwiGLU as fused
+kernels). Speedups are against the first row, bf16 eager with torch's RMSNorm and SwiGLU.
 
 The layers: RMSNorm, one fused QKV projection with grouped-query attention through SDPA (flash), SwiGLU; bf16
 parameters; the four linear layers of each block are FP8 in the fp8ext rows (delayed scaling, HYBRID), norms and
 attention stay bf16. Timing: CUDA events around 5 back-to-back steps, median of 5 rounds after warm-up; host time
-per step from the same loop; peak memory from torch.cuda.max_memory_allocated after a reset. A row whose variant
-raises prints the error and the run goes on.
+per step from the same loop; peak memory: torch.cuda.max_memory_allocated over the variant's setup and steps, less
+what was allocated before it (the inputs; every earlier variant is released first). A row whose variant raises
+prints the error and the run goes on.
 
     python benchmarks/bench_block.py [--tokens 2048] [--batch 2]
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -53,6 +56,32 @@ class Block(nn.Module):
             return x + self.w2(fused.swiglu(h))
         g, u = h.chunk(2, -1)
         return x + self.w2(F.silu(g) * u)
+
+
+class FusedBlock(nn.Module):
+    """The same layer written with Transformer Engine's fused modules, as fp8ext provides them: LayerNormLinear
+    (RMSNorm + the QKV projection) and LayerNormMLP (RMSNorm + SwiGLU MLP), so the norms and the SwiGLU run as
+    fp8ext's fused kernels forward and backward. In bf16 rows FP8 is simply off (fp8_autocast(enabled=False))."""
+
+    def __init__(self):
+        super().__init__()
+        bf16 = dict(bias=False, params_dtype=torch.bfloat16)
+        self.ln_qkv = fp8ext.LayerNormLinear(D, (H + 2 * KV) * HD, eps=1e-6, normalization="RMSNorm", **bf16)
+        self.o = fp8ext.Linear(H * HD, D, **bf16)
+        self.mlp = fp8ext.LayerNormMLP(D, FF, eps=1e-6, normalization="RMSNorm", activation="swiglu", **bf16)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.ln_qkv(x).split([H * HD, KV * HD, KV * HD], -1)
+        q, k, v = (z.view(b, t, -1, HD).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, H * HD))
+        return x + self.mlp(x)
+
+
+def fused_model():
+    torch.manual_seed(0)
+    return nn.Sequential(*[FusedBlock() for _ in range(LAYERS)]).cuda()
 
 
 def bf16_linear(i, o):
@@ -144,6 +173,10 @@ def main() -> None:
         ("bf16 eager, fused SwiGLU", lambda: model(bf16_linear, True), False, False),
         ("fp8ext eager, fused SwiGLU", lambda: model(fp8_linear, True), True, False),
         ("fp8ext graphed, fused SwiGLU", lambda: model(fp8_linear, True), True, True),
+        # the layer from fp8ext.LayerNormLinear and fp8ext.LayerNormMLP (fused RMSNorm and SwiGLU kernels)
+        ("bf16 eager, LayerNorm* modules", fused_model, False, False),
+        ("fp8ext eager, LayerNorm* modules", fused_model, True, False),
+        ("fp8ext graphed, LayerNorm* modules", fused_model, True, True),
     ]
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -157,16 +190,19 @@ def main() -> None:
         print("torchao is not installed: its row is left out")
     rows, base, base_mem = [], None, None
     for name, make, fp8, graph in variants:
-        mod = None
+        mod = step = None
         try:
+            torch._dynamo.reset()  # the previous variant's compiled code, model, gradients and graph are gone ...
+            gc.collect()
             torch.cuda.empty_cache()
+            floor = torch.cuda.memory_allocated()  # ... and what stays (x, gy, caches) is not counted
             torch.cuda.reset_peak_memory_stats()
             mod = make()
             step = training_step(mod, x, gy, fp8, recipe)
             if graph:
                 step = graphed(step)
             ms, host = timed(step)
-            peak = torch.cuda.max_memory_allocated() / 2**30
+            peak = (torch.cuda.max_memory_allocated() - floor) / 2**30
             base = ms if base is None else base
             base_mem = peak if base_mem is None else base_mem
             rows.append({"variant": name, "ms/step": ms, "host ms/step": host, "speedup": base / ms,
@@ -176,7 +212,7 @@ def main() -> None:
             nan = float("nan")
             rows.append({"variant": name, "ms/step": nan, "host ms/step": nan, "speedup": nan, "tokens/s": nan,
                          "peak GiB": nan, "peak vs bf16": nan})
-        del mod
+        del mod, step
     head = device_header()
     print(f"# two Llama-3-8B-size layers, {args.batch} x {args.tokens} tokens, fwd+bwd+SGD; {head['device']}, "
           f"{head['date']}")

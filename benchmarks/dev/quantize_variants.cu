@@ -2,12 +2,13 @@
 // kernel (with fused amax), next to a plain 16-byte copy kernel and cudaMemcpy on the same buffer
 // sizes. Each variant's bytes are checked against variant 0 before timing. Standalone:
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icsrc benchmarks/dev/quantize_variants.cu -o /tmp/qv
-//   /tmp/qv
+//   /tmp/qv [log2 of the element count, default 28; 25 is 8192 x 4096]
 // Traffic counted: 3 bytes per element (2 read, 1 written); the copy counts read + written.
 #include <cstdio>
 #include <vector>
 #include <algorithm>
 #include <functional>
+#include <cstdlib>
 
 #include "kernels/common.cuh"
 
@@ -139,8 +140,8 @@ __global__ void fill_random(uint16_t *x, int64_t n) {
     }
 }
 
-int main() {
-    const int64_t n = 1ll << 28, nvec = n / 8;
+int main(int argc, char **argv) {
+    const int64_t n = 1ll << (argc > 1 ? atoi(argv[1]) : 28), nvec = n / 8;
     int sms;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     uint16_t *x; uint8_t *q, *ref; float *scale, *amax;
