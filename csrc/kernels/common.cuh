@@ -133,6 +133,20 @@ inline bool aligned(const void *p, uintptr_t bytes) { return (reinterpret_cast<u
     default: return cudaErrorInvalidValue;                                    \
     }
 
+// Dynamic shared memory above 48 KB must be allowed once per kernel and device: `done` is the caller's flag set
+// (one static per kernel), a bit per device for the first 32 devices; later devices ask every time.
+template <typename Kernel>
+cudaError_t allow_dynamic_smem(Kernel kernel, int bytes, unsigned &done) {
+    int dev = 0;
+    cudaError_t err = cudaGetDevice(&dev);
+    if (err != cudaSuccess) return err;
+    const unsigned bit = dev < 32 ? 1u << dev : 0u;
+    if (bit && (__atomic_load_n(&done, __ATOMIC_ACQUIRE) & bit)) return cudaSuccess;
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (err == cudaSuccess && bit) __atomic_fetch_or(&done, bit, __ATOMIC_RELEASE);
+    return err;
+}
+
 // Dispatch on an FP8 format code: runs the body with the constant `FMT` bound.
 #define FP8EXT_DISPATCH_FMT(fmt, ...)                                                     \
     if ((fmt) == FP8EXT_E4M3) { constexpr int FMT = FP8EXT_E4M3; __VA_ARGS__; }           \

@@ -515,16 +515,8 @@ decode_partial_tc_kernel(fp8ext_decode_attention_args a, int chunk) {
 template <int HD, typename QT>
 cudaError_t allow_smem() {
     if (Geo<HD>::kSmemBytes <= 48 * 1024) return cudaSuccess;
-    static unsigned done = 0;  // a bit per device (the first 32)
-    int dev = 0;
-    cudaError_t err = cudaGetDevice(&dev);
-    if (err != cudaSuccess) return err;
-    const unsigned bit = dev < 32 ? 1u << dev : 0u;
-    if (bit && (__atomic_load_n(&done, __ATOMIC_ACQUIRE) & bit)) return cudaSuccess;
-    err = cudaFuncSetAttribute(decode_partial_tc_kernel<HD, QT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               Geo<HD>::kSmemBytes);
-    if (err == cudaSuccess && bit) __atomic_fetch_or(&done, bit, __ATOMIC_RELEASE);
-    return err;
+    static unsigned done = 0;
+    return allow_dynamic_smem(decode_partial_tc_kernel<HD, QT>, Geo<HD>::kSmemBytes, done);
 }
 
 template <int HD, typename QT>

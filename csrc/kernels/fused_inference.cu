@@ -26,6 +26,13 @@ __device__ __forceinline__ void load8(const T *x, int64_t i, float *f) {
     if constexpr (Elem<T>::kVec == 4) Elem<T>::unpack(*(reinterpret_cast<const uint4 *>(x + i) + 1), f + 4);
 }
 
+// gamma[c .. c + 7] (float32, 16-byte aligned: the launchers check), through the read-only cache.
+__device__ __forceinline__ void load_gamma8(const float *__restrict__ gamma, int64_t c, float *g) {
+    const float4 g0 = __ldg(reinterpret_cast<const float4 *>(gamma + c));
+    const float4 g1 = __ldg(reinterpret_cast<const float4 *>(gamma + c) + 1);
+    g[0] = g0.x; g[1] = g0.y; g[2] = g0.z; g[3] = g0.w; g[4] = g1.x; g[5] = g1.y; g[6] = g1.z; g[7] = g1.w;
+}
+
 // Rounds v to T and back (exact), so that what is quantized is what the high-precision output holds.
 template <typename T> __device__ __forceinline__ float round_to(float v);
 template <> __device__ __forceinline__ float round_to<float>(float v) { return v; }
@@ -97,9 +104,7 @@ __device__ __forceinline__ void row_values(const T *xr, int64_t cols, int64_t c,
     if constexpr (OP == FP8EXT_FUSED_RMSNORM) {
         float g[8];
         load8(xr, c, y);
-        const float4 g0 = __ldg(reinterpret_cast<const float4 *>(gamma + c));
-        const float4 g1 = __ldg(reinterpret_cast<const float4 *>(gamma + c) + 1);
-        g[0] = g0.x; g[1] = g0.y; g[2] = g0.z; g[3] = g0.w; g[4] = g1.x; g[5] = g1.y; g[6] = g1.z; g[7] = g1.w;
+        load_gamma8(gamma, c, g);
 #pragma unroll
         for (int j = 0; j < 8; ++j) y[j] = round_to<T>((y[j] * rstd) * g[j]);
     } else {
@@ -135,9 +140,8 @@ __device__ __forceinline__ void row_in_registers(const T *__restrict__ xr, const
         for (int k = 0; k < kRegChunks; ++k) {
             const int64_t c = (threadIdx.x + static_cast<int64_t>(k) * kThreads) * 8;
             if (c < cols) {
-                const float4 g0 = __ldg(reinterpret_cast<const float4 *>(gamma + c));
-                const float4 g1 = __ldg(reinterpret_cast<const float4 *>(gamma + c) + 1);
-                const float g[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+                float g[8];
+                load_gamma8(gamma, c, g);
 #pragma unroll
                 for (int j = 0; j < 8; ++j) y[k][j] = round_to<T>((y[k][j] * rstd) * g[j]);
             }
@@ -308,9 +312,8 @@ __global__ void __launch_bounds__(kThreads) rms_norm_fwd_kernel(fp8ext_rms_norm_
     TY *yr = static_cast<TY *>(a.y) + row * a.cols;
     for (int64_t c = threadIdx.x * 8; c < a.cols; c += kThreads * 8) {
         load8(xr, c, f);
-        const float4 g0 = __ldg(reinterpret_cast<const float4 *>(a.gamma + c));
-        const float4 g1 = __ldg(reinterpret_cast<const float4 *>(a.gamma + c) + 1);
-        const float g[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+        float g[8];
+        load_gamma8(a.gamma, c, g);
 #pragma unroll
         for (int j = 0; j < 8; ++j) f[j] = (f[j] * rstd) * g[j];
         store8(yr, c, f);  // rounds to TY (to nearest even)
@@ -341,9 +344,8 @@ __global__ void __launch_bounds__(kThreads) rms_norm_bwd_kernel(fp8ext_rms_norm_
         for (int64_t c = threadIdx.x * 8; c < a.cols; c += kThreads * 8) {
             load8(xr, c, x);
             load8(dyr, c, dy);
-            const float4 g0 = __ldg(reinterpret_cast<const float4 *>(a.gamma + c));
-            const float4 g1 = __ldg(reinterpret_cast<const float4 *>(a.gamma + c) + 1);
-            const float g[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+            float g[8];
+            load_gamma8(a.gamma, c, g);
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
                 const float xh = x[j] * rstd;
@@ -356,9 +358,8 @@ __global__ void __launch_bounds__(kThreads) rms_norm_bwd_kernel(fp8ext_rms_norm_
         for (int64_t c = threadIdx.x * 8; c < a.cols; c += kThreads * 8) {
             load8(xr, c, x);
             load8(dyr, c, dy);
-            const float4 g0 = __ldg(reinterpret_cast<const float4 *>(a.gamma + c));
-            const float4 g1 = __ldg(reinterpret_cast<const float4 *>(a.gamma + c) + 1);
-            const float g[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+            float g[8];
+            load_gamma8(a.gamma, c, g);
 #pragma unroll
             for (int j = 0; j < 8; ++j) x[j] = rstd * ((dy[j] * g[j]) - (x[j] * rstd) * dot);
             store8(dxr, c, x);

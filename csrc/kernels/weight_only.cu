@@ -409,16 +409,8 @@ __global__ void __launch_bounds__(kThreads, Fmt<F>::kBytes == 24 && !SWAP ? 2 : 
 // The shared memory above 48 KiB must be allowed once per kernel and device (the most any m needs).
 template <int F, bool SWAP>
 cudaError_t prepare() {
-    static unsigned done = 0;  // a bit per device (the first 32)
-    int dev = 0;
-    cudaError_t err = cudaGetDevice(&dev);
-    if (err != cudaSuccess) return err;
-    const unsigned bit = dev < 32 ? 1u << dev : 0u;
-    if (bit && (__atomic_load_n(&done, __ATOMIC_ACQUIRE) & bit)) return cudaSuccess;
-    err = cudaFuncSetAttribute(weight_only_kernel<F, SWAP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               smem_bytes<F, SWAP>(SWAP ? 8 : 16));
-    if (err == cudaSuccess && bit) __atomic_fetch_or(&done, bit, __ATOMIC_RELEASE);
-    return err;
+    static unsigned done = 0;
+    return allow_dynamic_smem(weight_only_kernel<F, SWAP>, smem_bytes<F, SWAP>(SWAP ? 8 : 16), done);
 }
 
 template <int F, bool SWAP>
