@@ -157,8 +157,8 @@ def main() -> None:
     gy = torch.randn(args.batch, args.tokens, D, device="cuda", dtype=torch.bfloat16)
     recipe = fp8ext.DelayedScaling()
 
-    def fp8_compiled():
-        m = model(fp8_linear)
+    def fp8_compiled(fused_swiglu=False, make=None):
+        m = make() if make is not None else model(fp8_linear, fused_swiglu)
         fp8ext.prepare_fp8(m, recipe)
         return torch.compile(m)
 
@@ -177,6 +177,9 @@ def main() -> None:
         ("bf16 eager, LayerNorm* modules", fused_model, False, False),
         ("fp8ext eager, LayerNorm* modules", fused_model, True, False),
         ("fp8ext graphed, LayerNorm* modules", fused_model, True, True),
+        # compiled: the fused kernels run as torch ops (torch.ops.fp8ext.swiglu, rms_norm_train)
+        ("fp8ext compiled, fused SwiGLU", lambda: fp8_compiled(True), True, False),
+        ("fp8ext compiled, LayerNorm* modules", lambda: fp8_compiled(True, fused_model), True, False),
     ]
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training

@@ -1,7 +1,8 @@
 """fp8ext's operations as torch ops (torch.library), with fake implementations for tracing.
 
 torch.ops.fp8ext.{quantize, dequantize, amax, cast_transpose, cast_transpose_dbias, gemm} run the same code as
-the eager functions in fp8ext.ops; the fake implementations give torch.compile / torch.export the outputs'
+the eager functions in fp8ext.ops (and torch.ops.fp8ext.{swiglu, rms_norm_train} with their backward ops, the
+training kernels of fp8ext.fused, with autograd formulas); the fake implementations give torch.compile / torch.export the outputs'
 shapes and dtypes without running anything, so compiled code calls fp8ext's kernels without graph breaks.
 The public functions in fp8ext.ops switch to these ops while torch.compile traces; eager calls skip the
 dispatcher.
@@ -19,6 +20,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import _gemm as _gemm_mod
+from . import fused as _fused
 from . import ops
 from .formats import format_of_code
 
@@ -121,3 +123,89 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_i
 @_gemm.register_fake
 def _(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, use_fast_accum, acc_in, out_scale, want_amax):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype), a.new_empty((), dtype=torch.float32)
+
+
+# The training kernels of fp8ext.fused (SwiGLU and RMSNorm, forward and backward) as torch ops with autograd
+# formulas, so that torch.compile calls them instead of tracing torch's composition: fp8ext.fused.swiglu and
+# rms_norm_train switch to these while it traces. On a CPU tensor the ops compute the same definitions with torch
+# ops (the eager functions never send a CPU tensor here; the CPU tests check the registrations with it).
+@torch.library.custom_op("fp8ext::swiglu", mutates_args=())
+def _swiglu(h: torch.Tensor) -> torch.Tensor:
+    if not h.is_cuda:
+        return _fused._swiglu_reference(h)
+    out, _ = _fused._run_rows(_fused._rows(h, h.shape[-1]), None, 0.0, _fused._SWIGLU, _fused._OUT_HP, None, "swiglu")
+    return out.reshape(*h.shape[:-1], h.shape[-1] // 2)
+
+
+@_swiglu.register_fake
+def _(h):
+    return h.new_empty((*h.shape[:-1], h.shape[-1] // 2))
+
+
+@torch.library.custom_op("fp8ext::swiglu_backward", mutates_args=())
+def _swiglu_backward(h: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    if not h.is_cuda:
+        return _fused._swiglu_backward_reference(h, dy)
+    return _fused._swiglu_backward_gpu(_fused._rows(h, h.shape[-1]), dy).reshape(h.shape)
+
+
+@_swiglu_backward.register_fake
+def _(h, dy):
+    return h.new_empty(h.shape)
+
+
+def _swiglu_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _swiglu_grad(ctx, dy):
+    (h,) = ctx.saved_tensors
+    return torch.ops.fp8ext.swiglu_backward(h, dy)
+
+
+_swiglu.register_autograd(_swiglu_grad, setup_context=_swiglu_setup)
+
+
+@torch.library.custom_op("fp8ext::rms_norm_train", mutates_args=())
+def _rms_norm_train(x: torch.Tensor, gamma: torch.Tensor, eps: float, out_dtype: torch.dtype
+                    ) -> Tuple[torch.Tensor, torch.Tensor]:
+    g = _fused._aligned(gamma, torch.float32)
+    if not x.is_cuda:
+        return _fused._rms_norm_train_reference(x, g, eps, out_dtype)
+    y, rstd = _fused._rms_norm_train_gpu(_fused._rows(x, x.shape[-1]), g, eps, out_dtype)
+    return y.reshape(x.shape), rstd
+
+
+@_rms_norm_train.register_fake
+def _(x, gamma, eps, out_dtype):
+    return x.new_empty(x.shape, dtype=out_dtype), x.new_empty((x.numel() // x.shape[-1],), dtype=torch.float32)
+
+
+@torch.library.custom_op("fp8ext::rms_norm_train_backward", mutates_args=())
+def _rms_norm_train_backward(x: torch.Tensor, dy: torch.Tensor, gamma: torch.Tensor, rstd: torch.Tensor
+                             ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(dx in x's dtype, dgamma float32)."""
+    g = _fused._aligned(gamma, torch.float32)
+    if not x.is_cuda:
+        return _fused._rms_norm_train_backward_reference(x, dy, g, rstd)
+    dx, dgamma = _fused._rms_norm_train_backward_gpu(_fused._rows(x, x.shape[-1]), dy, g, rstd)
+    return dx.reshape(x.shape), dgamma
+
+
+@_rms_norm_train_backward.register_fake
+def _(x, dy, gamma, rstd):
+    return x.new_empty(x.shape), x.new_empty((x.shape[-1],), dtype=torch.float32)
+
+
+def _rms_norm_train_setup(ctx, inputs, output):
+    x, gamma, _, _ = inputs
+    ctx.save_for_backward(x, gamma, output[1])
+
+
+def _rms_norm_train_grad(ctx, dy, _drstd):
+    x, gamma, rstd = ctx.saved_tensors
+    dx, dgamma = torch.ops.fp8ext.rms_norm_train_backward(x, dy, gamma, rstd)
+    return dx, dgamma.to(gamma.dtype), None, None
+
+
+_rms_norm_train.register_autograd(_rms_norm_train_grad, setup_context=_rms_norm_train_setup)

@@ -43,11 +43,13 @@ from .formats import E4M3
 from .ops import quantize, quantize_rowwise
 
 __all__ = ["rms_norm", "rms_norm_fp8", "rms_norm_train", "swiglu", "swiglu_fp8", "rope_qkv", "available",
-           "version_key", "TRAINING"]
+           "train_available", "version_key", "TRAINING"]
 
 # Whether fp8ext's layers and model run these kernels with gradients too (training on a GPU): RMSNorm (the
 # modules' forward and backward), SwiGLU, RoPE, and the transformer's grouped-query attention reading K/V in
-# place. False: torch's composition, as on a CPU and under torch.compile (for comparisons and debugging).
+# place. Under torch.compile, RMSNorm and SwiGLU run as torch ops (torch.ops.fp8ext.rms_norm_train, swiglu);
+# RoPE and the attention keep torch's ops there. False: torch's composition, as on a CPU (for comparisons and
+# debugging).
 TRAINING = True
 
 _RMSNORM, _SWIGLU = 0, 1
@@ -62,6 +64,13 @@ def available(x: torch.Tensor, cols: int = 8) -> bool:
     vectors). Otherwise the functions compute the same definitions with torch ops."""
     return (x.is_cuda and x.dtype in _DTYPES and cols % 8 == 0 and _CUDA
             and not torch.compiler.is_compiling())
+
+
+def train_available(x: torch.Tensor, cols: int = 8) -> bool:
+    """Whether the training kernels (swiglu and rms_norm_train, forward and backward) run for x: as available(),
+    and also while torch.compile traces, where they run as torch ops (torch.ops.fp8ext.swiglu and
+    torch.ops.fp8ext.rms_norm_train, opaque to the compiler: the same kernels and bytes as in eager mode)."""
+    return x.is_cuda and x.dtype in _DTYPES and cols % 8 == 0 and _CUDA
 
 
 def version_key(t: torch.Tensor):
@@ -133,6 +142,31 @@ def _swiglu_reference(h: torch.Tensor) -> torch.Tensor:
     return (g / (1.0 + torch.exp(-g)) * u).to(h.dtype)
 
 
+def _swiglu_backward_reference(h: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """The backward kernel's definition (module docstring) with torch ops: dh = [d_gate, d_up] in h's dtype."""
+    g, u = h.float().chunk(2, dim=-1)
+    d = dy.float()
+    sig = 1.0 / (1.0 + torch.exp(-g))
+    return torch.cat([d * u * (sig * (1.0 + g * (1.0 - sig))), d * (g / (1.0 + torch.exp(-g)))], -1).to(h.dtype)
+
+
+def _rms_norm_train_reference(x: torch.Tensor, g32: torch.Tensor, eps: float, out_dtype: torch.dtype):
+    """(y, rstd [rows]) of rms_norm_train's definition with torch ops (float32)."""
+    xf = x.float()
+    rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    return ((xf * rstd) * g32).to(out_dtype), rstd.reshape(-1)
+
+
+def _rms_norm_train_backward_reference(x, dy, g32, rstd):
+    """(dx in x's dtype, dgamma float32) of the backward kernel's definition with torch ops."""
+    cols = x.shape[-1]
+    xh = x.float().reshape(-1, cols) * rstd[:, None]
+    d = dy.float().reshape(-1, cols)
+    dot = ((d * g32) * xh).sum(-1, keepdim=True) / cols
+    dx = rstd[:, None] * ((d * g32) - xh * dot)
+    return dx.to(x.dtype).reshape(x.shape), (d * xh).sum(0)
+
+
 def _fp8_of(y: torch.Tensor, scale: Optional[torch.Tensor]):
     y2 = y.reshape(-1, y.shape[-1]).contiguous()
     if scale is None:
@@ -160,16 +194,35 @@ def _sms(device: torch.device) -> int:
     return _SMS[device.index]
 
 
+def _rms_norm_train_gpu(x2: torch.Tensor, g: torch.Tensor, eps: float, out_dtype: torch.dtype):
+    """(y [rows, cols] in out_dtype, rstd [rows]) by the forward kernel; x2 from _rows, g float32 and aligned."""
+    y = torch.empty(x2.shape, dtype=out_dtype, device=x2.device)
+    rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x2.device)
+    if x2.shape[0]:
+        _C.rms_norm_fwd(dl(x2), dl(g), dl(y), dl(rstd), float(eps), stream_of(x2.device))
+    return y, rstd
+
+
+def _rms_norm_train_backward_gpu(x2: torch.Tensor, dy: torch.Tensor, g: torch.Tensor, rstd: torch.Tensor):
+    """(dx [rows, cols] in x2's dtype, dgamma float32 [cols]) by the backward kernels."""
+    rows, cols = x2.shape
+    if rows == 0:
+        return torch.zeros_like(x2), torch.zeros_like(g)
+    dy2 = _aligned(dy.reshape(rows, cols), dy.dtype)
+    dx = torch.empty_like(x2)
+    blocks = min(rows, 4 * _sms(x2.device), 65535)
+    partial = torch.empty(blocks, cols, dtype=torch.float32, device=x2.device)
+    dgamma = torch.empty(cols, dtype=torch.float32, device=x2.device)
+    _C.rms_norm_bwd(dl(x2), dl(dy2), dl(g), dl(rstd), dl(dx), dl(partial), dl(dgamma), stream_of(x2.device))
+    return dx, dgamma
+
+
 class _RMSNormTrain(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gamma, eps, out_dtype):
-        cols = x.shape[-1]
-        x2 = _rows(x, cols)
+        x2 = _rows(x, x.shape[-1])
         g = _aligned(gamma.detach(), torch.float32)
-        y = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
-        rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
-        if x2.shape[0]:
-            _C.rms_norm_fwd(dl(x2), dl(g), dl(y), dl(rstd), float(eps), stream_of(x.device))
+        y, rstd = _rms_norm_train_gpu(x2, g, eps, out_dtype)
         ctx.save_for_backward(x2, g, rstd)
         ctx.shape, ctx.gamma_dtype = x.shape, gamma.dtype
         return y.reshape(x.shape)
@@ -178,16 +231,7 @@ class _RMSNormTrain(torch.autograd.Function):
     @once_differentiable  # a second derivative raises instead of coming out silently wrong
     def backward(ctx, dy):
         x2, g, rstd = ctx.saved_tensors
-        rows, cols = x2.shape
-        if rows == 0:
-            return torch.zeros(ctx.shape, dtype=x2.dtype, device=x2.device), torch.zeros_like(g), None, None
-        dy2 = dy.reshape(rows, cols)
-        dy2 = _aligned(dy2, dy2.dtype)
-        dx = torch.empty_like(x2)
-        blocks = min(rows, 4 * _sms(x2.device), 65535)
-        partial = torch.empty(blocks, cols, dtype=torch.float32, device=x2.device)
-        dgamma = torch.empty(cols, dtype=torch.float32, device=x2.device)
-        _C.rms_norm_bwd(dl(x2), dl(dy2), dl(g), dl(rstd), dl(dx), dl(partial), dl(dgamma), stream_of(x2.device))
+        dx, dgamma = _rms_norm_train_backward_gpu(x2, dy, g, rstd)
         return dx.reshape(ctx.shape), dgamma.to(ctx.gamma_dtype), None, None
 
 
@@ -197,7 +241,8 @@ def rms_norm_train(x: torch.Tensor, gamma: torch.Tensor, eps: float,
     float32 residual stream normalised under autocast gives its bf16 output directly). On a GPU one kernel each
     way (rows up to 8192 wide): y = (x * rstd) * gamma in float32 rounded once; dx and dgamma in float32, dgamma
     summed in a fixed order (deterministic). On a CPU, and for wider rows, torch's F.rms_norm computes the same
-    definition."""
+    definition. While torch.compile traces (with TRAINING on), the kernels run as torch.ops.fp8ext.rms_norm_train.
+    """
     _check(x, "rms_norm_train")
     out_dtype = out_dtype or x.dtype
     cols = x.shape[-1]
@@ -206,6 +251,8 @@ def rms_norm_train(x: torch.Tensor, gamma: torch.Tensor, eps: float,
                          f"{x.device}")
     if out_dtype not in _DTYPES:
         raise TypeError(f"rms_norm_train(): out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
+    if cols <= 8192 and not available(x, cols) and TRAINING and train_available(x, cols):
+        return torch.ops.fp8ext.rms_norm_train(x, gamma.reshape(cols), float(eps), out_dtype)[0]  # torch.compile
     if not available(x, cols) or cols > 8192:
         return F.rms_norm(x.float(), (cols,), gamma.reshape(cols).float(), eps).to(out_dtype)
     return _RMSNormTrain.apply(x, gamma.reshape(cols), eps, out_dtype)
@@ -242,6 +289,14 @@ def _aligned(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
+def _swiglu_backward_gpu(h2: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """dh [rows, 2 * cols] by the backward kernel; h2 from _rows."""
+    dy2 = _aligned(dy.reshape(h2.shape[0], h2.shape[1] // 2), h2.dtype)
+    dh = torch.empty_like(h2)
+    _C.swiglu_backward(dl(h2), dl(dy2), dl(dh), stream_of(h2.device))
+    return dh
+
+
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h):
@@ -255,16 +310,16 @@ class _SwiGLU(torch.autograd.Function):
     @once_differentiable  # a second derivative raises instead of coming out silently wrong
     def backward(ctx, dy):
         (h2,) = ctx.saved_tensors
-        dy2 = _aligned(dy.reshape(h2.shape[0], h2.shape[1] // 2), h2.dtype)
-        dh = torch.empty_like(h2)
-        _C.swiglu_backward(dl(h2), dl(dy2), dl(dh), stream_of(h2.device))
-        return dh.reshape(ctx.shape)
+        return _swiglu_backward_gpu(h2, dy).reshape(ctx.shape)
 
 
 def swiglu(h: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for h = [gate, up] along the last dimension, in h's dtype; differentiable."""
+    """silu(gate) * up for h = [gate, up] along the last dimension, in h's dtype; differentiable. While
+    torch.compile traces (with TRAINING on), the kernels run as torch.ops.fp8ext.swiglu."""
     _check(h, "swiglu", "h")
     shape = _half_shape(h, "swiglu")
+    if not available(h, shape[-1]) and TRAINING and train_available(h, shape[-1]):
+        return torch.ops.fp8ext.swiglu(h)  # while torch.compile traces: the same kernels, as a torch op
     if not available(h, shape[-1]):
         return _swiglu_reference(h)
     if _grad_wanted(h):

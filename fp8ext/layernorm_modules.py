@@ -143,7 +143,7 @@ class LayerNormMLP(_TENamedParameters):
         ln = self.layer_norm(inp)
         h = self.fc1(ln, is_first_microbatch=is_first_microbatch)
         act = _ACTIVATIONS[self.activation]
-        if self.activation == "swiglu" and fused.available(h, h.shape[-1] // 2) and (
+        if self.activation == "swiglu" and fused.train_available(h, h.shape[-1] // 2) and (
                 fused.TRAINING or not torch.is_grad_enabled()):
             h = fused.swiglu(h)  # on a GPU: one kernel forward, one backward (rounded once, as TE's)
         elif self.activation in _GATED:

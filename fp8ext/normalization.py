@@ -159,10 +159,10 @@ class RMSNorm(_Normalization):
     def _fused_train_ok(self, x: torch.Tensor) -> bool:
         """Whether a forward with gradients can run fp8ext's training kernels (fp8ext.fused.rms_norm_train):
         fused.TRAINING, a gradient wanted, a one-dimensional normalized_shape of at most 8192, a CUDA tensor that
-        is not float64."""
+        is not float64 (under torch.compile too, as a torch op)."""
         return (_fused.TRAINING and torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
                 and len(self.normalized_shape) == 1 and self.normalized_shape[0] <= 8192
-                and x.dtype != torch.float64 and _fused.available(x, self.normalized_shape[0]))
+                and x.dtype != torch.float64 and _fused.train_available(x, self.normalized_shape[0]))
 
     def _fused_ok(self, x: torch.Tensor) -> bool:
         """Whether the forward pass can run fp8ext's fused kernel: no gradient wanted, a one-dimensional

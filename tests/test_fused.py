@@ -531,3 +531,67 @@ def test_fused_norms_follow_the_layer_they_feed():
     assert inference.fuse_norms(model) == 2 * cfg.n_layers - 1  # all but the norm before the plain linear
     clone = copy.deepcopy(model)
     assert clone.blocks[1].attn_norm.consumer() is clone.blocks[1].attn.qkv_proj
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_training_kernels_are_registered_torch_ops(dtype):
+    """torch.ops.fp8ext.swiglu / rms_norm_train and their backward ops (what torch.compile calls): schemas, fake
+    tensors, autograd registration and dynamic shapes (torch.library.opcheck, on the CPU's definitions), and
+    their gradients against autograd through the torch composition."""
+    torch.manual_seed(0)
+    h = torch.randn(6, 32, dtype=dtype, requires_grad=True)
+    torch.library.opcheck(torch.ops.fp8ext.swiglu, (h,))
+    torch.library.opcheck(torch.ops.fp8ext.swiglu_backward, (h.detach(), torch.randn(6, 16, dtype=dtype)))
+    x = torch.randn(2, 3, 16, dtype=dtype, requires_grad=True)
+    g = (torch.rand(16) + 0.5).requires_grad_()
+    torch.library.opcheck(torch.ops.fp8ext.rms_norm_train, (x, g, 1e-6, torch.bfloat16))
+    y, rstd = torch.ops.fp8ext.rms_norm_train(x, g, 1e-6, torch.bfloat16)
+    torch.library.opcheck(torch.ops.fp8ext.rms_norm_train_backward, (x.detach(), torch.randn_like(x), g.detach(),
+                                                                       rstd.detach()))
+    # gradients: the ops' formulas against autograd through the composition, in float64
+    dy = torch.randn(6, 16, dtype=torch.float64)
+    (dh,) = torch.autograd.grad(torch.ops.fp8ext.swiglu(h), h, dy.to(dtype))
+    h64 = h.detach().double().requires_grad_()
+    gate, up = h64.chunk(2, -1)
+    (want,) = torch.autograd.grad(F.silu(gate) * up, h64, dy.to(dtype).double())
+    # the gate's gradient cancels near gate = -1.28: within 4 units of dtype at the largest gradient
+    assert torch.allclose(dh.double(), want, rtol=0, atol=4 * ULP[dtype] * float(want.abs().max()))
+    dy = torch.randn(2, 3, 16, dtype=torch.float64)
+    dx, dg = torch.autograd.grad(y, (x, g), dy.bfloat16())
+    x64, g64 = x.detach().double().requires_grad_(), g.detach().double().requires_grad_()
+    want_x, want_g = torch.autograd.grad(F.rms_norm(x64, (16,), g64, 1e-6), (x64, g64), dy.bfloat16().double())
+    # dx cancels (dy * g - xh * dot): within 8 units of dtype at the gradient's largest magnitude
+    assert torch.allclose(dx.double(), want_x, rtol=0, atol=8 * ULP[dtype] * float(want_x.abs().max()))
+    assert torch.allclose(dg.double(), want_g, rtol=1e-5, atol=1e-5)
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_compiled_training_runs_the_fused_kernels_with_eager_bytes(monkeypatch):
+    """Under torch.compile (fullgraph) fp8ext.RMSNorm and fused.swiglu run the same kernels as in eager mode, as
+    torch ops: forward outputs and every gradient equal the eager ones byte for byte."""
+    calls = []
+    run_rows, bwd = fused._run_rows, fused._rms_norm_train_backward_gpu
+    monkeypatch.setattr(fused, "_run_rows", lambda *a: calls.append("swiglu") or run_rows(*a))
+    monkeypatch.setattr(fused, "_rms_norm_train_backward_gpu", lambda *a: calls.append("rms_bwd") or bwd(*a))
+    torch.manual_seed(0)
+    norm = fp8ext.RMSNorm(256, eps=1e-6, params_dtype=torch.bfloat16).cuda()
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+
+    def block(x, w):
+        return fused.swiglu(norm(x) @ w)
+
+    x0 = torch.randn(4, 64, 256, device="cuda", dtype=torch.bfloat16)
+    w0 = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16) * 0.05
+    dy = torch.randn(4, 64, 256, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for fn in (block, torch.compile(block, fullgraph=True)):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        norm.weight.grad = None
+        y = fn(x, w)
+        y.backward(dy)
+        results.append((y.detach(), x.grad, w.grad, norm.weight.grad))
+    for name, a, b in zip(("y", "dx", "dw", "dgamma"), *results):
+        assert_same_bytes(b, a, name)
+    assert "swiglu" in calls and "rms_bwd" in calls

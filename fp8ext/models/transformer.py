@@ -223,7 +223,7 @@ class SwiGLU(nn.Module):
             into = getattr(self.w2, "quantize_input", None)
             a = into(h, "swiglu") if into is not None else None
             return self.w2(a if a is not None else fused.swiglu(h), is_first_microbatch=is_first_microbatch)
-        if fused.TRAINING and fused.available(h, h.shape[-1] // 2):  # with gradients: one kernel each way
+        if fused.TRAINING and fused.train_available(h, h.shape[-1] // 2):  # with gradients: one kernel each way
             return self.w2(fused.swiglu(h), is_first_microbatch=is_first_microbatch)
         gate, up = h.chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up, is_first_microbatch=is_first_microbatch)
