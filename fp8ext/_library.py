@@ -15,6 +15,7 @@ crosses as (tensor or None, float) since a torch op takes one type per argument.
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -132,7 +133,7 @@ def _(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, use_fast_accum, acc_in, o
 @torch.library.custom_op("fp8ext::swiglu", mutates_args=())
 def _swiglu(h: torch.Tensor) -> torch.Tensor:
     if not h.is_cuda:
-        return _fused._swiglu_reference(h)
+        return _fused._swiglu_reference(h).contiguous()
     out, _ = _fused._run_rows(_fused._rows(h, h.shape[-1]), None, 0.0, _fused._SWIGLU, _fused._OUT_HP, None, "swiglu")
     return out.reshape(*h.shape[:-1], h.shape[-1] // 2)
 
@@ -145,7 +146,7 @@ def _(h):
 @torch.library.custom_op("fp8ext::swiglu_backward", mutates_args=())
 def _swiglu_backward(h: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     if not h.is_cuda:
-        return _fused._swiglu_backward_reference(h, dy)
+        return _fused._swiglu_backward_reference(h, dy).contiguous()
     return _fused._swiglu_backward_gpu(_fused._rows(h, h.shape[-1]), dy).reshape(h.shape)
 
 
@@ -171,14 +172,15 @@ def _rms_norm_train(x: torch.Tensor, gamma: torch.Tensor, eps: float, out_dtype:
                     ) -> Tuple[torch.Tensor, torch.Tensor]:
     g = _fused._aligned(gamma, torch.float32)
     if not x.is_cuda:
-        return _fused._rms_norm_train_reference(x, g, eps, out_dtype)
+        y, rstd = _fused._rms_norm_train_reference(x, g, eps, out_dtype)
+        return y.contiguous(), rstd.contiguous()
     y, rstd = _fused._rms_norm_train_gpu(_fused._rows(x, x.shape[-1]), g, eps, out_dtype)
     return y.reshape(x.shape), rstd
 
 
 @_rms_norm_train.register_fake
 def _(x, gamma, eps, out_dtype):
-    return x.new_empty(x.shape, dtype=out_dtype), x.new_empty((x.numel() // x.shape[-1],), dtype=torch.float32)
+    return x.new_empty(x.shape, dtype=out_dtype), x.new_empty((math.prod(x.shape[:-1]),), dtype=torch.float32)
 
 
 @torch.library.custom_op("fp8ext::rms_norm_train_backward", mutates_args=())
@@ -187,7 +189,8 @@ def _rms_norm_train_backward(x: torch.Tensor, dy: torch.Tensor, gamma: torch.Ten
     """(dx in x's dtype, dgamma float32)."""
     g = _fused._aligned(gamma, torch.float32)
     if not x.is_cuda:
-        return _fused._rms_norm_train_backward_reference(x, dy, g, rstd)
+        dx, dgamma = _fused._rms_norm_train_backward_reference(x, dy, g, rstd)
+        return dx.contiguous(), dgamma
     dx, dgamma = _fused._rms_norm_train_backward_gpu(_fused._rows(x, x.shape[-1]), dy, g, rstd)
     return dx.reshape(x.shape), dgamma
 
@@ -200,6 +203,7 @@ def _(x, dy, gamma, rstd):
 def _rms_norm_train_setup(ctx, inputs, output):
     x, gamma, _, _ = inputs
     ctx.save_for_backward(x, gamma, output[1])
+    ctx.mark_non_differentiable(output[1])  # rstd: a by-product, not a differentiable output
 
 
 def _rms_norm_train_grad(ctx, dy, _drstd):

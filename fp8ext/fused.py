@@ -62,7 +62,7 @@ def available(x: torch.Tensor, cols: int = 8) -> bool:
     """Whether the CUDA kernels run for x: a CUDA tensor, fp8ext built with CUDA, outside torch.compile's
     tracing, a float32, bfloat16 or float16 dtype, and an output width `cols` that is a multiple of 8 (16-byte
     vectors). Otherwise the functions compute the same definitions with torch ops."""
-    return (x.is_cuda and x.dtype in _DTYPES and cols % 8 == 0 and _CUDA
+    return (x.is_cuda and x.dtype in _DTYPES and cols > 0 and cols % 8 == 0 and _CUDA
             and not torch.compiler.is_compiling())
 
 
@@ -70,7 +70,7 @@ def train_available(x: torch.Tensor, cols: int = 8) -> bool:
     """Whether the training kernels (swiglu and rms_norm_train, forward and backward) run for x: as available(),
     and also while torch.compile traces, where they run as torch ops (torch.ops.fp8ext.swiglu and
     torch.ops.fp8ext.rms_norm_train, opaque to the compiler: the same kernels and bytes as in eager mode)."""
-    return x.is_cuda and x.dtype in _DTYPES and cols % 8 == 0 and _CUDA
+    return x.is_cuda and x.dtype in _DTYPES and cols > 0 and cols % 8 == 0 and _CUDA
 
 
 def version_key(t: torch.Tensor):
@@ -241,7 +241,7 @@ def rms_norm_train(x: torch.Tensor, gamma: torch.Tensor, eps: float,
     float32 residual stream normalised under autocast gives its bf16 output directly). On a GPU one kernel each
     way (rows up to 8192 wide): y = (x * rstd) * gamma in float32 rounded once; dx and dgamma in float32, dgamma
     summed in a fixed order (deterministic). On a CPU, and for wider rows, torch's F.rms_norm computes the same
-    definition. While torch.compile traces (with TRAINING on), the kernels run as torch.ops.fp8ext.rms_norm_train.
+    definition. While torch.compile traces, the kernels run as torch.ops.fp8ext.rms_norm_train.
     """
     _check(x, "rms_norm_train")
     out_dtype = out_dtype or x.dtype
@@ -251,7 +251,7 @@ def rms_norm_train(x: torch.Tensor, gamma: torch.Tensor, eps: float,
                          f"{x.device}")
     if out_dtype not in _DTYPES:
         raise TypeError(f"rms_norm_train(): out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
-    if cols <= 8192 and not available(x, cols) and TRAINING and train_available(x, cols):
+    if cols <= 8192 and not available(x, cols) and train_available(x, cols):
         return torch.ops.fp8ext.rms_norm_train(x, gamma.reshape(cols), float(eps), out_dtype)[0]  # torch.compile
     if not available(x, cols) or cols > 8192:
         return F.rms_norm(x.float(), (cols,), gamma.reshape(cols).float(), eps).to(out_dtype)
@@ -315,10 +315,10 @@ class _SwiGLU(torch.autograd.Function):
 
 def swiglu(h: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for h = [gate, up] along the last dimension, in h's dtype; differentiable. While
-    torch.compile traces (with TRAINING on), the kernels run as torch.ops.fp8ext.swiglu."""
+    torch.compile traces, the kernels run as torch.ops.fp8ext.swiglu."""
     _check(h, "swiglu", "h")
     shape = _half_shape(h, "swiglu")
-    if not available(h, shape[-1]) and TRAINING and train_available(h, shape[-1]):
+    if not available(h, shape[-1]) and train_available(h, shape[-1]):
         return torch.ops.fp8ext.swiglu(h)  # while torch.compile traces: the same kernels, as a torch op
     if not available(h, shape[-1]):
         return _swiglu_reference(h)

@@ -545,7 +545,11 @@ def test_training_kernels_are_registered_torch_ops(dtype):
     x = torch.randn(2, 3, 16, dtype=dtype, requires_grad=True)
     g = (torch.rand(16) + 0.5).requires_grad_()
     torch.library.opcheck(torch.ops.fp8ext.rms_norm_train, (x, g, 1e-6, torch.bfloat16))
+    # non-contiguous inputs give contiguous outputs, as the fake kernels say
+    torch.library.opcheck(torch.ops.fp8ext.swiglu, (torch.randn(32, 6, dtype=dtype).t(),))
+    torch.library.opcheck(torch.ops.fp8ext.rms_norm_train, (torch.randn(16, 5, dtype=dtype).t(), g, 1e-6, dtype))
     y, rstd = torch.ops.fp8ext.rms_norm_train(x, g, 1e-6, torch.bfloat16)
+    assert y.requires_grad and not rstd.requires_grad, "1/rms is a by-product, not differentiable"
     torch.library.opcheck(torch.ops.fp8ext.rms_norm_train_backward, (x.detach(), torch.randn_like(x), g.detach(),
                                                                        rstd.detach()))
     # gradients: the ops' formulas against autograd through the composition, in float64
@@ -587,11 +591,12 @@ def test_compiled_training_runs_the_fused_kernels_with_eager_bytes(monkeypatch):
     dy = torch.randn(4, 64, 256, device="cuda", dtype=torch.bfloat16)
     results = []
     for fn in (block, torch.compile(block, fullgraph=True)):
+        calls.clear()
         x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
         norm.weight.grad = None
         y = fn(x, w)
         y.backward(dy)
         results.append((y.detach(), x.grad, w.grad, norm.weight.grad))
+        assert "swiglu" in calls and "rms_bwd" in calls, f"{fn}: the kernels ran"
     for name, a, b in zip(("y", "dx", "dw", "dgamma"), *results):
         assert_same_bytes(b, a, name)
-    assert "swiglu" in calls and "rms_bwd" in calls
