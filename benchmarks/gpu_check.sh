@@ -62,7 +62,7 @@ PYEOF
     validate)
         echo "== validate"
         $PY -m fp8ext.validate --report "$OUT/validate" | tee "$OUT/validate.log" || status=1 ;;
-    quantize|gemm|linear|weight_only|decode_attention|block)
+    quantize|gemm|linear|weight_only|decode_attention|block|fused_cast)
         echo "== bench_$step"
         $PY benchmarks/bench_$step.py 2>&1 | tee "$OUT/bench_$step.log" || status=1 ;;
     *) echo "unknown step $step"; status=1 ;;

@@ -59,7 +59,15 @@ typedef struct {
     float *amax_out;
 } fp8ext_amax_args;
 
-/* x is rows x cols, row-major. q (rows x cols) and qt (cols x rows) receive fp8(x * scale). */
+/* x is rows x cols, row-major. q (rows x cols) and qt (cols x rows) receive fp8(x * scale).
+ * prologue (fp8ext_cuda_cast_transpose only; GPU only): an elementwise step computed first, so that q, qt and
+ * amax_out are those of its output y, rounded to x's dtype (what casting that step's unfused output would give):
+ *   FP8EXT_PROLOGUE_NONE     y = x;
+ *   FP8EXT_PROLOGUE_RMSNORM  y = (x * rstd[row]) * gamma[col] in float32 (rstd [rows], gamma [cols] float32,
+ *                            gamma 16-byte aligned): RMSNorm with its rstd computed beforehand (rms_norm_fwd);
+ *   FP8EXT_PROLOGUE_SWIGLU   x holds rows of 2 * cols values, gate then up: y = gate / (1 + exp(-gate)) * up in
+ *                            float32 (the fused SwiGLU kernels' definition). */
+enum { FP8EXT_PROLOGUE_NONE = 0, FP8EXT_PROLOGUE_RMSNORM = 1, FP8EXT_PROLOGUE_SWIGLU = 2 };
 typedef struct {
     const void *x;
     int x_dtype;
@@ -72,6 +80,8 @@ typedef struct {
     float *amax_out;
     float *scale_inv_out; /* NULL, or set to 1 / scale */
     int saturate;
+    int prologue;
+    const float *rstd, *gamma;
 } fp8ext_cast_transpose_args;
 
 /* cast_transpose with the bias gradient (Transformer Engine's cast_transpose_dbias): ct's cast and transpose of
@@ -257,7 +267,8 @@ typedef struct {
  *           its rows into partial[block, cols], then one pass adds the blocks in order (deterministic).
  * Dtypes float32 / bf16 / f16 (FP8EXT_F32 ...); gamma, rstd, partial, dgamma float32; cols % 8 == 0 and
  * cols <= 8192 (dgamma's per-block sums fit in 32 KB of shared memory); every pointer 16-byte aligned; zero rows
- * give dgamma = 0. GPU only. */
+ * give dgamma = 0. GPU only.
+ * forward with y == NULL: rstd only (for a cast_transpose with the RMSNorm prologue, which computes y itself). */
 typedef struct {
     const void *x;
     int x_dtype;

@@ -573,7 +573,7 @@ static int norm_cols_ok(const char *fn, int64_t cols) {
     return 0;
 }
 
-/* rms_norm_fwd(x, gamma, y, rstd, eps, stream=0): see fp8ext_rms_norm_fwd_args. */
+/* rms_norm_fwd(x, gamma, y, rstd, eps, stream=0): see fp8ext_rms_norm_fwd_args; y None: rstd only. */
 static PyObject *py_rms_norm_fwd(PyObject *module, PyObject *args, PyObject *kwargs) {
     static const char *fn = "rms_norm_fwd";
     static char *kwlist[] = {"x", "gamma", "y", "rstd", "eps", "stream", NULL};
@@ -586,18 +586,19 @@ static PyObject *py_rms_norm_fwd(PyObject *module, PyObject *args, PyObject *kwa
     fp8ext_view x = {0}, g = {0}, y = {0}, r = {0};
     PyObject *ret = NULL;
     fp8ext_rms_norm_fwd_args a = {0};
+    const int want_y = y_o != Py_None;  /* None: rstd only */
     if (get_arg(x_o, -1, NULL, NULL, stream, fn, "x", &x) < 0 || on_gpu(&x, fn, "x") < 0 ||
         get_arg(g_o, FP8EXT_KIND_F32, &x, "x", stream, fn, "gamma", &g) < 0 ||
-        get_arg(y_o, -1, &x, "x", stream, fn, "y", &y) < 0 || fp8ext_check_writable(&y, fn, "y") < 0 ||
+        (want_y && (get_arg(y_o, -1, &x, "x", stream, fn, "y", &y) < 0 || fp8ext_check_writable(&y, fn, "y") < 0)) ||
         get_arg(r_o, FP8EXT_KIND_F32, &x, "x", stream, fn, "rstd", &r) < 0 || fp8ext_check_writable(&r, fn, "rstd") < 0)
         goto done;
-    if (x.ndim != 2 || y.ndim != 2 || g.ndim != 1 || r.ndim != 1 || y.shape[0] != x.shape[0] ||
-        y.shape[1] != x.shape[1] || g.shape[0] != x.shape[1] || r.shape[0] != x.shape[0]) {
+    if (x.ndim != 2 || g.ndim != 1 || r.ndim != 1 || g.shape[0] != x.shape[1] || r.shape[0] != x.shape[0] ||
+        (want_y && (y.ndim != 2 || y.shape[0] != x.shape[0] || y.shape[1] != x.shape[1]))) {
         value_error(fn, "x and y must be [rows, cols], gamma [cols] and rstd [rows]");
         goto done;
     }
     if (norm_cols_ok(fn, x.shape[1]) < 0 ||
-        aligned16(fn, 3, (const fp8ext_view *const[]){&x, &y, &g}, "x, y and gamma") < 0 ||
+        aligned16(fn, 3, (const fp8ext_view *const[]){&x, want_y ? &y : &x, &g}, "x, y and gamma") < 0 ||
         fp8ext_check_disjoint(fn, 2, 4, (const fp8ext_view *const[]){&y, &r, &x, &g},
                               (const char *const[]){"y", "rstd", "x", "gamma"}) < 0)
         goto done;
@@ -605,8 +606,8 @@ static PyObject *py_rms_norm_fwd(PyObject *module, PyObject *args, PyObject *kwa
     a.x_dtype = hp_dtype(&x);
     a.gamma = g.data;
     a.eps = eps;
-    a.y = y.data;
-    a.y_dtype = hp_dtype(&y);
+    a.y = want_y ? y.data : NULL;
+    a.y_dtype = want_y ? hp_dtype(&y) : a.x_dtype;
     a.rstd = r.data;
     a.rows = x.shape[0];
     a.cols = x.shape[1];

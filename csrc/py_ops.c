@@ -265,6 +265,101 @@ done:
     return ret;
 }
 
+/* A float32 vector of n values on ref's device, read by a kernel (rstd, gamma of cast_transpose_fused). */
+static int get_f32_vector(PyObject *o, int64_t n, const fp8ext_view *ref, Py_ssize_t stream, const char *fn,
+                          const char *arg, fp8ext_view *v) {
+    if (o == Py_None) {
+        PyErr_Format(PyExc_ValueError, "%s(): %s is required for this prologue", fn, arg);
+        return -1;
+    }
+    if (fp8ext_view_get(o, stream, fn, arg, v) < 0 || fp8ext_check_kind(v, FP8EXT_KIND_F32, fn, arg) < 0 ||
+        fp8ext_check_contiguous(v, fn, arg) < 0 || fp8ext_check_same_device(v, ref, fn, arg, "x") < 0)
+        return -1;
+    if (v->ndim != 1 || v->shape[0] != n) {
+        PyErr_Format(PyExc_ValueError, "%s(): %s must have shape [%lld]", fn, arg, (long long)n);
+        return -1;
+    }
+    return 0;
+}
+
+static void no_cpu(const void *a) { (void)a; }
+
+/* cast_transpose_fused(x, out, out_t, fmt, scale, prologue, rstd=None, gamma=None, amax_out=None, stream=0,
+ *                      scale_inv_out=None): cast_transpose of an elementwise step's output, computed on the way
+ * (fp8ext.h's prologues): RMSNorm of x [rows, cols] with rstd [rows] and gamma [cols], or SwiGLU of x [rows,
+ * 2 * cols]; out [rows, cols], out_t [cols, rows]. GPU only. */
+static PyObject *py_cast_transpose_fused(PyObject *module, PyObject *args, PyObject *kwargs) {
+    static const char *fn = "cast_transpose_fused";
+    static char *kwlist[] = {"x", "out", "out_t", "fmt", "scale", "prologue", "rstd", "gamma", "amax_out", "stream",
+                             "scale_inv_out", NULL};
+    PyObject *x_o, *out_o, *outt_o, *scale_o, *rstd_o = Py_None, *g_o = Py_None, *amax_o = Py_None, *sinv_o = Py_None;
+    int fmt, prologue;
+    Py_ssize_t stream = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOiOi|OOOnO:cast_transpose_fused", kwlist, &x_o, &out_o, &outt_o,
+                                     &fmt, &scale_o, &prologue, &rstd_o, &g_o, &amax_o, &stream, &sinv_o))
+        return NULL;
+    ct_views v = {0};
+    fp8ext_view rstd = {0}, g = {0};
+    PyObject *ret = NULL;
+    fp8ext_cast_transpose_args a = {0};
+    if (fp8ext_check_fmt(fmt, fn) < 0 || get_input(x_o, stream, fn, "x", &v.x) < 0) goto done;
+    if (v.x.device_type == 1) {
+        PyErr_Format(PyExc_ValueError, "%s(): x is in host memory; the fused casts run on a GPU (on a CPU, compute the "
+                     "step, then cast_transpose)", fn);
+        goto done;
+    }
+    if (prologue != FP8EXT_PROLOGUE_RMSNORM && prologue != FP8EXT_PROLOGUE_SWIGLU) {
+        PyErr_Format(PyExc_ValueError, "%s(): prologue must be %d (RMSNorm) or %d (SwiGLU), got %d", fn,
+                     FP8EXT_PROLOGUE_RMSNORM, FP8EXT_PROLOGUE_SWIGLU, prologue);
+        goto done;
+    }
+    if (v.x.ndim != 2 || (prologue == FP8EXT_PROLOGUE_SWIGLU && v.x.shape[1] % 2)) {
+        PyErr_Format(PyExc_ValueError, "%s(): x must be 2-D%s", fn,
+                     prologue == FP8EXT_PROLOGUE_SWIGLU ? " with an even number of columns (gate, then up)" : "");
+        goto done;
+    }
+    a.rows = v.x.shape[0];
+    a.cols = prologue == FP8EXT_PROLOGUE_SWIGLU ? v.x.shape[1] / 2 : v.x.shape[1];
+    if (get_output(out_o, FP8EXT_KIND_U8, &v.x, "x", stream, fn, "out", &v.out) < 0 ||
+        fp8ext_check_fp8(&v.out, fmt, fn, "out") < 0 ||
+        get_output(outt_o, FP8EXT_KIND_U8, &v.x, "x", stream, fn, "out_t", &v.outt) < 0 ||
+        fp8ext_check_fp8(&v.outt, fmt, fn, "out_t") < 0)
+        goto done;
+    if (v.out.ndim != 2 || v.out.shape[0] != a.rows || v.out.shape[1] != a.cols || v.outt.ndim != 2 ||
+        v.outt.shape[0] != a.cols || v.outt.shape[1] != a.rows) {
+        PyErr_Format(PyExc_ValueError, "%s(): out must have shape [%lld, %lld] and out_t [%lld, %lld]", fn,
+                     (long long)a.rows, (long long)a.cols, (long long)a.cols, (long long)a.rows);
+        goto done;
+    }
+    if (get_scale(scale_o, &v.x, "x", stream, fn, "scale", &v.scale, &a.scale_ptr, &a.scale) < 0 ||
+        get_amax(amax_o, &v.x, "x", stream, fn, "amax_out", &v.amax, &a.amax_out) < 0 ||
+        get_amax(sinv_o, &v.x, "x", stream, fn, "scale_inv_out", &v.sinv, &a.scale_inv_out) < 0)
+        goto done;
+    if (prologue == FP8EXT_PROLOGUE_RMSNORM &&
+        (get_f32_vector(rstd_o, a.rows, &v.x, stream, fn, "rstd", &rstd) < 0 ||
+         get_f32_vector(g_o, a.cols, &v.x, stream, fn, "gamma", &g) < 0))
+        goto done;
+    if (fp8ext_check_disjoint(fn, 4, 8, (const fp8ext_view *const[]){&v.sinv, &v.amax, &v.out, &v.outt, &v.x, &v.scale,
+                                                                      &rstd, &g},
+                              (const char *const[]){"scale_inv_out", "amax_out", "out", "out_t", "x", "scale", "rstd",
+                                                    "gamma"}) < 0)
+        goto done;
+    a.x = v.x.data;
+    a.x_dtype = hp_dtype(&v.x);
+    a.q = v.out.data;
+    a.qt = v.outt.data;
+    a.fmt = fmt;
+    a.saturate = 1;
+    a.prologue = prologue;
+    a.rstd = rstd.data;
+    a.gamma = g.data;
+    if (fp8ext_run_op(module, &v.x, stream, fn, no_cpu, cuda_cast_transpose, &a) < 0) goto done;
+    ret = Py_NewRef(Py_None);
+done:
+    FP8EXT_RELEASE_ALL(&v.x, &v.out, &v.outt, &v.scale, &v.amax, &v.sinv, &rstd, &g);
+    return ret;
+}
+
 /* cast_transpose_dbias(x, out, out_t, dbias, workspace, fmt, scale, amax_out=None, saturate=True, stream=0,
  *                      scale_inv_out=None): cast_transpose, and dbias [cols] (x's dtype or float32) = the column
  * sums of x through workspace [cast_transpose_dbias_workspace(rows, cols)] float32 (fp8ext.h). */
@@ -407,6 +502,10 @@ PyMethodDef fp8ext_op_methods[] = {
     {"cast_transpose", (PyCFunction)(void (*)(void))py_cast_transpose, METH_VARARGS | METH_KEYWORDS,
      "cast_transpose(x, out, out_t, fmt, scale, amax_out=None, saturate=True, stream=0)\n"
      "out = fp8(x * scale) and out_t = out transposed, for a 2-D x."},
+    {"cast_transpose_fused", (PyCFunction)(void (*)(void))py_cast_transpose_fused, METH_VARARGS | METH_KEYWORDS,
+     "cast_transpose_fused(x, out, out_t, fmt, scale, prologue, rstd=None, gamma=None, amax_out=None, stream=0,\n"
+     "                     scale_inv_out=None)\n"
+     "cast_transpose of RMSNorm(x) (prologue 1, with rstd and gamma) or SwiGLU(x) (prologue 2), computed on the way."},
     {"cast_transpose_dbias", (PyCFunction)(void (*)(void))py_cast_transpose_dbias, METH_VARARGS | METH_KEYWORDS,
      "cast_transpose_dbias(x, out, out_t, dbias, workspace, fmt, scale, amax_out=None, saturate=True, stream=0,\n"
      "                     scale_inv_out=None)\n"

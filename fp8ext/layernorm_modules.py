@@ -9,9 +9,12 @@ LayerNorm. Parameters carry TE's names (layer_norm_weight, layer_norm_bias, weig
 fc2_weight, fc2_bias), so state dicts of TE's modules load here and the other way round. TE's FP8 metadata
 (`_extra_state`) is not read: the FP8 scaling state starts fresh after loading a TE checkpoint.
 
-In this version the norm, the activation and the FP8 casts are separate operations (the same arithmetic as TE's
-fused kernels up to the roundings of the intermediate bf16 tensors), except SwiGLU on a GPU: one fp8ext.fused
-kernel each way, silu(gate) * up rounded once. Fusing the norm and the FP8 casts is future work.
+On a GPU, inside fp8_autocast with delayed scaling, RMSNorm and SwiGLU are computed inside the FP8 cast of the next
+GEMM's input, as TE's fused kernels do: the norm's or the activation's high-precision output is never written
+(fp8ext._fused_linear; the same bytes as the separate steps, the output rounded to the input's dtype before its
+cast). Their backward passes are one kernel each (fp8ext.fused). LayerNorm, the other activations, current scaling
+and return_layernorm_output=True run the steps separately: the norm, the activation (SwiGLU still one kernel each
+way on a GPU), then FP8Linear's cast.
 
 Activations (TE's): "gelu" (tanh approximation, as TE's), "relu", "silu", and the gated "swiglu", "geglu",
 "reglu", whose fc1 has 2 * ffn_hidden_size outputs: act(first half) * second half.
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import fused
+from ._fused_linear import RMSNORM, SWIGLU, fused_input_linear
 from .linear import FP8Linear
 from .normalization import LayerNorm, RMSNorm
 
@@ -79,6 +83,14 @@ class _TENamedParameters(nn.Module):
             return obj
         return super().__getattr__(name)
 
+    def _fused_norm_linear(self, linear: FP8Linear, inp: torch.Tensor, is_first_microbatch):
+        """linear(RMSNorm(inp)) with the norm computed inside the FP8 cast of linear's input, or None where that
+        path does not run (LayerNorm, or a call fp8ext._fused_linear does not take)."""
+        norm = self.layer_norm
+        if not isinstance(norm, RMSNorm) or not isinstance(inp, torch.Tensor) or len(norm.normalized_shape) != 1:
+            return None
+        return fused_input_linear(linear, RMSNORM, inp, norm._gamma(torch.float32), norm.eps, is_first_microbatch)
+
 
 class LayerNormLinear(_TENamedParameters):
     """y = Linear(norm(x)) (see the module docstring). Arguments as TE's: in_features, out_features, eps, bias,
@@ -104,6 +116,10 @@ class LayerNormLinear(_TENamedParameters):
                                 fuse_wgrad_accumulation=fuse_wgrad_accumulation, **te_kwargs)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+        if not self.return_layernorm_output:
+            out = self._fused_norm_linear(self.linear, inp, is_first_microbatch)
+            if out is not None:
+                return out
         ln = self.layer_norm(inp)
         out = self.linear(ln, is_first_microbatch=is_first_microbatch)
         if not self.return_layernorm_output:
@@ -140,8 +156,14 @@ class LayerNormMLP(_TENamedParameters):
                              return_bias=return_bias, **common, **te_kwargs)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
-        ln = self.layer_norm(inp)
-        h = self.fc1(ln, is_first_microbatch=is_first_microbatch)
+        h = None if self.return_layernorm_output else self._fused_norm_linear(self.fc1, inp, is_first_microbatch)
+        if h is None:
+            ln = self.layer_norm(inp)
+            h = self.fc1(ln, is_first_microbatch=is_first_microbatch)
+        if self.activation == "swiglu":  # SwiGLU computed inside fc2's input cast, where that path runs
+            out = fused_input_linear(self.fc2, SWIGLU, h, is_first_microbatch=is_first_microbatch)
+            if out is not None:
+                return out
         act = _ACTIVATIONS[self.activation]
         if self.activation == "swiglu" and fused.train_available(h, h.shape[-1] // 2) and (
                 fused.TRAINING or not torch.is_grad_enabled()):

@@ -117,38 +117,47 @@ class _FP8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x8t, x_sinv, w8t, w_sinv = ctx.saved_tensors
-        g_scale, g_amax = ctx.g_state
-        if ctx.grad_slot is not None:
-            mgr, slot, generation = ctx.grad_slot
-            if mgr.generation != generation:  # the buffers were reallocated after this forward
-                g_scale, _, g_amax = mgr.views(slot)
-        n = w8t.shape[1]
-        dy2 = dy.reshape(-1, n)
-        if not dy2.is_contiguous():
-            dy2 = dy2.contiguous()
-        if debug.enabled():
-            debug.check_finite(dy2, "FP8Linear backward", "grad_output")
-            debug.check_scale(g_scale, "FP8Linear backward", "the gradient's scale")
-        want_db = ctx.b_dtype is not None and ctx.needs_input_grad[2]
-        if want_db:  # the bias gradient from the cast's own pass over dy
-            g8, g8t, g_sinv, db32 = _cast_dbias(_pad_rows(dy2), ctx.bwd, g_scale, g_amax, ctx.margin)
-        else:
-            g8, g8t, g_sinv = _cast(_pad_rows(dy2), ctx.bwd, g_scale, g_amax, ctx.margin)
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dx = _gemm(g8, w8t, g_sinv, w_sinv, ctx.x_dtype)[: ctx.m]
+        dx, dw, db = _fp8_linear_backward(ctx, dy, x8t, x_sinv, w8t, w_sinv, *ctx.needs_input_grad[:3])
+        if dx is not None:
             dx = dx.reshape(ctx.x_shape)
-        if ctx.main_grad is not None:  # fuse_wgrad_accumulation: main_grad += dW in the GEMM itself (beta = 1)
-            if torch.compiler.is_compiling():
-                ctx.main_grad.add_(_gemm(g8t, x8t, g_sinv, x_sinv, torch.float32))
-            else:
-                gemm_eager(g8t, x8t, g_sinv, x_sinv, torch.float32, None, False, ctx.main_grad, True, None, None)
-            dw = _wgrad_placeholder(ctx.weight_ref)
-        elif ctx.needs_input_grad[1]:
-            dw = _gemm(g8t, x8t, g_sinv, x_sinv, ctx.w_dtype)
-        if want_db:
-            db = db32.to(ctx.b_dtype)
         return dx, dw, db, None, None, None, None, None, None, None, None, None, None, None, None, None
+
+
+def _fp8_linear_backward(ctx, dy, x8t, x_sinv, w8t, w_sinv, need_dx, need_dw, need_db):
+    """(dx [m, k] or None, dw, db) of an FP8 linear layer from its forward's saved FP8 operands: dy cast to the
+    backward format (with the bias gradient from the same pass), then the dgrad and wgrad GEMMs. ctx holds g_state,
+    grad_slot, m, bwd, margin, x_dtype, w_dtype, b_dtype, main_grad and weight_ref, as the forward set them."""
+    g_scale, g_amax = ctx.g_state
+    if ctx.grad_slot is not None:
+        mgr, slot, generation = ctx.grad_slot
+        if mgr.generation != generation:  # the buffers were reallocated after this forward
+            g_scale, _, g_amax = mgr.views(slot)
+    n = w8t.shape[1]
+    dy2 = dy.reshape(-1, n)
+    if not dy2.is_contiguous():
+        dy2 = dy2.contiguous()
+    if debug.enabled():
+        debug.check_finite(dy2, "FP8Linear backward", "grad_output")
+        debug.check_scale(g_scale, "FP8Linear backward", "the gradient's scale")
+    want_db = ctx.b_dtype is not None and need_db
+    if want_db:  # the bias gradient from the cast's own pass over dy
+        g8, g8t, g_sinv, db32 = _cast_dbias(_pad_rows(dy2), ctx.bwd, g_scale, g_amax, ctx.margin)
+    else:
+        g8, g8t, g_sinv = _cast(_pad_rows(dy2), ctx.bwd, g_scale, g_amax, ctx.margin)
+    dx = dw = db = None
+    if need_dx:
+        dx = _gemm(g8, w8t, g_sinv, w_sinv, ctx.x_dtype)[: ctx.m]
+    if ctx.main_grad is not None:  # fuse_wgrad_accumulation: main_grad += dW in the GEMM itself (beta = 1)
+        if torch.compiler.is_compiling():
+            ctx.main_grad.add_(_gemm(g8t, x8t, g_sinv, x_sinv, torch.float32))
+        else:
+            gemm_eager(g8t, x8t, g_sinv, x_sinv, torch.float32, None, False, ctx.main_grad, True, None, None)
+        dw = _wgrad_placeholder(ctx.weight_ref)
+    elif need_dw:
+        dw = _gemm(g8t, x8t, g_sinv, x_sinv, ctx.w_dtype)
+    if want_db:
+        db = db32.to(ctx.b_dtype)
+    return dx, dw, db
 
 
 def _wgrad_placeholder(weight):
@@ -551,24 +560,30 @@ class FP8Linear(nn.Module):
                 mgr.dirty = True
             return self._output(F.linear(input, self.weight, bias))
         fwd, bwd = recipe.fp8_format.fwd, recipe.fp8_format.bwd
-        grad_slot = None
         if delayed:
-            mgr, views = self._manager_views(recipe)
-            (xs, _, xa), (ws, _, wa), (gs, _, ga) = views
-            mgr.dirty = True
-            if not torch.compiler.is_compiling():
-                grad_slot = self._grad_slot(recipe)
-                _, _, generation, slots = self._fp8_views[recipe]
-                if self._lean is None or self._lean.recipe is not recipe or self._lean.generation != generation:
-                    self._lean = _LeanState(recipe, mgr, views, generation, slots)
+            (xs, xa, ws, wa, gs, ga), grad_slot = self._delayed_slots(recipe)
         else:
-            xs = xa = ws = wa = gs = ga = None
+            xs = xa = ws = wa = gs = ga = grad_slot = None
         if debug.enabled():
             self._debug_checks(input, xs, ws, gs)
         w8, w8t, w_sinv = self._weight_fp8(fwd, ws, wa, recipe.margin, is_first_microbatch)
         y = _FP8LinearFunction.apply(input, self.weight, bias, w8, w8t, w_sinv, xs, xa, gs, ga, fwd.code, bwd.code,
                                      float(recipe.margin), activation_dtype(input), grad_slot, main_grad)
         return self._output(y)
+
+    def _delayed_slots(self, recipe: DelayedScaling):
+        """((x scale, x amax, W scale, W amax, dy scale, dy amax), grad_slot) of a forward with delayed scaling,
+        the manager marked for its next update; grad_slot (see _grad_slot) is None under torch.compile."""
+        mgr, views = self._manager_views(recipe)
+        (xs, _, xa), (ws, _, wa), (gs, _, ga) = views
+        mgr.dirty = True
+        grad_slot = None
+        if not torch.compiler.is_compiling():
+            grad_slot = self._grad_slot(recipe)
+            _, _, generation, slots = self._fp8_views[recipe]
+            if self._lean is None or self._lean.recipe is not recipe or self._lean.generation != generation:
+                self._lean = _LeanState(recipe, mgr, views, generation, slots)
+        return (xs, xa, ws, wa, gs, ga), grad_slot
 
     def _lean_forward(self, input, st: _LeanState):
         """The fast path's forward (see _LeanLinearFunction), or None when this input needs the composed path."""

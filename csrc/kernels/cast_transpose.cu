@@ -57,11 +57,48 @@ __device__ __forceinline__ void store_piece(uint8_t *dst, uint32_t lo, uint32_t 
     }
 }
 
-template <typename T, int FMT, bool DBIAS>
+// The prologue's output (fp8ext.h) for the V values of x's row r from column c, unpacked from `in` (and, for
+// SwiGLU, `up`: the same columns of the row's second half), rounded to T.
+template <typename T, int PRO>
+__device__ __forceinline__ void prologue_vec(float *f, const uint4 &up, int64_t r, int64_t c,
+                                            const float *__restrict__ rstd, const float *__restrict__ gamma) {
+    constexpr int V = Elem<T>::kVec;
+    if constexpr (PRO == FP8EXT_PROLOGUE_RMSNORM) {
+        const float rs = __ldg(rstd + r);
+#pragma unroll
+        for (int j = 0; j < V; j += 4) {
+            const float4 g = __ldg(reinterpret_cast<const float4 *>(gamma + c + j));
+            f[j] = round_to<T>((f[j] * rs) * g.x);
+            f[j + 1] = round_to<T>((f[j + 1] * rs) * g.y);
+            f[j + 2] = round_to<T>((f[j + 2] * rs) * g.z);
+            f[j + 3] = round_to<T>((f[j + 3] * rs) * g.w);
+        }
+    } else if constexpr (PRO == FP8EXT_PROLOGUE_SWIGLU) {
+        float u[V];
+        Elem<T>::unpack(up, u);
+#pragma unroll
+        for (int j = 0; j < V; ++j) f[j] = round_to<T>(silu_times(f[j], u[j]));
+    }
+}
+
+// One value of the prologue's output at (r, c); ld is x's row length (2 * cols for SwiGLU).
+template <typename T, int PRO>
+__device__ __forceinline__ float prologue_one(const T *__restrict__ x, int64_t ld, int64_t cols, int64_t r, int64_t c,
+                                              const float *__restrict__ rstd, const float *__restrict__ gamma) {
+    const float v = Elem<T>::load1(x, r * ld + c);
+    if constexpr (PRO == FP8EXT_PROLOGUE_RMSNORM) return round_to<T>((v * rstd[r]) * gamma[c]);
+    if constexpr (PRO == FP8EXT_PROLOGUE_SWIGLU) return round_to<T>(silu_times(v, Elem<T>::load1(x, r * ld + cols + c)));
+    return v;
+}
+
+template <typename T, int FMT, bool DBIAS, int PRO>
 __device__ __forceinline__ void fast_tile(const T *__restrict__ x, uint8_t *__restrict__ q, uint8_t *__restrict__ qt,
                                           int64_t rows, int64_t cols, int64_t row0, int64_t col0, float scale,
                                           int saturate, int qt_width, int32_t &amax, uint32_t (*tile)[kRowWords],
-                                          float (*part)[kTile]) {
+                                          float (*part)[kTile], const float *__restrict__ rstd,
+                                          const float *__restrict__ gamma) {
+    static_assert(!(DBIAS && PRO), "dbias is for casts without a prologue");
+    const int64_t ld = PRO == FP8EXT_PROLOGUE_SWIGLU ? 2 * cols : cols;
     constexpr int V = Elem<T>::kVec;
     constexpr int kVecPerRow = kTile / V;
     constexpr int kPerThread = kTile * kVecPerRow / kThreads;
@@ -76,12 +113,14 @@ __device__ __forceinline__ void fast_tile(const T *__restrict__ x, uint8_t *__re
     for (int s = 0; s < kSlots; ++s)
 #pragma unroll
         for (int j = 0; j < V; ++j) acc[s][j] = 0.0f;
-    uint4 in[kPerThread];
+    uint4 in[kPerThread], up[PRO == FP8EXT_PROLOGUE_SWIGLU ? kPerThread : 1];
 #pragma unroll
     for (int it = 0; it < kPerThread; ++it) {
         const int k = threadIdx.x + it * kThreads;
         const int r = k / kVecPerRow, vc = k % kVecPerRow;
-        in[it] = __ldcs(reinterpret_cast<const uint4 *>(x + (row0 + r) * cols + col0 + vc * V));
+        in[it] = __ldcs(reinterpret_cast<const uint4 *>(x + (row0 + r) * ld + col0 + vc * V));
+        if constexpr (PRO == FP8EXT_PROLOGUE_SWIGLU)
+            up[it] = __ldcs(reinterpret_cast<const uint4 *>(x + (row0 + r) * ld + cols + col0 + vc * V));
     }
 #pragma unroll
     for (int it = 0; it < kPerThread; ++it) {
@@ -89,6 +128,8 @@ __device__ __forceinline__ void fast_tile(const T *__restrict__ x, uint8_t *__re
         const int r = k / kVecPerRow, vc = k % kVecPerRow;
         float f[V];
         Elem<T>::unpack(in[it], f);
+        if constexpr (PRO != FP8EXT_PROLOGUE_NONE)
+            prologue_vec<T, PRO>(f, up[PRO == FP8EXT_PROLOGUE_SWIGLU ? it : 0], row0 + r, col0 + vc * V, rstd, gamma);
         if constexpr (DBIAS) {
 #pragma unroll
             for (int j = 0; j < V; ++j) acc[it % kSlots][j] += f[j];
@@ -146,10 +187,12 @@ __device__ __forceinline__ void fast_tile(const T *__restrict__ x, uint8_t *__re
 
 // One (row group h, column c) pair per step: rows h, h + 16, h + 32, h + 48 of column c, in that order (dbias's
 // order); a warp covers 32 consecutive columns of one row, so loads of x and stores of q are coalesced.
-template <typename T, int FMT, bool DBIAS>
+template <typename T, int FMT, bool DBIAS, int PRO>
 __device__ __forceinline__ void edge_tile(const T *__restrict__ x, uint8_t *__restrict__ q, uint8_t *__restrict__ qt,
                                           int64_t rows, int64_t cols, int64_t row0, int64_t col0, float scale,
-                                          int saturate, int32_t &amax, float (*part)[kTile]) {
+                                          int saturate, int32_t &amax, float (*part)[kTile],
+                                          const float *__restrict__ rstd, const float *__restrict__ gamma) {
+    const int64_t ld = PRO == FP8EXT_PROLOGUE_SWIGLU ? 2 * cols : cols;
     for (int p = threadIdx.x; p < kGroups * kTile; p += kThreads) {
         const int h = p / kTile, tc = p % kTile;
         const int64_t c = col0 + tc;
@@ -158,7 +201,7 @@ __device__ __forceinline__ void edge_tile(const T *__restrict__ x, uint8_t *__re
         for (int i = 0; i < kGroupRows; ++i) {
             const int64_t r = row0 + h + i * kGroups;
             if (r >= rows || c >= cols) continue;
-            const float v = Elem<T>::load1(x, r * cols + c);
+            const float v = prologue_one<T, PRO>(x, ld, cols, r, c, rstd, gamma);
             amax = max(amax, abs_bits(v));
             const uint8_t b = static_cast<uint8_t>(cvt1<FMT>(v, scale, saturate));
             q[r * cols + c] = b;
@@ -169,12 +212,12 @@ __device__ __forceinline__ void edge_tile(const T *__restrict__ x, uint8_t *__re
     }
 }
 
-template <typename T, int FMT, bool DBIAS>
+template <typename T, int FMT, bool DBIAS, int PRO>
 __global__ void __launch_bounds__(kThreads)
 cast_transpose_kernel(const T *__restrict__ x, uint8_t *__restrict__ q, uint8_t *__restrict__ qt, int64_t rows,
                       int64_t cols, int64_t col_tiles, const float *__restrict__ scale_ptr, float scale_value,
                       float *amax_out, float *scale_inv_out, int saturate, int vector_ok, int qt_width,
-                      float *__restrict__ workspace) {
+                      float *__restrict__ workspace, const float *__restrict__ rstd, const float *__restrict__ gamma) {
     __shared__ uint32_t tile[kTile][kRowWords];
     __shared__ __align__(16) float part[DBIAS ? kGroups : 1][kTile];  // dbias: a sum per (row group, column)
     const float scale = load_scale(scale_ptr, scale_value);
@@ -183,9 +226,10 @@ cast_transpose_kernel(const T *__restrict__ x, uint8_t *__restrict__ q, uint8_t 
     const int64_t col0 = (static_cast<int64_t>(blockIdx.x) % col_tiles) * kTile;
     int32_t amax = 0;
     if (vector_ok && row0 + kTile <= rows && col0 + kTile <= cols)
-        fast_tile<T, FMT, DBIAS>(x, q, qt, rows, cols, row0, col0, scale, saturate, qt_width, amax, tile, part);
+        fast_tile<T, FMT, DBIAS, PRO>(x, q, qt, rows, cols, row0, col0, scale, saturate, qt_width, amax, tile, part,
+                                      rstd, gamma);
     else
-        edge_tile<T, FMT, DBIAS>(x, q, qt, rows, cols, row0, col0, scale, saturate, amax, part);
+        edge_tile<T, FMT, DBIAS, PRO>(x, q, qt, rows, cols, row0, col0, scale, saturate, amax, part, rstd, gamma);
     if constexpr (DBIAS) {
         __syncthreads();
         if (threadIdx.x < kTile && col0 + threadIdx.x < cols) {
@@ -227,7 +271,7 @@ dbias_reduce_kernel(const float *__restrict__ workspace, int64_t tiles, int64_t 
         static_cast<float *>(dbias)[c] = sum;
 }
 
-template <bool DBIAS>
+template <bool DBIAS, int PRO>
 int launch(const fp8ext_cast_transpose_args *a, float *workspace, cudaStream_t s) {
     if (a->rows == 0 || a->cols == 0)
         return a->scale_inv_out ? fp8ext_cuda_write_reciprocal(a->scale_ptr, a->scale, a->scale_inv_out, s)
@@ -237,13 +281,15 @@ int launch(const fp8ext_cast_transpose_args *a, float *workspace, cudaStream_t s
     if (tiles > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
     // x's rows in 16-byte vectors and q's in 8-byte pieces need cols % 8 == 0; qt's pieces go in the widest
     // stores that its start and its row length (rows bytes) both allow.
-    const int vector_ok = aligned(a->x, 16) && aligned(a->q, 8) && a->cols % 8 == 0;
+    // (The prologues' second reads: SwiGLU's up half starts cols values in, RMSNorm's gamma is read in float4s.)
+    const int vector_ok = aligned(a->x, 16) && aligned(a->q, 8) && a->cols % 8 == 0 &&
+                          (PRO != FP8EXT_PROLOGUE_RMSNORM || aligned(a->gamma, 16));
     int qt_width = 8;
     while (qt_width > 1 && (!aligned(a->qt, qt_width) || a->rows % qt_width)) qt_width /= 2;
     FP8EXT_DISPATCH_DTYPE(a->x_dtype, FP8EXT_DISPATCH_FMT(a->fmt, {
-        cast_transpose_kernel<T, FMT, DBIAS><<<static_cast<unsigned>(tiles), kThreads, 0, s>>>(
+        cast_transpose_kernel<T, FMT, DBIAS, PRO><<<static_cast<unsigned>(tiles), kThreads, 0, s>>>(
             static_cast<const T *>(a->x), a->q, a->qt, a->rows, a->cols, col_tiles, a->scale_ptr, a->scale,
-            a->amax_out, a->scale_inv_out, a->saturate, vector_ok, qt_width, workspace);
+            a->amax_out, a->scale_inv_out, a->saturate, vector_ok, qt_width, workspace, a->rstd, a->gamma);
         return cudaGetLastError();
     }));
     return cudaErrorInvalidValue;
@@ -253,7 +299,16 @@ int launch(const fp8ext_cast_transpose_args *a, float *workspace, cudaStream_t s
 }  // namespace fp8ext
 
 extern "C" int fp8ext_cuda_cast_transpose(const fp8ext_cast_transpose_args *a, void *stream, int /*num_sms*/) {
-    return fp8ext::launch<false>(a, nullptr, static_cast<cudaStream_t>(stream));
+    using namespace fp8ext;
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    switch (a->prologue) {
+    case FP8EXT_PROLOGUE_NONE: return launch<false, FP8EXT_PROLOGUE_NONE>(a, nullptr, s);
+    case FP8EXT_PROLOGUE_RMSNORM:
+        if (!a->rstd || !a->gamma) return cudaErrorInvalidValue;
+        return launch<false, FP8EXT_PROLOGUE_RMSNORM>(a, nullptr, s);
+    case FP8EXT_PROLOGUE_SWIGLU: return launch<false, FP8EXT_PROLOGUE_SWIGLU>(a, nullptr, s);
+    default: return cudaErrorInvalidValue;
+    }
 }
 
 extern "C" int fp8ext_cuda_cast_transpose_dbias(const fp8ext_cast_transpose_dbias_args *a, void *stream,
@@ -264,7 +319,8 @@ extern "C" int fp8ext_cuda_cast_transpose_dbias(const fp8ext_cast_transpose_dbia
     if (a->dbias_dtype != FP8EXT_F32 && a->dbias_dtype != a->ct.x_dtype) return cudaErrorInvalidValue;
     const int64_t blocks = (cols + kReduceThreads - 1) / kReduceThreads;
     if (blocks > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
-    const int err = launch<true>(&a->ct, a->workspace, s);
+    if (a->ct.prologue != FP8EXT_PROLOGUE_NONE) return cudaErrorInvalidValue;
+    const int err = launch<true, FP8EXT_PROLOGUE_NONE>(&a->ct, a->workspace, s);
     if (err != cudaSuccess || cols == 0) return err;
     // rows == 0: no tiles, and the reduction writes dbias = 0.
     dbias_reduce_kernel<<<static_cast<unsigned>(blocks), kReduceThreads, 0, s>>>(

@@ -120,6 +120,18 @@ __device__ __forceinline__ void block_amax_commit(int32_t m, float *amax_out) {
 
 __device__ __forceinline__ float load_scale(const float *ptr, float value) { return ptr ? __ldg(ptr) : value; }
 
+// Rounds v to T and back (exact), so that what is quantized is what the high-precision output holds.
+template <typename T> __device__ __forceinline__ float round_to(float v);
+template <> __device__ __forceinline__ float round_to<float>(float v) { return v; }
+template <> __device__ __forceinline__ float round_to<__nv_bfloat16>(float v) {
+    return __bfloat162float(__float2bfloat16_rn(v));
+}
+template <> __device__ __forceinline__ float round_to<__half>(float v) { return __half2float(__float2half_rn(v)); }
+
+// SwiGLU's product silu(gate) * up in float32, as every fused kernel computes it (one definition, so that a
+// cast with the SwiGLU prologue gives the bytes of the SwiGLU kernel's output cast).
+__device__ __forceinline__ float silu_times(float gate, float up) { return gate / (1.0f + expf(-gate)) * up; }
+
 inline bool aligned(const void *p, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(p) % bytes) == 0; }
 
 }  // namespace fp8ext

@@ -33,14 +33,6 @@ __device__ __forceinline__ void load_gamma8(const float *__restrict__ gamma, int
     g[0] = g0.x; g[1] = g0.y; g[2] = g0.z; g[3] = g0.w; g[4] = g1.x; g[5] = g1.y; g[6] = g1.z; g[7] = g1.w;
 }
 
-// Rounds v to T and back (exact), so that what is quantized is what the high-precision output holds.
-template <typename T> __device__ __forceinline__ float round_to(float v);
-template <> __device__ __forceinline__ float round_to<float>(float v) { return v; }
-template <> __device__ __forceinline__ float round_to<__nv_bfloat16>(float v) {
-    return __bfloat162float(__float2bfloat16_rn(v));
-}
-template <> __device__ __forceinline__ float round_to<__half>(float v) { return __half2float(__float2half_rn(v)); }
-
 // 8 floats (already rounded to T, so the conversion is exact) stored as T at out[i].
 template <typename T>
 __device__ __forceinline__ void store8(T *out, int64_t i, const float *f) {
@@ -112,7 +104,7 @@ __device__ __forceinline__ void row_values(const T *xr, int64_t cols, int64_t c,
         load8(xr, c, y);
         load8(xr, cols + c, u);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) y[j] = round_to<T>(y[j] / (1.0f + expf(-y[j])) * u[j]);
+        for (int j = 0; j < 8; ++j) y[j] = round_to<T>(silu_times(y[j], u[j]));
     }
 }
 
@@ -309,6 +301,7 @@ __global__ void __launch_bounds__(kThreads) rms_norm_fwd_kernel(fp8ext_rms_norm_
     }
     const float rstd = rsqrtf(block_sum(ss) / static_cast<float>(a.cols) + a.eps);
     if (threadIdx.x == 0) a.rstd[row] = rstd;
+    if (a.y == nullptr) return;  // rstd only: a cast_transpose with the RMSNorm prologue computes y
     TY *yr = static_cast<TY *>(a.y) + row * a.cols;
     for (int64_t c = threadIdx.x * 8; c < a.cols; c += kThreads * 8) {
         load8(xr, c, f);
@@ -516,6 +509,12 @@ extern "C" int fp8ext_cuda_rms_norm_fwd(const fp8ext_rms_norm_fwd_args *a, void 
     if (!aligned(a->x, 16) || !aligned(a->y, 16) || !aligned(a->gamma, 16)) return cudaErrorMisalignedAddress;
     if (a->rows > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
     cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (a->y == nullptr) {  // rstd only: one instantiation serves every y dtype
+        FP8EXT_DISPATCH_DTYPE(a->x_dtype, {
+            rms_norm_fwd_kernel<T, T><<<static_cast<unsigned>(a->rows), kThreads, 0, s>>>(*a);
+        });
+        return cudaGetLastError();
+    }
     FP8EXT_DISPATCH_DTYPE(a->x_dtype, {
         FP8EXT_DISPATCH_DTYPE_U(a->y_dtype, {
             rms_norm_fwd_kernel<T, U><<<static_cast<unsigned>(a->rows), kThreads, 0, s>>>(*a);

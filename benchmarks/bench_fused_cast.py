@@ -1,0 +1,70 @@
+"""RMSNorm and SwiGLU with the FP8 cast of the next GEMM's input: as separate kernels (the step writing bf16, then
+cast_transpose) and fused (the step computed inside cast_transpose; RMSNorm's rstd by a first pass), side by side in
+one run with the copy bandwidth.
+
+    python benchmarks/bench_fused_cast.py          # needs a CUDA GPU and fp8ext built with CUDA
+
+Bytes per element of the step's output, bf16 input: RMSNorm separate 2 (x) + 2 (y) + 2 (y read) + 2 (q, q^T) = 8,
+fused 2 (x, rstd pass) + 2 (x again) + 2 = 6; SwiGLU separate 4 + 2 + 2 + 2 = 10, fused 4 + 2 = 6. TB/s below are
+the fused path's bytes over its time (the separate path's time for the same useful work gives its effective rate).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import fp8ext
+from fp8ext import _fused_linear as FL
+from fp8ext import fused
+from _harness import copy_tbps, device_header, rounds, save, table
+
+SHAPES = [("rmsnorm", 8192, 4096), ("rmsnorm", 4096, 8192), ("swiglu", 4096, 14336), ("swiglu", 8192, 14336)]
+
+
+def main() -> None:
+    if not (torch.cuda.is_available() and fp8ext.cuda_available()):
+        raise SystemExit("bench_fused_cast.py needs a CUDA GPU and fp8ext built with CUDA")
+    hdr = device_header()
+    print(f"# RMSNorm / SwiGLU + FP8 cast_transpose, separate vs fused: {hdr['device']}, torch {hdr['torch']}, "
+          f"{hdr['date']}")
+    copy = copy_tbps()
+    out = []
+    fmt = fp8ext.E4M3
+    for op, m, k in SHAPES:
+        torch.manual_seed(0)
+        width = 2 * k if op == "swiglu" else k
+        x = torch.randn(m, width, device="cuda", dtype=torch.bfloat16)
+        g = torch.rand(k, device="cuda") + 0.5
+        scale = torch.tensor([3.0], device="cuda")
+        amax = torch.zeros(1, device="cuda")
+        code = FL.RMSNORM if op == "rmsnorm" else FL.SWIGLU
+
+        def separate():
+            y = fused._rms_norm_train_gpu(x, g, 1e-5, torch.bfloat16)[0] if op == "rmsnorm" else fused.swiglu(x)
+            return fp8ext.cast_transpose(y, fmt, scale.reshape(()), amax_out=amax)
+
+        def fused_cast():
+            return FL._cast_with_prologue(code, x, g if op == "rmsnorm" else None, 1e-5, fmt, scale, amax, 0.0)
+
+        a, b = separate(), fused_cast()
+        same = torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(
+            a[1].view(torch.uint8), b[1].view(torch.uint8))
+        t = rounds({"separate": separate, "fused": fused_cast}, reps=50)
+        n = m * k
+        fused_bytes = 6 * n
+        sep_bytes = n * (8 if op == "rmsnorm" else 10)
+        row = {"op": op, "rows": m, "cols": k, "separate_ms": t["separate"][0], "fused_ms": t["fused"][0],
+               "speedup": t["separate"][0] / t["fused"][0], "separate_tbps": sep_bytes / t["separate"][0] / 1e9,
+               "fused_tbps": fused_bytes / t["fused"][0] / 1e9, "copy_tbps": copy, "same_bytes": same}
+        row["fused_of_copy"] = row["fused_tbps"] / copy
+        out.append(row)
+    cols = ["op", "rows", "cols", "separate_ms", "fused_ms", "speedup", "separate_tbps", "fused_tbps", "fused_of_copy",
+            "same_bytes"]
+    print(table(out, cols, {"separate_ms": "{:.3f}", "fused_ms": "{:.3f}", "speedup": "{:.2f}x",
+                            "separate_tbps": "{:.2f}", "fused_tbps": "{:.2f}", "fused_of_copy": "{:.0%}"}))
+    print(f"copy bandwidth {copy:.2f} TB/s (read + write)")
+    save("bench_fused_cast.json", {"header": hdr, "rows": out, "copy_tbps": copy})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+"""RMSNorm and SwiGLU computed inside the FP8 cast of the next GEMM's input (fp8ext._fused_linear, used by
+LayerNormLinear and LayerNormMLP): the same bytes as the separate steps (the step's output rounded to the input's
+dtype, then FP8Linear), forward, backward and the scaling state, on the CPU reference and on a GPU's kernels."""
+import pytest
+import torch
+
+import fp8ext
+import fp8ext as te
+from fp8ext import _C, _fused_linear as FL, fused
+from fp8ext._boundary import dl, dl_fp8, stream_of
+from conftest import requires_cuda
+
+EPS = 1e-5
+
+
+def _step_pair(op, dtype, bias, device="cpu"):
+    """Two identical FP8 layers and inputs for the fused path and the separate steps."""
+    torch.manual_seed(0)
+    k, n = 64, 48
+    a = fp8ext.Linear(k, n, bias=bias, params_dtype=dtype, device=device)
+    b = fp8ext.Linear(k, n, bias=bias, params_dtype=dtype, device=device)
+    b.load_state_dict(a.state_dict())
+    width = 2 * k if op == FL.SWIGLU else k
+    x = torch.randn(2, 16, width, dtype=dtype, device=device) * 3
+    gamma = torch.rand(k, device=device) + 0.5
+    return a, b, x, gamma
+
+
+class _ReferenceRMSNorm(torch.autograd.Function):
+    """RMSNorm by fp8ext.fused's reference definitions both ways (the definitions the GPU kernels compute)."""
+
+    @staticmethod
+    def forward(ctx, x, gamma):
+        x2 = x.reshape(-1, x.shape[-1])
+        y, rstd = fused._rms_norm_train_reference(x2, gamma, EPS, x.dtype)
+        ctx.save_for_backward(x2, gamma, rstd)
+        return y.reshape(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, gamma, rstd = ctx.saved_tensors
+        dx, dgamma = fused._rms_norm_train_backward_reference(x2, dy, gamma, rstd)
+        return dx.reshape(dy.shape), dgamma
+
+
+class _ReferenceSwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h):
+        ctx.save_for_backward(h)
+        return fused._swiglu_reference(h)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (h,) = ctx.saved_tensors
+        return fused._swiglu_backward_reference(h, dy)
+
+
+def _separate(op, x, gamma, lin):
+    if op == FL.RMSNORM:
+        return lin(_ReferenceRMSNorm.apply(x, gamma))
+    return lin(_ReferenceSwiGLU.apply(x))
+
+
+@pytest.mark.parametrize("op", [FL.RMSNORM, FL.SWIGLU], ids=["rmsnorm", "swiglu"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_reference_path_is_the_separate_steps_bit_for_bit(op, bias, dtype):
+    """On the CPU the fused path computes the step with fp8ext.fused's reference definitions: over three steps of
+    delayed scaling its outputs, gradients and scaling state equal those of the step followed by FP8Linear."""
+    fused_lin, sep_lin, x, gamma = _step_pair(op, dtype, bias)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ga, gb = gamma.clone().requires_grad_(), gamma.clone().requires_grad_()
+    recipe = fp8ext.DelayedScaling(amax_history_len=4)
+    for step in range(3):
+        with fp8ext.fp8_autocast(enabled=True, fp8_recipe=recipe):
+            ya = FL.fused_input_linear(fused_lin, op, xa, ga if op == FL.RMSNORM else None, EPS, reference=True)
+            yb = _separate(op, xb, gb, sep_lin)
+        assert ya is not None
+        dy = torch.randn_like(ya)
+        ya.backward(dy)
+        yb.backward(dy)
+        assert torch.equal(ya, yb), step
+        assert torch.equal(xa.grad, xb.grad), step
+        assert torch.equal(fused_lin.weight.grad, sep_lin.weight.grad), step
+        if bias:
+            assert torch.equal(fused_lin.bias.grad, sep_lin.bias.grad), step
+        if op == FL.RMSNORM:
+            assert torch.equal(ga.grad, gb.grad), step
+        for t in (xa, xb, ga, gb, *fused_lin.parameters(), *sep_lin.parameters()):
+            t.grad = None
+    sa, sb = fused_lin.get_extra_state(), sep_lin.get_extra_state()
+    for key in ("amax_history", "scale", "scale_inv"):
+        assert torch.equal(sa[key], sb[key]), key
+    assert sa["amax_history"].abs().sum() > 0  # the input's amax was recorded
+
+
+def test_paths_it_does_not_take_return_none():
+    lin, _, x, gamma = _step_pair(FL.RMSNORM, torch.bfloat16, False)
+
+    def call(xx=x, **kw):
+        return FL.fused_input_linear(lin, FL.RMSNORM, xx, gamma, EPS, reference=True, **kw)
+
+    assert call() is None  # outside fp8_autocast
+    with fp8ext.fp8_autocast(enabled=True, fp8_recipe=fp8ext.CurrentScaling()):
+        assert call() is None  # current scaling needs the output's amax before its cast
+    with fp8ext.fp8_autocast(enabled=True):
+        assert call(x[:, :15]) is None  # 30 tokens: not a multiple of 16
+        assert call(x.double()) is None
+        assert FL.fused_input_linear(lin, FL.RMSNORM, x, gamma, EPS) is None  # a CPU tensor without reference=True
+        assert call() is not None
+        try:
+            FL.ENABLED = False
+            assert call() is None
+        finally:
+            FL.ENABLED = True
+        try:
+            fused.TRAINING = False
+            assert call() is None
+        finally:
+            fused.TRAINING = True
+
+
+def test_the_fused_cast_refuses_host_memory_and_names_its_arguments():
+    x = torch.randn(64, 64)
+    q = torch.empty(64, 64, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="host memory"):
+        _C.cast_transpose_fused(dl(x), dl_fp8(q), dl_fp8(q.clone()), fp8ext.E4M3.code, 1.0, FL.RMSNORM)
+
+
+# ---- on a GPU: the kernels ------------------------------------------------------------------------------------
+
+
+def _fused_cast(op, x2, g, scale):
+    m, k = x2.shape[0], x2.shape[1] // (2 if op == FL.SWIGLU else 1)
+    dev = x2.device
+    rstd = None
+    if op == FL.RMSNORM:
+        rstd = torch.empty(m, dtype=torch.float32, device=dev)
+        _C.rms_norm_fwd(dl(x2), dl(g), None, dl(rstd), EPS, stream_of(dev))
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=dev)
+    qt = torch.empty(k, m, dtype=torch.float8_e4m3fn, device=dev)
+    amax = torch.zeros(1, device=dev)
+    sinv = torch.empty((), device=dev)
+    _C.cast_transpose_fused(dl(x2), dl_fp8(q), dl_fp8(qt), fp8ext.E4M3.code, dl(scale), op,
+                            rstd=None if rstd is None else dl(rstd), gamma=None if g is None else dl(g),
+                            amax_out=dl(amax), stream=stream_of(dev), scale_inv_out=dl(sinv))
+    return q, qt, amax, sinv, rstd
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("op", [FL.RMSNORM, FL.SWIGLU], ids=["rmsnorm", "swiglu"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows,cols", [(128, 256), (100, 200), (37, 8), (64, 4096), (1, 64)])
+def test_fused_cast_kernel_is_the_steps_kernel_then_the_cast(op, dtype, rows, cols):
+    """Every tile shape (full tiles, edge tiles, one row): the bytes of q and q^T, the amax and scale_inv equal the
+    fused step kernel's output (x's dtype) cast by cast_transpose; RMSNorm's rstd equals the training kernel's."""
+    torch.manual_seed(rows + cols)
+    width = 2 * cols if op == FL.SWIGLU else cols
+    x2 = (torch.randn(rows, width, device="cuda") * 4).to(dtype)
+    x2[0, :3] = torch.tensor([0.0, -0.0, 1e-3])
+    g = torch.rand(cols, device="cuda") + 0.5
+    scale = torch.tensor([7.0], device="cuda")
+    q, qt, amax, sinv, rstd = _fused_cast(op, x2, g, scale)
+    if op == FL.RMSNORM:
+        y, rstd_ref = fused._rms_norm_train_gpu(x2, g, EPS, dtype)
+        assert torch.equal(rstd, rstd_ref)
+    else:
+        y = fused.swiglu(x2)
+    amax_ref = torch.zeros(1, device="cuda")
+    q_ref, qt_ref = fp8ext.cast_transpose(y, fp8ext.E4M3, scale.reshape(()), amax_out=amax_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(qt.view(torch.uint8), qt_ref.view(torch.uint8))
+    assert torch.equal(amax, amax_ref)
+    assert sinv.item() == 1.0 / 7.0
+
+
+def _module_pair(kind):
+    torch.manual_seed(1)
+    if kind == "linear":
+        make = lambda: te.LayerNormLinear(256, 128, normalization="RMSNorm", bias=True, params_dtype=torch.bfloat16,
+                                          device="cuda")
+    else:
+        make = lambda: te.LayerNormMLP(256, 384, normalization="RMSNorm", activation="swiglu", bias=False,
+                                       params_dtype=torch.bfloat16, device="cuda")
+    a, b = make(), make()
+    with torch.no_grad():
+        for p in a.parameters():
+            p.copy_(torch.randn_like(p) * 0.05 + (1.0 if p.dim() == 1 else 0.0))
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_layernorm_modules_on_the_gpu_equal_their_separate_steps(kind, monkeypatch):
+    """LayerNormLinear and LayerNormMLP (RMSNorm, SwiGLU) take the fused casts on a GPU and give, over three training
+    steps, the output, every gradient and the FP8 scaling state of the same module run step by step."""
+    fused_m, sep_m = _module_pair(kind)
+    calls = []
+    real = FL._cast_with_prologue
+    monkeypatch.setattr(FL, "_cast_with_prologue", lambda op, *a: calls.append(op) or real(op, *a))
+    x = torch.randn(4, 48, 256, device="cuda", dtype=torch.bfloat16) * 2
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    recipe = fp8ext.DelayedScaling(amax_history_len=4)
+    for step in range(3):
+        with fp8ext.fp8_autocast(enabled=True, fp8_recipe=recipe):
+            ya = fused_m(xa)
+            FL.ENABLED = False
+            try:
+                yb = sep_m(xb)
+            finally:
+                FL.ENABLED = True
+        dy = torch.randn_like(ya)
+        ya.backward(dy)
+        yb.backward(dy)
+        assert torch.equal(ya, yb), step
+        assert torch.equal(xa.grad, xb.grad), step
+        for (name, pa), pb in zip(fused_m.named_parameters(), sep_m.parameters()):
+            assert torch.equal(pa.grad, pb.grad), (step, name)
+        for t in (xa, xb, *fused_m.parameters(), *sep_m.parameters()):
+            t.grad = None
+    assert calls == ([FL.RMSNORM] if kind == "linear" else [FL.RMSNORM, FL.SWIGLU]) * 3
+    lins = ([(fused_m.linear, sep_m.linear)] if kind == "linear"
+            else [(fused_m.fc1, sep_m.fc1), (fused_m.fc2, sep_m.fc2)])
+    for la, lb in lins:
+        sa, sb = la.get_extra_state(), lb.get_extra_state()
+        for key in ("amax_history", "scale", "scale_inv"):
+            assert torch.equal(sa[key], sb[key]), key
