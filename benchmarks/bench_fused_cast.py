@@ -5,8 +5,9 @@ one run with the copy bandwidth.
     python benchmarks/bench_fused_cast.py          # needs a CUDA GPU and fp8ext built with CUDA
 
 Bytes per element of the step's output, bf16 input: RMSNorm separate 2 (x) + 2 (y) + 2 (y read) + 2 (q, q^T) = 8,
-fused 2 (x, rstd pass) + 2 (x again) + 2 = 6; SwiGLU separate 4 + 2 + 2 + 2 = 10, fused 4 + 2 = 6. TB/s below are
-the fused path's bytes over its time (the separate path's time for the same useful work gives its effective rate).
+fused 2 (x, rstd pass) + 2 (x again) + 2 = 6; SwiGLU separate 4 + 2 + 2 + 2 = 10, fused 4 + 2 = 6. SwiGLU's gradient
+(output dh [rows, 2 f], E5M2): separate 3 (h and dy read once per dh element) + 2 (dh) + 2 (dh read) + 2 = 9, fused
+2.5 (gate and dy for both halves, up for d_gate) + 2 = 4.5. TB/s: those bytes over the time.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from fp8ext import _fused_linear as FL
 from fp8ext import fused
 from _harness import copy_tbps, device_header, rounds, save, table
 
-SHAPES = [("rmsnorm", 8192, 4096), ("rmsnorm", 4096, 8192), ("swiglu", 4096, 14336), ("swiglu", 8192, 14336)]
+SHAPES = [("rmsnorm", 8192, 4096), ("rmsnorm", 4096, 8192), ("swiglu", 4096, 14336), ("swiglu", 8192, 14336),
+          ("dswiglu", 4096, 28672)]
 
 
 def main() -> None:
@@ -35,24 +37,29 @@ def main() -> None:
         width = 2 * k if op == "swiglu" else k
         x = torch.randn(m, width, device="cuda", dtype=torch.bfloat16)
         g = torch.rand(k, device="cuda") + 0.5
+        dy = torch.randn(m, k // 2, device="cuda", dtype=torch.bfloat16) if op == "dswiglu" else None
+        f = fp8ext.E5M2 if op == "dswiglu" else fmt
         scale = torch.tensor([3.0], device="cuda")
         amax = torch.zeros(1, device="cuda")
-        code = FL.RMSNORM if op == "rmsnorm" else FL.SWIGLU
+        code = {"rmsnorm": FL.RMSNORM, "swiglu": FL.SWIGLU, "dswiglu": FL.DSWIGLU}[op]
 
         def separate():
-            y = fused._rms_norm_train_gpu(x, g, 1e-5, torch.bfloat16)[0] if op == "rmsnorm" else fused.swiglu(x)
-            return fp8ext.cast_transpose(y, fmt, scale.reshape(()), amax_out=amax)
+            if op == "rmsnorm":
+                y = fused._rms_norm_train_gpu(x, g, 1e-5, torch.bfloat16)[0]
+            else:
+                y = fused.swiglu(x) if op == "swiglu" else fused._swiglu_backward_gpu(x, dy)
+            return fp8ext.cast_transpose(y, f, scale.reshape(()), amax_out=amax)
 
         def fused_cast():
-            return FL._cast_with_prologue(code, x, g if op == "rmsnorm" else None, 1e-5, fmt, scale, amax, 0.0)
+            return FL._cast_with_prologue(code, x, g if op == "rmsnorm" else None, 1e-5, f, scale, amax, 0.0, dy=dy)
 
         a, b = separate(), fused_cast()
         same = torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(
             a[1].view(torch.uint8), b[1].view(torch.uint8))
         t = rounds({"separate": separate, "fused": fused_cast}, reps=50)
         n = m * k
-        fused_bytes = 6 * n
-        sep_bytes = n * (8 if op == "rmsnorm" else 10)
+        fused_bytes = n * {"rmsnorm": 6, "swiglu": 6, "dswiglu": 4.5}[op]
+        sep_bytes = n * {"rmsnorm": 8, "swiglu": 10, "dswiglu": 9}[op]
         row = {"op": op, "rows": m, "cols": k, "separate_ms": t["separate"][0], "fused_ms": t["fused"][0],
                "speedup": t["separate"][0] / t["fused"][0], "separate_tbps": sep_bytes / t["separate"][0] / 1e9,
                "fused_tbps": fused_bytes / t["fused"][0] / 1e9, "copy_tbps": copy, "same_bytes": same}

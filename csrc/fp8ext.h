@@ -66,8 +66,11 @@ typedef struct {
  *   FP8EXT_PROLOGUE_RMSNORM  y = (x * rstd[row]) * gamma[col] in float32 (rstd [rows], gamma [cols] float32,
  *                            gamma 16-byte aligned): RMSNorm with its rstd computed beforehand (rms_norm_fwd);
  *   FP8EXT_PROLOGUE_SWIGLU   x holds rows of 2 * cols values, gate then up: y = gate / (1 + exp(-gate)) * up in
- *                            float32 (the fused SwiGLU kernels' definition). */
-enum { FP8EXT_PROLOGUE_NONE = 0, FP8EXT_PROLOGUE_RMSNORM = 1, FP8EXT_PROLOGUE_SWIGLU = 2 };
+ *                            float32 (the fused SwiGLU kernels' definition);
+ *   FP8EXT_PROLOGUE_DSWIGLU  SwiGLU's gradient: x holds rows of cols values (gate, then up: cols even), dy [rows,
+ *                            cols / 2] (x's dtype) the gradient of SwiGLU's output; y = dh, [d_gate, d_up] in each
+ *                            row, as fp8ext_swiglu_backward_args defines them. */
+enum { FP8EXT_PROLOGUE_NONE = 0, FP8EXT_PROLOGUE_RMSNORM = 1, FP8EXT_PROLOGUE_SWIGLU = 2, FP8EXT_PROLOGUE_DSWIGLU = 3 };
 typedef struct {
     const void *x;
     int x_dtype;
@@ -82,6 +85,7 @@ typedef struct {
     int saturate;
     int prologue;
     const float *rstd, *gamma;
+    const void *dy;
 } fp8ext_cast_transpose_args;
 
 /* cast_transpose with the bias gradient (Transformer Engine's cast_transpose_dbias): ct's cast and transpose of

@@ -285,21 +285,23 @@ static int get_f32_vector(PyObject *o, int64_t n, const fp8ext_view *ref, Py_ssi
 static void no_cpu(const void *a) { (void)a; }
 
 /* cast_transpose_fused(x, out, out_t, fmt, scale, prologue, rstd=None, gamma=None, amax_out=None, stream=0,
- *                      scale_inv_out=None): cast_transpose of an elementwise step's output, computed on the way
- * (fp8ext.h's prologues): RMSNorm of x [rows, cols] with rstd [rows] and gamma [cols], or SwiGLU of x [rows,
- * 2 * cols]; out [rows, cols], out_t [cols, rows]. GPU only. */
+ *                      scale_inv_out=None, dy=None): cast_transpose of an elementwise step's output, computed on the
+ * way (fp8ext.h's prologues): RMSNorm of x [rows, cols] with rstd [rows] and gamma [cols], SwiGLU of x [rows,
+ * 2 * cols], or SwiGLU's gradient for x = h [rows, cols] and dy [rows, cols / 2] (x's dtype); out [rows, cols],
+ * out_t [cols, rows]. GPU only. */
 static PyObject *py_cast_transpose_fused(PyObject *module, PyObject *args, PyObject *kwargs) {
     static const char *fn = "cast_transpose_fused";
     static char *kwlist[] = {"x", "out", "out_t", "fmt", "scale", "prologue", "rstd", "gamma", "amax_out", "stream",
-                             "scale_inv_out", NULL};
-    PyObject *x_o, *out_o, *outt_o, *scale_o, *rstd_o = Py_None, *g_o = Py_None, *amax_o = Py_None, *sinv_o = Py_None;
+                             "scale_inv_out", "dy", NULL};
+    PyObject *x_o, *out_o, *outt_o, *scale_o, *rstd_o = Py_None, *g_o = Py_None, *amax_o = Py_None, *sinv_o = Py_None,
+             *dy_o = Py_None;
     int fmt, prologue;
     Py_ssize_t stream = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOiOi|OOOnO:cast_transpose_fused", kwlist, &x_o, &out_o, &outt_o,
-                                     &fmt, &scale_o, &prologue, &rstd_o, &g_o, &amax_o, &stream, &sinv_o))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOiOi|OOOnOO:cast_transpose_fused", kwlist, &x_o, &out_o, &outt_o,
+                                     &fmt, &scale_o, &prologue, &rstd_o, &g_o, &amax_o, &stream, &sinv_o, &dy_o))
         return NULL;
     ct_views v = {0};
-    fp8ext_view rstd = {0}, g = {0};
+    fp8ext_view rstd = {0}, g = {0}, dy = {0};
     PyObject *ret = NULL;
     fp8ext_cast_transpose_args a = {0};
     if (fp8ext_check_fmt(fmt, fn) < 0 || get_input(x_o, stream, fn, "x", &v.x) < 0) goto done;
@@ -308,14 +310,16 @@ static PyObject *py_cast_transpose_fused(PyObject *module, PyObject *args, PyObj
                      "step, then cast_transpose)", fn);
         goto done;
     }
-    if (prologue != FP8EXT_PROLOGUE_RMSNORM && prologue != FP8EXT_PROLOGUE_SWIGLU) {
-        PyErr_Format(PyExc_ValueError, "%s(): prologue must be %d (RMSNorm) or %d (SwiGLU), got %d", fn,
-                     FP8EXT_PROLOGUE_RMSNORM, FP8EXT_PROLOGUE_SWIGLU, prologue);
+    if (prologue != FP8EXT_PROLOGUE_RMSNORM && prologue != FP8EXT_PROLOGUE_SWIGLU &&
+        prologue != FP8EXT_PROLOGUE_DSWIGLU) {
+        PyErr_Format(PyExc_ValueError, "%s(): prologue must be %d (RMSNorm), %d (SwiGLU) or %d (SwiGLU's gradient), "
+                     "got %d", fn, FP8EXT_PROLOGUE_RMSNORM, FP8EXT_PROLOGUE_SWIGLU, FP8EXT_PROLOGUE_DSWIGLU, prologue);
         goto done;
     }
-    if (v.x.ndim != 2 || (prologue == FP8EXT_PROLOGUE_SWIGLU && v.x.shape[1] % 2)) {
+    const int gated = prologue == FP8EXT_PROLOGUE_SWIGLU || prologue == FP8EXT_PROLOGUE_DSWIGLU;
+    if (v.x.ndim != 2 || (gated && v.x.shape[1] % 2)) {
         PyErr_Format(PyExc_ValueError, "%s(): x must be 2-D%s", fn,
-                     prologue == FP8EXT_PROLOGUE_SWIGLU ? " with an even number of columns (gate, then up)" : "");
+                     gated ? " with an even number of columns (gate, then up)" : "");
         goto done;
     }
     a.rows = v.x.shape[0];
@@ -339,10 +343,24 @@ static PyObject *py_cast_transpose_fused(PyObject *module, PyObject *args, PyObj
         (get_f32_vector(rstd_o, a.rows, &v.x, stream, fn, "rstd", &rstd) < 0 ||
          get_f32_vector(g_o, a.cols, &v.x, stream, fn, "gamma", &g) < 0))
         goto done;
-    if (fp8ext_check_disjoint(fn, 4, 8, (const fp8ext_view *const[]){&v.sinv, &v.amax, &v.out, &v.outt, &v.x, &v.scale,
-                                                                      &rstd, &g},
+    if (prologue == FP8EXT_PROLOGUE_DSWIGLU) {
+        if (dy_o == Py_None) {
+            PyErr_Format(PyExc_ValueError, "%s(): dy is required for this prologue", fn);
+            goto done;
+        }
+        if (get_input(dy_o, stream, fn, "dy", &dy) < 0 || fp8ext_check_kind(&dy, v.x.kind, fn, "dy") < 0 ||
+            fp8ext_check_same_device(&dy, &v.x, fn, "dy", "x") < 0)
+            goto done;
+        if (dy.ndim != 2 || dy.shape[0] != a.rows || dy.shape[1] != a.cols / 2) {
+            PyErr_Format(PyExc_ValueError, "%s(): dy must have shape [%lld, %lld]", fn, (long long)a.rows,
+                         (long long)(a.cols / 2));
+            goto done;
+        }
+    }
+    if (fp8ext_check_disjoint(fn, 4, 9, (const fp8ext_view *const[]){&v.sinv, &v.amax, &v.out, &v.outt, &v.x, &v.scale,
+                                                                      &rstd, &g, &dy},
                               (const char *const[]){"scale_inv_out", "amax_out", "out", "out_t", "x", "scale", "rstd",
-                                                    "gamma"}) < 0)
+                                                    "gamma", "dy"}) < 0)
         goto done;
     a.x = v.x.data;
     a.x_dtype = hp_dtype(&v.x);
@@ -353,10 +371,11 @@ static PyObject *py_cast_transpose_fused(PyObject *module, PyObject *args, PyObj
     a.prologue = prologue;
     a.rstd = rstd.data;
     a.gamma = g.data;
+    a.dy = dy.data;
     if (fp8ext_run_op(module, &v.x, stream, fn, no_cpu, cuda_cast_transpose, &a) < 0) goto done;
     ret = Py_NewRef(Py_None);
 done:
-    FP8EXT_RELEASE_ALL(&v.x, &v.out, &v.outt, &v.scale, &v.amax, &v.sinv, &rstd, &g);
+    FP8EXT_RELEASE_ALL(&v.x, &v.out, &v.outt, &v.scale, &v.amax, &v.sinv, &rstd, &g, &dy);
     return ret;
 }
 
@@ -504,8 +523,9 @@ PyMethodDef fp8ext_op_methods[] = {
      "out = fp8(x * scale) and out_t = out transposed, for a 2-D x."},
     {"cast_transpose_fused", (PyCFunction)(void (*)(void))py_cast_transpose_fused, METH_VARARGS | METH_KEYWORDS,
      "cast_transpose_fused(x, out, out_t, fmt, scale, prologue, rstd=None, gamma=None, amax_out=None, stream=0,\n"
-     "                     scale_inv_out=None)\n"
-     "cast_transpose of RMSNorm(x) (prologue 1, with rstd and gamma) or SwiGLU(x) (prologue 2), computed on the way."},
+     "                     scale_inv_out=None, dy=None)\n"
+     "cast_transpose of RMSNorm(x) (prologue 1, with rstd and gamma), SwiGLU(x) (2) or SwiGLU's gradient (3, with\n"
+     "dy), computed on the way."},
     {"cast_transpose_dbias", (PyCFunction)(void (*)(void))py_cast_transpose_dbias, METH_VARARGS | METH_KEYWORDS,
      "cast_transpose_dbias(x, out, out_t, dbias, workspace, fmt, scale, amax_out=None, saturate=True, stream=0,\n"
      "                     scale_inv_out=None)\n"

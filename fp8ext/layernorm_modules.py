@@ -11,10 +11,11 @@ fc2_weight, fc2_bias), so state dicts of TE's modules load here and the other wa
 
 On a GPU, inside fp8_autocast with delayed scaling, RMSNorm and SwiGLU are computed inside the FP8 cast of the next
 GEMM's input, as TE's fused kernels do: the norm's or the activation's high-precision output is never written
-(fp8ext._fused_linear; the same bytes as the separate steps, the output rounded to the input's dtype before its
-cast). Their backward passes are one kernel each (fp8ext.fused). LayerNorm, the other activations, current scaling
-and return_layernorm_output=True run the steps separately: the norm, the activation (SwiGLU still one kernel each
-way on a GPU), then FP8Linear's cast.
+(fp8ext._fused_linear; the same bytes as the separate steps, each output rounded to the input's dtype before its
+cast). In LayerNormMLP's backward (RMSNorm, SwiGLU, fc1 without bias) SwiGLU's gradient is likewise computed inside
+the cast of fc1's output gradient (TE's dswiglu + cast_transpose); RMSNorm's backward is one kernel. LayerNorm, the
+other activations, current scaling and return_layernorm_output=True run the steps separately: the norm, the
+activation (SwiGLU still one kernel each way on a GPU), then FP8Linear's cast.
 
 Activations (TE's): "gelu" (tanh approximation, as TE's), "relu", "silu", and the gated "swiglu", "geglu",
 "reglu", whose fc1 has 2 * ffn_hidden_size outputs: act(first half) * second half.
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import fused
-from ._fused_linear import RMSNORM, SWIGLU, fused_input_linear
+from ._fused_linear import RMSNORM, SWIGLU, fused_input_linear, fused_mlp
 from .linear import FP8Linear
 from .normalization import LayerNorm, RMSNorm
 
@@ -156,6 +157,13 @@ class LayerNormMLP(_TENamedParameters):
                              return_bias=return_bias, **common, **te_kwargs)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+        norm = self.layer_norm
+        if self.activation == "swiglu" and not self.return_layernorm_output and isinstance(norm, RMSNorm) \
+                and len(norm.normalized_shape) == 1 and isinstance(inp, torch.Tensor):
+            # the whole MLP as one node: norm, SwiGLU and SwiGLU's gradient inside the FP8 casts (where it runs)
+            out = fused_mlp(self.fc1, self.fc2, inp, norm._gamma(torch.float32), norm.eps, is_first_microbatch)
+            if out is not None:
+                return out
         h = None if self.return_layernorm_output else self._fused_norm_linear(self.fc1, inp, is_first_microbatch)
         if h is None:
             ln = self.layer_norm(inp)

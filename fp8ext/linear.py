@@ -123,27 +123,41 @@ class _FP8LinearFunction(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None, None, None, None, None, None, None, None, None
 
 
-def _fp8_linear_backward(ctx, dy, x8t, x_sinv, w8t, w_sinv, need_dx, need_dw, need_db):
-    """(dx [m, k] or None, dw, db) of an FP8 linear layer from its forward's saved FP8 operands: dy cast to the
-    backward format (with the bias gradient from the same pass), then the dgrad and wgrad GEMMs. ctx holds g_state,
-    grad_slot, m, bwd, margin, x_dtype, w_dtype, b_dtype, main_grad and weight_ref, as the forward set them."""
+def _grad_views(ctx):
+    """(scale, amax) of the gradient's slot as backward finds it: the forward's views, or fresh ones when the
+    manager's buffers were reallocated after that forward."""
     g_scale, g_amax = ctx.g_state
     if ctx.grad_slot is not None:
         mgr, slot, generation = ctx.grad_slot
-        if mgr.generation != generation:  # the buffers were reallocated after this forward
+        if mgr.generation != generation:
             g_scale, _, g_amax = mgr.views(slot)
-    n = w8t.shape[1]
-    dy2 = dy.reshape(-1, n)
-    if not dy2.is_contiguous():
-        dy2 = dy2.contiguous()
-    if debug.enabled():
-        debug.check_finite(dy2, "FP8Linear backward", "grad_output")
-        debug.check_scale(g_scale, "FP8Linear backward", "the gradient's scale")
+    return g_scale, g_amax
+
+
+def _fp8_linear_backward(ctx, dy, x8t, x_sinv, w8t, w_sinv, need_dx, need_dw, need_db, dy_cast=None):
+    """(dx [m, k] or None, dw, db) of an FP8 linear layer from its forward's saved FP8 operands: dy cast to the
+    backward format (with the bias gradient from the same pass), then the dgrad and wgrad GEMMs. ctx holds g_state,
+    grad_slot, m, bwd, margin, x_dtype, w_dtype, b_dtype, main_grad and weight_ref, as the forward set them.
+    dy_cast: (dy8, dy8^T, scale_inv) already cast by the caller (with the gradient's slot; no bias gradient), dy
+    then unused."""
     want_db = ctx.b_dtype is not None and need_db
-    if want_db:  # the bias gradient from the cast's own pass over dy
-        g8, g8t, g_sinv, db32 = _cast_dbias(_pad_rows(dy2), ctx.bwd, g_scale, g_amax, ctx.margin)
+    if dy_cast is not None:
+        if want_db:
+            raise RuntimeError("FP8Linear backward: a bias gradient needs dy itself, not its FP8 cast")
+        g8, g8t, g_sinv = dy_cast
     else:
-        g8, g8t, g_sinv = _cast(_pad_rows(dy2), ctx.bwd, g_scale, g_amax, ctx.margin)
+        g_scale, g_amax = _grad_views(ctx)
+        n = w8t.shape[1]
+        dy2 = dy.reshape(-1, n)
+        if not dy2.is_contiguous():
+            dy2 = dy2.contiguous()
+        if debug.enabled():
+            debug.check_finite(dy2, "FP8Linear backward", "grad_output")
+            debug.check_scale(g_scale, "FP8Linear backward", "the gradient's scale")
+        if want_db:  # the bias gradient from the cast's own pass over dy
+            g8, g8t, g_sinv, db32 = _cast_dbias(_pad_rows(dy2), ctx.bwd, g_scale, g_amax, ctx.margin)
+        else:
+            g8, g8t, g_sinv = _cast(_pad_rows(dy2), ctx.bwd, g_scale, g_amax, ctx.margin)
     dx = dw = db = None
     if need_dx:
         dx = _gemm(g8, w8t, g_sinv, w_sinv, ctx.x_dtype)[: ctx.m]

@@ -94,6 +94,62 @@ def test_reference_path_is_the_separate_steps_bit_for_bit(op, bias, dtype):
     assert sa["amax_history"].abs().sum() > 0  # the input's amax was recorded
 
 
+@pytest.mark.parametrize("fc2_bias", [False, True])
+@pytest.mark.parametrize("main_grad", [False, True])
+def test_reference_mlp_is_the_separate_steps_bit_for_bit(fc2_bias, main_grad):
+    """The whole MLP as one node (SwiGLU's gradient inside fc1's gradient cast), on the CPU reference: outputs,
+    gradients (into main_grad with fuse_wgrad_accumulation) and scaling state equal the separate steps'."""
+    torch.manual_seed(0)
+    k, f = 64, 96
+    dt = torch.bfloat16
+
+    def layers():
+        torch.manual_seed(1)
+        kw = dict(params_dtype=dt, fuse_wgrad_accumulation=main_grad)
+        fc1, fc2 = fp8ext.Linear(k, 2 * f, bias=False, **kw), fp8ext.Linear(f, k, bias=fc2_bias, **kw)
+        for lin in (fc1, fc2):
+            if main_grad:
+                lin.weight.main_grad = torch.zeros_like(lin.weight, dtype=torch.float32)
+        return fc1, fc2
+
+    (a1, a2), (b1, b2) = layers(), layers()
+    x = torch.randn(2, 16, k, dtype=dt) * 2
+    gamma = torch.rand(k) + 0.5
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ga, gb = gamma.clone().requires_grad_(), gamma.clone().requires_grad_()
+    recipe = fp8ext.DelayedScaling(amax_history_len=4)
+    for step in range(3):
+        with fp8ext.fp8_autocast(enabled=True, fp8_recipe=recipe):
+            ya = FL.fused_mlp(a1, a2, xa, ga, EPS, reference=True)
+            yb = b2(_ReferenceSwiGLU.apply(b1(_ReferenceRMSNorm.apply(xb, gb))))
+        assert ya is not None
+        dy = torch.randn_like(ya)
+        ya.backward(dy)
+        yb.backward(dy)
+        assert torch.equal(ya, yb), step
+        assert torch.equal(xa.grad, xb.grad), step
+        assert torch.equal(ga.grad, gb.grad), step
+        for la, lb in ((a1, b1), (a2, b2)):
+            wa = la.weight.main_grad if main_grad else la.weight.grad
+            wb = lb.weight.main_grad if main_grad else lb.weight.grad
+            assert torch.equal(wa, wb), step
+            if la.bias is not None:
+                assert torch.equal(la.bias.grad, lb.bias.grad), step
+        for t in (xa, xb, ga, gb, *a1.parameters(), *a2.parameters(), *b1.parameters(), *b2.parameters()):
+            t.grad = None
+    for la, lb in ((a1, b1), (a2, b2)):
+        sa, sb = la.get_extra_state(), lb.get_extra_state()
+        for key in ("amax_history", "scale", "scale_inv"):
+            assert torch.equal(sa[key], sb[key]), key
+        assert sa["amax_history"][:, 2].abs().sum() > 0  # the output gradient's amax was recorded
+
+
+def test_mlp_with_a_bias_on_fc1_takes_the_separate_steps():
+    fc1, fc2 = fp8ext.Linear(64, 192, bias=True), fp8ext.Linear(96, 64)
+    with fp8ext.fp8_autocast(enabled=True):
+        assert FL.fused_mlp(fc1, fc2, torch.randn(16, 64), torch.ones(64), EPS, reference=True) is None
+
+
 def test_paths_it_does_not_take_return_none():
     lin, _, x, gamma = _step_pair(FL.RMSNORM, torch.bfloat16, False)
 
@@ -130,49 +186,56 @@ def test_the_fused_cast_refuses_host_memory_and_names_its_arguments():
 # ---- on a GPU: the kernels ------------------------------------------------------------------------------------
 
 
-def _fused_cast(op, x2, g, scale):
+def _fused_cast(op, x2, g, scale, dy=None, fmt=fp8ext.E4M3):
     m, k = x2.shape[0], x2.shape[1] // (2 if op == FL.SWIGLU else 1)
     dev = x2.device
     rstd = None
     if op == FL.RMSNORM:
         rstd = torch.empty(m, dtype=torch.float32, device=dev)
         _C.rms_norm_fwd(dl(x2), dl(g), None, dl(rstd), EPS, stream_of(dev))
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=dev)
-    qt = torch.empty(k, m, dtype=torch.float8_e4m3fn, device=dev)
+    q = torch.empty(m, k, dtype=fmt.torch_dtype, device=dev)
+    qt = torch.empty(k, m, dtype=fmt.torch_dtype, device=dev)
     amax = torch.zeros(1, device=dev)
     sinv = torch.empty((), device=dev)
-    _C.cast_transpose_fused(dl(x2), dl_fp8(q), dl_fp8(qt), fp8ext.E4M3.code, dl(scale), op,
+    _C.cast_transpose_fused(dl(x2), dl_fp8(q), dl_fp8(qt), fmt.code, dl(scale), op,
                             rstd=None if rstd is None else dl(rstd), gamma=None if g is None else dl(g),
-                            amax_out=dl(amax), stream=stream_of(dev), scale_inv_out=dl(sinv))
+                            amax_out=dl(amax), stream=stream_of(dev), scale_inv_out=dl(sinv),
+                            dy=None if dy is None else dl(dy))
     return q, qt, amax, sinv, rstd
 
 
 @requires_cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("op", [FL.RMSNORM, FL.SWIGLU], ids=["rmsnorm", "swiglu"])
+@pytest.mark.parametrize("op", [FL.RMSNORM, FL.SWIGLU, FL.DSWIGLU], ids=["rmsnorm", "swiglu", "dswiglu"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("rows,cols", [(128, 256), (100, 200), (37, 8), (64, 4096), (1, 64)])
+@pytest.mark.parametrize("rows,cols", [(128, 256), (100, 200), (37, 8), (64, 4096), (1, 64), (64, 96)])
 def test_fused_cast_kernel_is_the_steps_kernel_then_the_cast(op, dtype, rows, cols):
-    """Every tile shape (full tiles, edge tiles, one row): the bytes of q and q^T, the amax and scale_inv equal the
-    fused step kernel's output (x's dtype) cast by cast_transpose; RMSNorm's rstd equals the training kernel's."""
+    """Every tile shape (full tiles, edge tiles, one row; for SwiGLU's gradient a tile across the d_gate | d_up
+    boundary): the bytes of q and q^T, the amax and scale_inv equal the step's own kernel's output (x's dtype) cast by
+    cast_transpose (E5M2 for the gradient); RMSNorm's rstd equals the training kernel's."""
     torch.manual_seed(rows + cols)
     width = 2 * cols if op == FL.SWIGLU else cols
     x2 = (torch.randn(rows, width, device="cuda") * 4).to(dtype)
     x2[0, :3] = torch.tensor([0.0, -0.0, 1e-3])
     g = torch.rand(cols, device="cuda") + 0.5
     scale = torch.tensor([7.0], device="cuda")
-    q, qt, amax, sinv, rstd = _fused_cast(op, x2, g, scale)
+    fmt, dy = fp8ext.E4M3, None
+    if op == FL.DSWIGLU:
+        fmt, dy = fp8ext.E5M2, (torch.randn(rows, cols // 2, device="cuda") * 3).to(dtype)
+    q, qt, amax, sinv, rstd = _fused_cast(op, x2, g, scale, dy, fmt)
     if op == FL.RMSNORM:
         y, rstd_ref = fused._rms_norm_train_gpu(x2, g, EPS, dtype)
         assert torch.equal(rstd, rstd_ref)
-    else:
+    elif op == FL.SWIGLU:
         y = fused.swiglu(x2)
+    else:
+        y = fused._swiglu_backward_gpu(x2, dy)
     amax_ref = torch.zeros(1, device="cuda")
-    q_ref, qt_ref = fp8ext.cast_transpose(y, fp8ext.E4M3, scale.reshape(()), amax_out=amax_ref)
+    q_ref, qt_ref = fp8ext.cast_transpose(y, fmt, scale.reshape(()), amax_out=amax_ref)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     assert torch.equal(qt.view(torch.uint8), qt_ref.view(torch.uint8))
     assert torch.equal(amax, amax_ref)
-    assert sinv.item() == 1.0 / 7.0
+    assert torch.equal(sinv, torch.reciprocal(scale).reshape(()))  # float32 1 / scale, as cast_transpose writes it
 
 
 def _module_pair(kind):
@@ -180,8 +243,8 @@ def _module_pair(kind):
     if kind == "linear":
         make = lambda: te.LayerNormLinear(256, 128, normalization="RMSNorm", bias=True, params_dtype=torch.bfloat16,
                                           device="cuda")
-    else:
-        make = lambda: te.LayerNormMLP(256, 384, normalization="RMSNorm", activation="swiglu", bias=False,
+    else:  # "mlp" (one node, SwiGLU's gradient fused too) or "mlp_bias" (fc1's bias: each layer fused on its own)
+        make = lambda: te.LayerNormMLP(256, 384, normalization="RMSNorm", activation="swiglu", bias=kind == "mlp_bias",
                                        params_dtype=torch.bfloat16, device="cuda")
     a, b = make(), make()
     with torch.no_grad():
@@ -193,7 +256,7 @@ def _module_pair(kind):
 
 @requires_cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("kind", ["linear", "mlp"])
+@pytest.mark.parametrize("kind", ["linear", "mlp", "mlp_bias"])
 def test_layernorm_modules_on_the_gpu_equal_their_separate_steps(kind, monkeypatch):
     """LayerNormLinear and LayerNormMLP (RMSNorm, SwiGLU) take the fused casts on a GPU and give, over three training
     steps, the output, every gradient and the FP8 scaling state of the same module run step by step."""
@@ -221,7 +284,8 @@ def test_layernorm_modules_on_the_gpu_equal_their_separate_steps(kind, monkeypat
             assert torch.equal(pa.grad, pb.grad), (step, name)
         for t in (xa, xb, *fused_m.parameters(), *sep_m.parameters()):
             t.grad = None
-    assert calls == ([FL.RMSNORM] if kind == "linear" else [FL.RMSNORM, FL.SWIGLU]) * 3
+    per_step = {"linear": [FL.RMSNORM], "mlp": [FL.RMSNORM, FL.SWIGLU, FL.DSWIGLU], "mlp_bias": [FL.RMSNORM, FL.SWIGLU]}
+    assert calls == per_step[kind] * 3
     lins = ([(fused_m.linear, sep_m.linear)] if kind == "linear"
             else [(fused_m.fc1, sep_m.fc1), (fused_m.fc2, sep_m.fc2)])
     for la, lb in lins:

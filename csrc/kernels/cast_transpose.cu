@@ -1,4 +1,6 @@
 // cast_transpose.cu: q = fp8(x * scale) and qt = q^T in one pass over a 2-D x, with fused amax.
+// With a prologue (fp8ext.h), x is first replaced by an elementwise step's output computed on the way (RMSNorm with
+// precomputed rstd, SwiGLU, SwiGLU's gradient), rounded to x's dtype: the step's output is never written to memory.
 //
 // Memory traffic: reads sizeof(T) bytes and writes 2 bytes per element (4 B/element for bf16).
 // Launch: one 128-thread block per 64x64 tile of x (a 1-D grid over tiles).
@@ -57,11 +59,12 @@ __device__ __forceinline__ void store_piece(uint8_t *dst, uint32_t lo, uint32_t 
     }
 }
 
-// The prologue's output (fp8ext.h) for the V values of x's row r from column c, unpacked from `in` (and, for
-// SwiGLU, `up`: the same columns of the row's second half), rounded to T.
+// The prologue's output (fp8ext.h) for the V values of x's row r from column c, rounded to T: f holds the first
+// operand unpacked (x; SwiGLU and its gradient: gate), a2 the second (up), a3 the third (the gradient dy); up_side:
+// the gradient's columns are d_up (the row's second half), otherwise d_gate.
 template <typename T, int PRO>
-__device__ __forceinline__ void prologue_vec(float *f, const uint4 &up, int64_t r, int64_t c,
-                                            const float *__restrict__ rstd, const float *__restrict__ gamma) {
+__device__ __forceinline__ void prologue_vec(float *f, const uint4 &a2, const uint4 &a3, bool up_side, int64_t r,
+                                            int64_t c, const float *__restrict__ rstd, const float *__restrict__ gamma) {
     constexpr int V = Elem<T>::kVec;
     if constexpr (PRO == FP8EXT_PROLOGUE_RMSNORM) {
         const float rs = __ldg(rstd + r);
@@ -75,16 +78,41 @@ __device__ __forceinline__ void prologue_vec(float *f, const uint4 &up, int64_t 
         }
     } else if constexpr (PRO == FP8EXT_PROLOGUE_SWIGLU) {
         float u[V];
-        Elem<T>::unpack(up, u);
+        Elem<T>::unpack(a2, u);
 #pragma unroll
         for (int j = 0; j < V; ++j) f[j] = round_to<T>(silu_times(f[j], u[j]));
+    } else if constexpr (PRO == FP8EXT_PROLOGUE_DSWIGLU) {
+        float u[V], d[V];
+        Elem<T>::unpack(a3, d);
+        if (up_side) {
+#pragma unroll
+            for (int j = 0; j < V; ++j) u[j] = 0.0f;  // d_up does not read up
+        } else {
+            Elem<T>::unpack(a2, u);
+        }
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            float dg, du;
+            dswiglu(f[j], u[j], d[j], dg, du);
+            f[j] = round_to<T>(up_side ? du : dg);
+        }
     }
 }
 
 // One value of the prologue's output at (r, c); ld is x's row length (2 * cols for SwiGLU).
 template <typename T, int PRO>
-__device__ __forceinline__ float prologue_one(const T *__restrict__ x, int64_t ld, int64_t cols, int64_t r, int64_t c,
-                                              const float *__restrict__ rstd, const float *__restrict__ gamma) {
+__device__ __forceinline__ float prologue_one(const T *__restrict__ x, const T *__restrict__ dy, int64_t ld,
+                                              int64_t cols, int64_t r, int64_t c, const float *__restrict__ rstd,
+                                              const float *__restrict__ gamma) {
+    if constexpr (PRO == FP8EXT_PROLOGUE_DSWIGLU) {
+        const int64_t half = cols / 2;
+        const bool up_side = c >= half;
+        const int64_t j = up_side ? c - half : c;
+        float dg, du;
+        dswiglu(Elem<T>::load1(x, r * cols + j), up_side ? 0.0f : Elem<T>::load1(x, r * cols + half + j),
+                Elem<T>::load1(dy, r * half + j), dg, du);
+        return round_to<T>(up_side ? du : dg);
+    }
     const float v = Elem<T>::load1(x, r * ld + c);
     if constexpr (PRO == FP8EXT_PROLOGUE_RMSNORM) return round_to<T>((v * rstd[r]) * gamma[c]);
     if constexpr (PRO == FP8EXT_PROLOGUE_SWIGLU) return round_to<T>(silu_times(v, Elem<T>::load1(x, r * ld + cols + c)));
@@ -96,9 +124,11 @@ __device__ __forceinline__ void fast_tile(const T *__restrict__ x, uint8_t *__re
                                           int64_t rows, int64_t cols, int64_t row0, int64_t col0, float scale,
                                           int saturate, int qt_width, int32_t &amax, uint32_t (*tile)[kRowWords],
                                           float (*part)[kTile], const float *__restrict__ rstd,
-                                          const float *__restrict__ gamma) {
+                                          const float *__restrict__ gamma, const T *__restrict__ dy) {
     static_assert(!(DBIAS && PRO), "dbias is for casts without a prologue");
     const int64_t ld = PRO == FP8EXT_PROLOGUE_SWIGLU ? 2 * cols : cols;
+    const int64_t half = cols / 2;                                   // the gradient of SwiGLU: d_gate | d_up
+    const bool up_side = PRO == FP8EXT_PROLOGUE_DSWIGLU && col0 >= half;  // the whole tile is on one side
     constexpr int V = Elem<T>::kVec;
     constexpr int kVecPerRow = kTile / V;
     constexpr int kPerThread = kTile * kVecPerRow / kThreads;
@@ -113,14 +143,23 @@ __device__ __forceinline__ void fast_tile(const T *__restrict__ x, uint8_t *__re
     for (int s = 0; s < kSlots; ++s)
 #pragma unroll
         for (int j = 0; j < V; ++j) acc[s][j] = 0.0f;
-    uint4 in[kPerThread], up[PRO == FP8EXT_PROLOGUE_SWIGLU ? kPerThread : 1];
+    constexpr bool kTwo = PRO == FP8EXT_PROLOGUE_SWIGLU || PRO == FP8EXT_PROLOGUE_DSWIGLU;
+    uint4 in[kPerThread], in2[kTwo ? kPerThread : 1], in3[PRO == FP8EXT_PROLOGUE_DSWIGLU ? kPerThread : 1];
 #pragma unroll
     for (int it = 0; it < kPerThread; ++it) {
         const int k = threadIdx.x + it * kThreads;
         const int r = k / kVecPerRow, vc = k % kVecPerRow;
-        in[it] = __ldcs(reinterpret_cast<const uint4 *>(x + (row0 + r) * ld + col0 + vc * V));
-        if constexpr (PRO == FP8EXT_PROLOGUE_SWIGLU)
-            up[it] = __ldcs(reinterpret_cast<const uint4 *>(x + (row0 + r) * ld + cols + col0 + vc * V));
+        if constexpr (PRO == FP8EXT_PROLOGUE_DSWIGLU) {
+            const int64_t j = (up_side ? col0 - half : col0) + vc * V;
+            in[it] = __ldcs(reinterpret_cast<const uint4 *>(x + (row0 + r) * cols + j));
+            in2[it] = up_side ? make_uint4(0u, 0u, 0u, 0u)
+                              : __ldcs(reinterpret_cast<const uint4 *>(x + (row0 + r) * cols + half + j));
+            in3[it] = __ldcs(reinterpret_cast<const uint4 *>(dy + (row0 + r) * half + j));
+        } else {
+            in[it] = __ldcs(reinterpret_cast<const uint4 *>(x + (row0 + r) * ld + col0 + vc * V));
+            if constexpr (PRO == FP8EXT_PROLOGUE_SWIGLU)
+                in2[it] = __ldcs(reinterpret_cast<const uint4 *>(x + (row0 + r) * ld + cols + col0 + vc * V));
+        }
     }
 #pragma unroll
     for (int it = 0; it < kPerThread; ++it) {
@@ -129,7 +168,8 @@ __device__ __forceinline__ void fast_tile(const T *__restrict__ x, uint8_t *__re
         float f[V];
         Elem<T>::unpack(in[it], f);
         if constexpr (PRO != FP8EXT_PROLOGUE_NONE)
-            prologue_vec<T, PRO>(f, up[PRO == FP8EXT_PROLOGUE_SWIGLU ? it : 0], row0 + r, col0 + vc * V, rstd, gamma);
+            prologue_vec<T, PRO>(f, in2[kTwo ? it : 0], in3[PRO == FP8EXT_PROLOGUE_DSWIGLU ? it : 0], up_side,
+                                 row0 + r, col0 + vc * V, rstd, gamma);
         if constexpr (DBIAS) {
 #pragma unroll
             for (int j = 0; j < V; ++j) acc[it % kSlots][j] += f[j];
@@ -191,7 +231,8 @@ template <typename T, int FMT, bool DBIAS, int PRO>
 __device__ __forceinline__ void edge_tile(const T *__restrict__ x, uint8_t *__restrict__ q, uint8_t *__restrict__ qt,
                                           int64_t rows, int64_t cols, int64_t row0, int64_t col0, float scale,
                                           int saturate, int32_t &amax, float (*part)[kTile],
-                                          const float *__restrict__ rstd, const float *__restrict__ gamma) {
+                                          const float *__restrict__ rstd, const float *__restrict__ gamma,
+                                          const T *__restrict__ dy) {
     const int64_t ld = PRO == FP8EXT_PROLOGUE_SWIGLU ? 2 * cols : cols;
     for (int p = threadIdx.x; p < kGroups * kTile; p += kThreads) {
         const int h = p / kTile, tc = p % kTile;
@@ -201,7 +242,7 @@ __device__ __forceinline__ void edge_tile(const T *__restrict__ x, uint8_t *__re
         for (int i = 0; i < kGroupRows; ++i) {
             const int64_t r = row0 + h + i * kGroups;
             if (r >= rows || c >= cols) continue;
-            const float v = prologue_one<T, PRO>(x, ld, cols, r, c, rstd, gamma);
+            const float v = prologue_one<T, PRO>(x, dy, ld, cols, r, c, rstd, gamma);
             amax = max(amax, abs_bits(v));
             const uint8_t b = static_cast<uint8_t>(cvt1<FMT>(v, scale, saturate));
             q[r * cols + c] = b;
@@ -217,7 +258,8 @@ __global__ void __launch_bounds__(kThreads)
 cast_transpose_kernel(const T *__restrict__ x, uint8_t *__restrict__ q, uint8_t *__restrict__ qt, int64_t rows,
                       int64_t cols, int64_t col_tiles, const float *__restrict__ scale_ptr, float scale_value,
                       float *amax_out, float *scale_inv_out, int saturate, int vector_ok, int qt_width,
-                      float *__restrict__ workspace, const float *__restrict__ rstd, const float *__restrict__ gamma) {
+                      float *__restrict__ workspace, const float *__restrict__ rstd, const float *__restrict__ gamma,
+                      const T *__restrict__ dy) {
     __shared__ uint32_t tile[kTile][kRowWords];
     __shared__ __align__(16) float part[DBIAS ? kGroups : 1][kTile];  // dbias: a sum per (row group, column)
     const float scale = load_scale(scale_ptr, scale_value);
@@ -225,11 +267,13 @@ cast_transpose_kernel(const T *__restrict__ x, uint8_t *__restrict__ q, uint8_t 
     const int64_t row0 = (static_cast<int64_t>(blockIdx.x) / col_tiles) * kTile;
     const int64_t col0 = (static_cast<int64_t>(blockIdx.x) % col_tiles) * kTile;
     int32_t amax = 0;
-    if (vector_ok && row0 + kTile <= rows && col0 + kTile <= cols)
+    // (The gradient of SwiGLU: a tile across the d_gate | d_up boundary takes the element path.)
+    if (vector_ok && row0 + kTile <= rows && col0 + kTile <= cols &&
+        (PRO != FP8EXT_PROLOGUE_DSWIGLU || col0 + kTile <= cols / 2 || col0 >= cols / 2))
         fast_tile<T, FMT, DBIAS, PRO>(x, q, qt, rows, cols, row0, col0, scale, saturate, qt_width, amax, tile, part,
-                                      rstd, gamma);
+                                      rstd, gamma, dy);
     else
-        edge_tile<T, FMT, DBIAS, PRO>(x, q, qt, rows, cols, row0, col0, scale, saturate, amax, part, rstd, gamma);
+        edge_tile<T, FMT, DBIAS, PRO>(x, q, qt, rows, cols, row0, col0, scale, saturate, amax, part, rstd, gamma, dy);
     if constexpr (DBIAS) {
         __syncthreads();
         if (threadIdx.x < kTile && col0 + threadIdx.x < cols) {
@@ -283,13 +327,15 @@ int launch(const fp8ext_cast_transpose_args *a, float *workspace, cudaStream_t s
     // stores that its start and its row length (rows bytes) both allow.
     // (The prologues' second reads: SwiGLU's up half starts cols values in, RMSNorm's gamma is read in float4s.)
     const int vector_ok = aligned(a->x, 16) && aligned(a->q, 8) && a->cols % 8 == 0 &&
-                          (PRO != FP8EXT_PROLOGUE_RMSNORM || aligned(a->gamma, 16));
+                          (PRO != FP8EXT_PROLOGUE_RMSNORM || aligned(a->gamma, 16)) &&
+                          (PRO != FP8EXT_PROLOGUE_DSWIGLU || (a->cols % 16 == 0 && aligned(a->dy, 16)));
     int qt_width = 8;
     while (qt_width > 1 && (!aligned(a->qt, qt_width) || a->rows % qt_width)) qt_width /= 2;
     FP8EXT_DISPATCH_DTYPE(a->x_dtype, FP8EXT_DISPATCH_FMT(a->fmt, {
         cast_transpose_kernel<T, FMT, DBIAS, PRO><<<static_cast<unsigned>(tiles), kThreads, 0, s>>>(
             static_cast<const T *>(a->x), a->q, a->qt, a->rows, a->cols, col_tiles, a->scale_ptr, a->scale,
-            a->amax_out, a->scale_inv_out, a->saturate, vector_ok, qt_width, workspace, a->rstd, a->gamma);
+            a->amax_out, a->scale_inv_out, a->saturate, vector_ok, qt_width, workspace, a->rstd, a->gamma,
+            static_cast<const T *>(a->dy));
         return cudaGetLastError();
     }));
     return cudaErrorInvalidValue;
@@ -307,6 +353,9 @@ extern "C" int fp8ext_cuda_cast_transpose(const fp8ext_cast_transpose_args *a, v
         if (!a->rstd || !a->gamma) return cudaErrorInvalidValue;
         return launch<false, FP8EXT_PROLOGUE_RMSNORM>(a, nullptr, s);
     case FP8EXT_PROLOGUE_SWIGLU: return launch<false, FP8EXT_PROLOGUE_SWIGLU>(a, nullptr, s);
+    case FP8EXT_PROLOGUE_DSWIGLU:
+        if (!a->dy || a->cols % 2) return cudaErrorInvalidValue;
+        return launch<false, FP8EXT_PROLOGUE_DSWIGLU>(a, nullptr, s);
     default: return cudaErrorInvalidValue;
     }
 }

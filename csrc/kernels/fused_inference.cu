@@ -279,9 +279,9 @@ __global__ void __launch_bounds__(256) swiglu_backward_kernel(fp8ext_swiglu_back
     load8(static_cast<const T *>(a.dy), row * a.cols + c, dy);
 #pragma unroll
     for (int t = 0; t < 8; ++t) {
-        const float e = 1.0f + expf(-g[t]), sig = 1.0f / e;
-        du[t] = round_to<T>(dy[t] * (g[t] / e));
-        dg[t] = round_to<T>(dy[t] * u[t] * (sig * (1.0f + g[t] * (1.0f - sig))));
+        dswiglu(g[t], u[t], dy[t], dg[t], du[t]);
+        dg[t] = round_to<T>(dg[t]);
+        du[t] = round_to<T>(du[t]);
     }
     store8(dr, c, dg);
     store8(dr, a.cols + c, du);
