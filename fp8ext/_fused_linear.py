@@ -157,6 +157,8 @@ def fused_input_linear(linear: FP8Linear, op: int, x: torch.Tensor, gamma: Optio
     fused path takes (see the module docstring): the caller then runs op and the layer separately, with the same
     result. op is RMSNORM (gamma: the norm's scale as a float32 tensor, eps) or SWIGLU (x holds gate, then up).
     reference=True takes the path on a CPU too, with fp8ext.fused's reference definitions (for tests)."""
+    if torch.compiler.is_compiling():  # nothing of this path is traced: the separate steps' ops are
+        return None
     k = linear.in_features
     if not _eligible(x, 2 * k if op == SWIGLU else k, (linear,), reference):
         return None
@@ -197,7 +199,11 @@ class _FusedMLPFunction(torch.autograd.Function):
         h = _gemm(x8, cast1[0], x_sinv, cast1[2], dtype, None, fast=True)  # [m, 2 f]
         a8, a8t, a_sinv, _ = _cast_with_prologue(SWIGLU, h, None, 0.0, fmt, slots2[0], slots2[1], margin)
         y = _gemm_bias(a8, cast2[0], a_sinv, cast2[2], dtype, b2)
-        ctx.save_for_backward(x2, g, rstd, x8t, x_sinv, cast1[1], cast1[2], h, a8t, a_sinv, cast2[1], cast2[2])
+        ctx.save_for_backward(x2, g, rstd, x8t, x_sinv, cast1[1], cast1[2], a_sinv, cast2[2])
+        # Intermediates (no input or output of this node) kept as attributes, so that backward can release each once
+        # used: h (the largest) after SwiGLU's gradient, fc2's FP8 operands after its GEMMs. Saved tensors would live
+        # until the whole node's backward returns, above the separate layers' peak.
+        ctx.fc2_fp8, ctx.h = (a8t, cast2[1]), h
         ctx.layers = (_LayerState(m, dtype, w1, None, slots1, grad_slots[0], main_grads[0], bwd_code, margin),
                       _LayerState(m, dtype, w2, b2, slots2, grad_slots[1], main_grads[1], bwd_code, margin))
         ctx.shape = x.shape
@@ -206,18 +212,24 @@ class _FusedMLPFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # a second derivative raises instead of coming out silently wrong
     def backward(ctx, dy):
-        x2, g, rstd, x8t, x_sinv, w1_8t, w1_sinv, h, a8t, a_sinv, w2_8t, w2_sinv = ctx.saved_tensors
+        x2, g, rstd, x8t, x_sinv, w1_8t, w1_sinv, a_sinv, w2_sinv = ctx.saved_tensors
+        (a8t, w2_8t), h = ctx.fc2_fp8, ctx.h
+        ctx.fc2_fp8 = ctx.h = None
         need_x, need_g, need_w1, need_w2, need_b2 = ctx.needs_input_grad[:5]
         l1, l2 = ctx.layers
         upstream = need_x or need_g or need_w1
         d_a, dw2, db2 = _fp8_linear_backward(l2, dy, a8t, a_sinv, w2_8t, w2_sinv, upstream, need_w2, need_b2)
+        del a8t, w2_8t
         dx = dgamma = dw1 = None
         if upstream:
             g_scale, g_amax = _grad_views(l1)
+            rows, cols = h.shape
             dh8, dh8t, dh_sinv, _ = _cast_with_prologue(DSWIGLU, h, None, 0.0, l1.bwd, g_scale, g_amax, l1.margin,
-                                                         dy=d_a.reshape(h.shape[0], h.shape[1] // 2))
+                                                         dy=d_a.reshape(rows, cols // 2))
+            del h, d_a
             d_ln, dw1, _ = _fp8_linear_backward(l1, None, x8t, x_sinv, w1_8t, w1_sinv, need_x or need_g, need_w1,
                                                 False, dy_cast=(dh8, dh8t, dh_sinv))
+            del dh8, dh8t
             if d_ln is not None:
                 if x2.is_cuda:
                     dx, dgamma = fused._rms_norm_train_backward_gpu(x2, d_ln, g, rstd)
@@ -232,6 +244,8 @@ def fused_mlp(fc1: FP8Linear, fc2: FP8Linear, x: torch.Tensor, gamma: torch.Tens
     """fc2(swiglu(fc1(rmsnorm(x, gamma, eps)))) in FP8 as one autograd node with every step fused into a cast (see the
     module docstring), or None when the call is not one this path takes (fc1 with a bias, fc1 not 2 x fc2's
     inputs, or what fused_input_linear refuses): the caller then runs the steps separately, with the same result."""
+    if torch.compiler.is_compiling():  # nothing of this path is traced: the separate steps' ops are
+        return None
     k, f = fc1.in_features, fc2.in_features
     if fc1.bias is not None or fc1.return_bias or fc1.out_features != 2 * f or k > 8192 or gamma.numel() != k:
         return None

@@ -88,7 +88,8 @@ class _TENamedParameters(nn.Module):
         """linear(RMSNorm(inp)) with the norm computed inside the FP8 cast of linear's input, or None where that
         path does not run (LayerNorm, or a call fp8ext._fused_linear does not take)."""
         norm = self.layer_norm
-        if not isinstance(norm, RMSNorm) or not isinstance(inp, torch.Tensor) or len(norm.normalized_shape) != 1:
+        if torch.compiler.is_compiling() or not isinstance(norm, RMSNorm) or not isinstance(inp, torch.Tensor) \
+                or len(norm.normalized_shape) != 1:
             return None
         return fused_input_linear(linear, RMSNORM, inp, norm._gamma(torch.float32), norm.eps, is_first_microbatch)
 
@@ -159,7 +160,8 @@ class LayerNormMLP(_TENamedParameters):
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         norm = self.layer_norm
         if self.activation == "swiglu" and not self.return_layernorm_output and isinstance(norm, RMSNorm) \
-                and len(norm.normalized_shape) == 1 and isinstance(inp, torch.Tensor):
+                and len(norm.normalized_shape) == 1 and isinstance(inp, torch.Tensor) \
+                and not torch.compiler.is_compiling():
             # the whole MLP as one node: norm, SwiGLU and SwiGLU's gradient inside the FP8 casts (where it runs)
             out = fused_mlp(self.fc1, self.fc2, inp, norm._gamma(torch.float32), norm.eps, is_first_microbatch)
             if out is not None:

@@ -64,7 +64,8 @@ __device__ __forceinline__ void store_piece(uint8_t *dst, uint32_t lo, uint32_t 
 // the gradient's columns are d_up (the row's second half), otherwise d_gate.
 template <typename T, int PRO>
 __device__ __forceinline__ void prologue_vec(float *f, const uint4 &a2, const uint4 &a3, bool up_side, int64_t r,
-                                            int64_t c, const float *__restrict__ rstd, const float *__restrict__ gamma) {
+                                            int64_t c, const float *__restrict__ rstd,
+                                            const float *__restrict__ gamma) {
     constexpr int V = Elem<T>::kVec;
     if constexpr (PRO == FP8EXT_PROLOGUE_RMSNORM) {
         const float rs = __ldg(rstd + r);
@@ -82,19 +83,16 @@ __device__ __forceinline__ void prologue_vec(float *f, const uint4 &a2, const ui
 #pragma unroll
         for (int j = 0; j < V; ++j) f[j] = round_to<T>(silu_times(f[j], u[j]));
     } else if constexpr (PRO == FP8EXT_PROLOGUE_DSWIGLU) {
-        float u[V], d[V];
+        float d[V];
         Elem<T>::unpack(a3, d);
-        if (up_side) {
+        if (up_side) {  // (block-uniform: a tile lies on one side)
 #pragma unroll
-            for (int j = 0; j < V; ++j) u[j] = 0.0f;  // d_up does not read up
+            for (int j = 0; j < V; ++j) f[j] = round_to<T>(dswiglu_up(f[j], d[j]));
         } else {
+            float u[V];
             Elem<T>::unpack(a2, u);
-        }
 #pragma unroll
-        for (int j = 0; j < V; ++j) {
-            float dg, du;
-            dswiglu(f[j], u[j], d[j], dg, du);
-            f[j] = round_to<T>(up_side ? du : dg);
+            for (int j = 0; j < V; ++j) f[j] = round_to<T>(dswiglu_gate(f[j], u[j], d[j]));
         }
     }
 }
@@ -108,14 +106,14 @@ __device__ __forceinline__ float prologue_one(const T *__restrict__ x, const T *
         const int64_t half = cols / 2;
         const bool up_side = c >= half;
         const int64_t j = up_side ? c - half : c;
-        float dg, du;
-        dswiglu(Elem<T>::load1(x, r * cols + j), up_side ? 0.0f : Elem<T>::load1(x, r * cols + half + j),
-                Elem<T>::load1(dy, r * half + j), dg, du);
-        return round_to<T>(up_side ? du : dg);
+        const float gate = Elem<T>::load1(x, r * cols + j), d = Elem<T>::load1(dy, r * half + j);
+        if (up_side) return round_to<T>(dswiglu_up(gate, d));
+        return round_to<T>(dswiglu_gate(gate, Elem<T>::load1(x, r * cols + half + j), d));
     }
     const float v = Elem<T>::load1(x, r * ld + c);
     if constexpr (PRO == FP8EXT_PROLOGUE_RMSNORM) return round_to<T>((v * rstd[r]) * gamma[c]);
-    if constexpr (PRO == FP8EXT_PROLOGUE_SWIGLU) return round_to<T>(silu_times(v, Elem<T>::load1(x, r * ld + cols + c)));
+    if constexpr (PRO == FP8EXT_PROLOGUE_SWIGLU)
+        return round_to<T>(silu_times(v, Elem<T>::load1(x, r * ld + cols + c)));
     return v;
 }
 

@@ -133,12 +133,13 @@ template <> __device__ __forceinline__ float round_to<__half>(float v) { return 
 __device__ __forceinline__ float silu_times(float gate, float up) { return gate / (1.0f + expf(-gate)) * up; }
 
 // SwiGLU's gradient for one (gate, up) pair and the output's gradient dy, in float32 (fp8ext.h's definition), as
-// every kernel computes it: d_gate = dy * up * (sig * (1 + gate * (1 - sig))), d_up = dy * (gate / (1 + exp(-gate))).
-__device__ __forceinline__ void dswiglu(float gate, float up, float dy, float &d_gate, float &d_up) {
-    const float e = 1.0f + expf(-gate), sig = 1.0f / e;
-    d_up = dy * (gate / e);
-    d_gate = dy * up * (sig * (1.0f + gate * (1.0f - sig)));
+// every kernel computes it: d_gate = dy * up * (sig * (1 + gate * (1 - sig))), d_up = dy * (gate / (1 + exp(-gate))),
+// sig = 1 / (1 + exp(-gate)).
+__device__ __forceinline__ float dswiglu_gate(float gate, float up, float dy) {
+    const float sig = 1.0f / (1.0f + expf(-gate));
+    return dy * up * (sig * (1.0f + gate * (1.0f - sig)));
 }
+__device__ __forceinline__ float dswiglu_up(float gate, float dy) { return dy * (gate / (1.0f + expf(-gate))); }
 
 inline bool aligned(const void *p, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(p) % bytes) == 0; }
 
