@@ -292,3 +292,33 @@ def test_layernorm_modules_on_the_gpu_equal_their_separate_steps(kind, monkeypat
         sa, sb = la.get_extra_state(), lb.get_extra_state()
         for key in ("amax_history", "scale", "scale_inv"):
             assert torch.equal(sa[key], sb[key]), key
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_transformer_training_with_swiglu_in_the_cast_equals_the_separate_steps(monkeypatch):
+    """fp8ext's transformer under bf16 autocast in FP8 (delayed scaling): its SwiGLU goes into the cast of w2's input,
+    and two training steps give the losses and every gradient of the same model with that path switched off."""
+    from fp8ext.models.transformer import Transformer, preset
+    cfg = preset("tiny", d_model=128, n_heads=4, n_kv_heads=2, d_ff=256)
+    ids = torch.randint(0, 256, (2, 33), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    calls = []
+    real = FL._cast_with_prologue
+    monkeypatch.setattr(FL, "_cast_with_prologue", lambda op, *a, **kw: calls.append(op) or real(op, *a, **kw))
+    out = {}
+    for enabled in (True, False):
+        monkeypatch.setattr(FL, "ENABLED", enabled)
+        torch.manual_seed(0)
+        model = Transformer(cfg, device="cuda")
+        recipe = fp8ext.DelayedScaling(amax_history_len=2)
+        losses = []
+        for _ in range(2):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(ids[:, :-1], ids[:, 1:], fp8=True, fp8_recipe=recipe)[1]
+            loss.backward()
+            losses.append(loss.item())
+        out[enabled] = (losses, {n: p.grad.clone() for n, p in model.named_parameters()})
+    assert calls == [FL.SWIGLU] * (2 * cfg.n_layers)  # 64 tokens: w2's input cast takes SwiGLU, each layer and step
+    assert out[True][0] == out[False][0]
+    for n, g in out[False][1].items():
+        assert torch.equal(out[True][1][n], g), n

@@ -26,6 +26,7 @@ from torch import nn
 
 import fp8ext as te
 from fp8ext import fused
+from fp8ext._fused_linear import SWIGLU, fused_input_linear
 from fp8ext.context import current_context
 from fp8ext.recipe import DelayedScaling, Format
 
@@ -224,6 +225,10 @@ class SwiGLU(nn.Module):
             a = into(h, "swiglu") if into is not None else None
             return self.w2(a if a is not None else fused.swiglu(h), is_first_microbatch=is_first_microbatch)
         if fused.TRAINING and fused.train_available(h, h.shape[-1] // 2):  # with gradients: one kernel each way
+            # in eager FP8 training with delayed scaling, SwiGLU is computed inside the cast of w2's FP8 input
+            y = fused_input_linear(self.w2, SWIGLU, h, is_first_microbatch=is_first_microbatch)
+            if y is not None:
+                return y
             return self.w2(fused.swiglu(h), is_first_microbatch=is_first_microbatch)
         gate, up = h.chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up, is_first_microbatch=is_first_microbatch)
