@@ -84,14 +84,15 @@ class _TENamedParameters(nn.Module):
             return obj
         return super().__getattr__(name)
 
-    def _fused_norm_linear(self, linear: FP8Linear, inp: torch.Tensor, is_first_microbatch):
-        """linear(RMSNorm(inp)) with the norm computed inside the FP8 cast of linear's input, or None where that
-        path does not run (LayerNorm, or a call fp8ext._fused_linear does not take)."""
+    def _fusable_gamma(self, inp) -> Optional[torch.Tensor]:
+        """The float32 gamma of the module's RMSNorm, for the paths that compute the norm inside the next FP8 cast
+        (fp8ext._fused_linear, which decides whether the call is one it takes); None where they cannot run:
+        LayerNorm, return_layernorm_output=True (the norm's output is wanted), or torch.compile tracing."""
         norm = self.layer_norm
-        if torch.compiler.is_compiling() or not isinstance(norm, RMSNorm) or not isinstance(inp, torch.Tensor) \
-                or len(norm.normalized_shape) != 1:
+        if self.return_layernorm_output or torch.compiler.is_compiling() or not isinstance(norm, RMSNorm) \
+                or not isinstance(inp, torch.Tensor) or len(norm.normalized_shape) != 1:
             return None
-        return fused_input_linear(linear, RMSNORM, inp, norm._gamma(torch.float32), norm.eps, is_first_microbatch)
+        return norm._gamma(torch.float32)
 
 
 class LayerNormLinear(_TENamedParameters):
@@ -118,8 +119,9 @@ class LayerNormLinear(_TENamedParameters):
                                 fuse_wgrad_accumulation=fuse_wgrad_accumulation, **te_kwargs)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
-        if not self.return_layernorm_output:
-            out = self._fused_norm_linear(self.linear, inp, is_first_microbatch)
+        gamma = self._fusable_gamma(inp)
+        if gamma is not None:  # the norm inside the linear layer's input cast, where that path runs
+            out = fused_input_linear(self.linear, RMSNORM, inp, gamma, self.layer_norm.eps, is_first_microbatch)
             if out is not None:
                 return out
         ln = self.layer_norm(inp)
@@ -158,15 +160,13 @@ class LayerNormMLP(_TENamedParameters):
                              return_bias=return_bias, **common, **te_kwargs)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
-        norm = self.layer_norm
-        if self.activation == "swiglu" and not self.return_layernorm_output and isinstance(norm, RMSNorm) \
-                and len(norm.normalized_shape) == 1 and isinstance(inp, torch.Tensor) \
-                and not torch.compiler.is_compiling():
+        gamma, eps = self._fusable_gamma(inp), self.layer_norm.eps
+        if gamma is not None and self.activation == "swiglu":
             # the whole MLP as one node: norm, SwiGLU and SwiGLU's gradient inside the FP8 casts (where it runs)
-            out = fused_mlp(self.fc1, self.fc2, inp, norm._gamma(torch.float32), norm.eps, is_first_microbatch)
+            out = fused_mlp(self.fc1, self.fc2, inp, gamma, eps, is_first_microbatch)
             if out is not None:
                 return out
-        h = None if self.return_layernorm_output else self._fused_norm_linear(self.fc1, inp, is_first_microbatch)
+        h = None if gamma is None else fused_input_linear(self.fc1, RMSNORM, inp, gamma, eps, is_first_microbatch)
         if h is None:
             ln = self.layer_norm(inp)
             h = self.fc1(ln, is_first_microbatch=is_first_microbatch)
