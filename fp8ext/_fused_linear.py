@@ -38,6 +38,7 @@ from ._boundary import dl, dl_fp8, stream_of
 from .context import activation_dtype, current_context
 from .formats import format_of_code
 from .linear import FP8Linear, _cast, _fp8_linear_backward, _gemm, _grad_views
+from .profiling import profiled
 from .recipe import DelayedScaling
 
 RMSNORM, SWIGLU, DSWIGLU = 1, 2, 3  # csrc/fp8ext.h's FP8EXT_PROLOGUE_RMSNORM, _SWIGLU, _DSWIGLU
@@ -121,9 +122,20 @@ class _FusedInputLinearFunction(torch.autograd.Function):
                 *([None] * 14))
 
 
+def has_hooks(module: torch.nn.Module) -> bool:
+    """Whether calling `module` would run forward hooks (its own or global ones, e.g. FSDP's on a sharded layer): the
+    fused paths use the layers' parameters without calling them, so they step aside for such modules."""
+    glob = torch.nn.modules.module
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or getattr(glob, "_global_forward_hooks", None)
+                or getattr(glob, "_global_forward_pre_hooks", None))
+
+
 def _eligible(x: torch.Tensor, width: int, linears, reference: bool) -> bool:
     """Whether this call is one the fused paths take (see the module docstring): x [..., width] feeding the first
-    of `linears` (FP8Linear), inside fp8_autocast with delayed scaling."""
+    of `linears` (FP8Linear, without forward hooks), inside fp8_autocast with delayed scaling."""
+    if not all(isinstance(lin, FP8Linear) and not has_hooks(lin) for lin in linears):
+        return False  # e.g. fp8ext.inference's quantized layers, or a layer sharded or observed through hooks
     ctx = current_context()
     if ctx is None or not ctx.enabled or ctx.calibrating or not isinstance(ctx.recipe, DelayedScaling):
         return False
@@ -151,6 +163,7 @@ def _operands(linear: FP8Linear, recipe, is_first_microbatch):
     return (xs, xa, gs, ga), grad_slot, w_cast, main_grad, (None if linear.return_bias else linear.bias)
 
 
+@profiled("fp8ext.fused_input_linear")
 def fused_input_linear(linear: FP8Linear, op: int, x: torch.Tensor, gamma: Optional[torch.Tensor] = None,
                        eps: float = 0.0, is_first_microbatch: Optional[bool] = None, *, reference: bool = False):
     """linear(op(x)) in FP8 with op's output cast in the pass that computes it, or None when this call is not one the
@@ -213,6 +226,10 @@ class _FusedMLPFunction(torch.autograd.Function):
     @once_differentiable  # a second derivative raises instead of coming out silently wrong
     def backward(ctx, dy):
         x2, g, rstd, x8t, x_sinv, w1_8t, w1_sinv, a_sinv, w2_sinv = ctx.saved_tensors
+        if ctx.h is None:
+            raise RuntimeError("LayerNormMLP's fused FP8 backward releases its intermediates as it goes, so it runs "
+                               "once per forward; to backward through one forward several times (retain_graph=True), "
+                               "run the steps separately: fp8ext.fused.TRAINING = False")
         (a8t, w2_8t), h = ctx.fc2_fp8, ctx.h
         ctx.fc2_fp8 = ctx.h = None
         need_x, need_g, need_w1, need_w2, need_b2 = ctx.needs_input_grad[:5]
@@ -239,13 +256,14 @@ class _FusedMLPFunction(torch.autograd.Function):
                 db2, *([None] * 10))
 
 
+@profiled("fp8ext.fused_mlp")
 def fused_mlp(fc1: FP8Linear, fc2: FP8Linear, x: torch.Tensor, gamma: torch.Tensor, eps: float,
               is_first_microbatch: Optional[bool] = None, *, reference: bool = False):
     """fc2(swiglu(fc1(rmsnorm(x, gamma, eps)))) in FP8 as one autograd node with every step fused into a cast (see the
     module docstring), or None when the call is not one this path takes (fc1 with a bias, fc1 not 2 x fc2's
     inputs, or what fused_input_linear refuses): the caller then runs the steps separately, with the same result."""
-    if torch.compiler.is_compiling():  # nothing of this path is traced: the separate steps' ops are
-        return None
+    if torch.compiler.is_compiling() or not (isinstance(fc1, FP8Linear) and isinstance(fc2, FP8Linear)):
+        return None  # (nothing of this path is traced: under torch.compile the separate steps' ops are)
     k, f = fc1.in_features, fc2.in_features
     if fc1.bias is not None or fc1.return_bias or fc1.out_features != 2 * f or k > 8192 or gamma.numel() != k:
         return None

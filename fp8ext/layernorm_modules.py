@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import fused
-from ._fused_linear import RMSNORM, SWIGLU, fused_input_linear, fused_mlp
+from ._fused_linear import RMSNORM, SWIGLU, fused_input_linear, fused_mlp, has_hooks
 from .linear import FP8Linear
 from .normalization import LayerNorm, RMSNorm
 
@@ -87,10 +87,11 @@ class _TENamedParameters(nn.Module):
     def _fusable_gamma(self, inp) -> Optional[torch.Tensor]:
         """The float32 gamma of the module's RMSNorm, for the paths that compute the norm inside the next FP8 cast
         (fp8ext._fused_linear, which decides whether the call is one it takes); None where they cannot run:
-        LayerNorm, return_layernorm_output=True (the norm's output is wanted), or torch.compile tracing."""
+        LayerNorm, return_layernorm_output=True (the norm's output is wanted), torch.compile tracing, or forward hooks
+        on the norm (the fused path does not call it as a module)."""
         norm = self.layer_norm
         if self.return_layernorm_output or torch.compiler.is_compiling() or not isinstance(norm, RMSNorm) \
-                or not isinstance(inp, torch.Tensor) or len(norm.normalized_shape) != 1:
+                or not isinstance(inp, torch.Tensor) or len(norm.normalized_shape) != 1 or has_hooks(norm):
             return None
         return norm._gamma(torch.float32)
 
@@ -166,24 +167,25 @@ class LayerNormMLP(_TENamedParameters):
             out = fused_mlp(self.fc1, self.fc2, inp, gamma, eps, is_first_microbatch)
             if out is not None:
                 return out
+        ln = None  # the norm's output, made here unless the norm runs inside fc1's input cast
         h = None if gamma is None else fused_input_linear(self.fc1, RMSNORM, inp, gamma, eps, is_first_microbatch)
         if h is None:
             ln = self.layer_norm(inp)
             h = self.fc1(ln, is_first_microbatch=is_first_microbatch)
-        if self.activation == "swiglu":  # SwiGLU computed inside fc2's input cast, where that path runs
-            out = fused_input_linear(self.fc2, SWIGLU, h, is_first_microbatch=is_first_microbatch)
-            if out is not None:
-                return out
-        act = _ACTIVATIONS[self.activation]
-        if self.activation == "swiglu" and fused.train_available(h, h.shape[-1] // 2) and (
-                fused.TRAINING or not torch.is_grad_enabled()):
-            h = fused.swiglu(h)  # on a GPU: one kernel forward, one backward (rounded once, as TE's)
-        elif self.activation in _GATED:
-            gate, up = h.chunk(2, dim=-1)
-            h = act(gate) * up
-        else:
-            h = act(h)
-        out = self.fc2(h, is_first_microbatch=is_first_microbatch)
+        # SwiGLU computed inside fc2's input cast, where that path runs
+        out = fused_input_linear(self.fc2, SWIGLU, h, is_first_microbatch=is_first_microbatch) \
+            if self.activation == "swiglu" else None
+        if out is None:
+            act = _ACTIVATIONS[self.activation]
+            if self.activation == "swiglu" and fused.train_available(h, h.shape[-1] // 2) and (
+                    fused.TRAINING or not torch.is_grad_enabled()):
+                h = fused.swiglu(h)  # on a GPU: one kernel forward, one backward (rounded once, as TE's)
+            elif self.activation in _GATED:
+                gate, up = h.chunk(2, dim=-1)
+                h = act(gate) * up
+            else:
+                h = act(h)
+            out = self.fc2(h, is_first_microbatch=is_first_microbatch)
         if not self.return_layernorm_output:
             return out
         return (*out, ln) if self.return_bias else (out, ln)

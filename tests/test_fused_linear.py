@@ -144,6 +144,46 @@ def test_reference_mlp_is_the_separate_steps_bit_for_bit(fc2_bias, main_grad):
         assert sa["amax_history"][:, 2].abs().sum() > 0  # the output gradient's amax was recorded
 
 
+def test_a_second_backward_through_the_fused_mlp_is_refused_with_the_way_out():
+    """The fused MLP releases h and fc2's FP8 operands during its backward (its peak memory is below the separate
+    layers'), so a second backward through the same forward raises, naming the switch that runs the steps separately;
+    the first backward's gradients are complete."""
+    torch.manual_seed(0)
+    fc1, fc2 = fp8ext.Linear(64, 192, bias=False), fp8ext.Linear(96, 64, bias=False)
+    x = torch.randn(16, 64, requires_grad=True)
+    with fp8ext.fp8_autocast(enabled=True):
+        y = FL.fused_mlp(fc1, fc2, x, torch.ones(64), EPS, reference=True)
+    y.sum().backward(retain_graph=True)
+    assert x.grad is not None and fc1.weight.grad is not None and fc2.weight.grad is not None
+    with pytest.raises(RuntimeError, match="fp8ext.fused.TRAINING = False"):
+        y.sum().backward()
+
+
+def test_layers_it_cannot_see_through_take_the_separate_steps():
+    """Layers that are not FP8Linear (fp8ext.inference's quantized layers, nn.Linear) and layers or norms with hooks
+    (observers, FSDP on a single layer): the fused paths use parameters without calling the modules, so they return
+    None and the modules run as modules."""
+    fc1, fc2 = fp8ext.Linear(64, 192, bias=False), fp8ext.Linear(96, 64, bias=False)
+    x = torch.randn(16, 64)
+    with fp8ext.fp8_autocast(enabled=True):
+        assert FL.fused_mlp(fc1, fc2, x, torch.ones(64), EPS, reference=True) is not None
+        assert FL.fused_mlp(torch.nn.Linear(64, 192, bias=False), fc2, x, torch.ones(64), EPS, reference=True) is None
+        assert FL.fused_input_linear(torch.nn.Linear(64, 64), FL.RMSNORM, x, torch.ones(64), EPS,
+                                     reference=True) is None
+        handle = fc2.register_forward_hook(lambda *a: None)
+        assert FL.fused_mlp(fc1, fc2, x, torch.ones(64), EPS, reference=True) is None
+        handle.remove()
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda *a: None)
+        try:
+            assert FL.fused_input_linear(fc1, FL.RMSNORM, x, torch.ones(64), EPS, reference=True) is None
+        finally:
+            handle.remove()
+        assert FL.fused_input_linear(fc1, FL.RMSNORM, x, torch.ones(64), EPS, reference=True) is not None
+    mlp = te.LayerNormMLP(64, 96, normalization="RMSNorm", activation="swiglu", bias=False)
+    mlp.layer_norm.register_forward_hook(lambda *a: None)
+    assert mlp._fusable_gamma(x) is None
+
+
 def test_mlp_with_a_bias_on_fc1_takes_the_separate_steps():
     fc1, fc2 = fp8ext.Linear(64, 192, bias=True), fp8ext.Linear(96, 64)
     with fp8ext.fp8_autocast(enabled=True):
@@ -322,3 +362,26 @@ def test_transformer_training_with_swiglu_in_the_cast_equals_the_separate_steps(
     assert out[True][0] == out[False][0]
     for n, g in out[False][1].items():
         assert torch.equal(out[True][1][n], g), n
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_layernorm_mlp_returns_the_norm_output_when_asked_with_swiglu_in_the_cast():
+    """return_layernorm_output=True: the norm runs as a module (its output is returned) while SwiGLU still goes into
+    fc2's cast; the tuple equals the separate steps' (with return_bias too)."""
+    torch.manual_seed(2)
+    kw = dict(normalization="RMSNorm", activation="swiglu", bias=True, return_layernorm_output=True, return_bias=True,
+              params_dtype=torch.bfloat16, device="cuda")
+    a, b = te.LayerNormMLP(128, 192, **kw), te.LayerNormMLP(128, 192, **kw)
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(32, 128, device="cuda", dtype=torch.bfloat16)
+    with fp8ext.fp8_autocast(enabled=True):
+        ya = a(x)
+        FL.ENABLED = False
+        try:
+            yb = b(x)
+        finally:
+            FL.ENABLED = True
+    assert isinstance(ya, tuple) and len(ya) == 3
+    for u, v in zip(ya, yb):
+        assert torch.equal(u, v)
