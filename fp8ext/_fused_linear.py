@@ -17,11 +17,12 @@ The bytes are those of the unfused composition (the step's fused kernel writing 
 prologue computes the step's output as that kernel does and rounds it to x's dtype before the cast, and the amax
 recorded in the input's slot is that of the rounded output. Per element of a bf16 norm output this saves its write
 and its read by the cast (8 bytes moved become 6: read x twice, write x8 and x8^T); per element of a SwiGLU output,
-4 of 10; per element of fc1's output gradient (bf16), 4 of 18.
+10 become 6; per element of fc1's output gradient (bf16), 9 become 4.5 (benchmarks/bench_fused_cast.py).
 
-Taken by the layer-norm modules on a GPU in eager training with delayed scaling (fused.TRAINING, no autocast dtype
-change, a token count that is a multiple of 16, rows of at most 8192 for RMSNorm, fp8ext.debug off); everything else
-takes the unfused composition, with the same results. Current scaling needs the output's amax before its cast, one
+Taken by the layer-norm modules and fp8ext's transformer on a GPU in eager training with delayed scaling
+(fused.TRAINING, no autocast dtype change, a token count that is a multiple of 16, rows of at most 8192 for RMSNorm,
+FP8Linear layers without hooks, fp8ext.debug off); everything else takes the unfused composition, with the same
+results. Current scaling needs the output's amax before its cast, one
 more pass over it, which is what the composition does. On a CPU the same function computes the step with the
 reference definitions of fp8ext.fused (the tests use it there).
 """
