@@ -25,18 +25,16 @@ from typing import List, Optional
 import torch
 
 from ..models.transformer import Transformer, TransformerConfig, preset
-from ..train.checkpoint import CHECKPOINT_NAME
+from ..train.checkpoint import CheckpointError, read
 from ..train.data import batch, load_corpus
 from . import calibrate, decode_loss, load_quantized, model_kv_scales, quantize_model, save_quantized
 from .layers import ACTIVATION_SCHEMES, WEIGHT_SCHEMES
 
 
-def _training_model(checkpoint: str, device) -> tuple:
-    p = pathlib.Path(checkpoint)
-    p = p / CHECKPOINT_NAME if p.is_dir() else p
-    if not p.is_file():
-        raise FileNotFoundError(f"--checkpoint: no training checkpoint at {p}")
-    state = torch.load(p, map_location="cpu", weights_only=False)
+def _training_model(checkpoint: str, device, option: str) -> tuple:
+    """(bf16 model, training arguments, checkpoint file) of an fp8ext.train checkpoint, read safely
+    (fp8ext.train.checkpoint.read); `option` says where the path came from, for errors."""
+    p, state = read(checkpoint, option)
     a = state["args"]
     cfg = preset(a["preset"], fused_qkv=not a.get("separate_qkv", False),
                  max_seq_len=max(preset(a["preset"]).max_seq_len, a["seq_len"]))
@@ -47,7 +45,7 @@ def _training_model(checkpoint: str, device) -> tuple:
 
 def _quantize(args) -> None:
     device = torch.device(args.device or "cpu")
-    model, train_args, path = _training_model(args.checkpoint, device)
+    model, train_args, path = _training_model(args.checkpoint, device, "--checkpoint")
     corpus = load_corpus(args.data if args.data is not None else train_args.get("data"))
     seq = args.seq_len or train_args["seq_len"]
     batches = [batch(corpus.train, args.batch_size, seq, seed=10_007, step=i, device=device)[0]
@@ -71,7 +69,8 @@ def _eval(args) -> None:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     d = pathlib.Path(args.model)
     src = json.loads((d / "config.json").read_text()).get("fp8ext_source", {})
-    ref, train_args, _ = _training_model(args.reference or src.get("training_checkpoint", ""), device)
+    option = "--reference" if args.reference else f"{d / 'config.json'} (fp8ext_source.training_checkpoint)"
+    ref, train_args, _ = _training_model(args.reference or src.get("training_checkpoint", ""), device, option)
     fp8 = load_quantized(d, lambda c: Transformer(TransformerConfig(**c)), device=device).to(device)
     corpus = load_corpus(args.data if args.data is not None else src.get("data"))
     seq = args.seq_len or src.get("seq_len") or train_args["seq_len"]
@@ -151,7 +150,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         s.add_argument("--seq_len", type=int, default=None, help="default: the training run's")
         s.add_argument("--device", default=None)
     args = p.parse_args(argv)
-    {"quantize": _quantize, "eval": _eval, "generate": _generate}[args.command](args)
+    try:
+        {"quantize": _quantize, "eval": _eval, "generate": _generate}[args.command](args)
+    except CheckpointError as e:  # a one-line error naming the file, as for a wrong argument
+        raise SystemExit(f"python -m fp8ext.inference {args.command}: {e}") from e
     return 0
 
 

@@ -61,8 +61,18 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """Runs the command line; a checkpoint that cannot be loaded safely ends it with a one-line error (SystemExit,
+    as argparse does for a wrong argument) naming the file."""
     args = parser().parse_args(argv)
-    from .trainer import train  # torch and the model are imported only after the arguments parse
+    from .checkpoint import CheckpointError  # torch and the model are imported only after the arguments parse
+    try:
+        return _run(args)
+    except CheckpointError as e:
+        raise SystemExit(f"fp8ext-train: {e}") from e
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .trainer import train
     if not args.compare:
         train(args)
         return 0

@@ -189,6 +189,7 @@ def _train_loop(args: Namespace, device: torch.device, rank: int, world: int) ->
         start = checkpoint.load(args.resume, raw, opt)["step"]
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
+        checkpoint.remove_stale_tmp(out)
     precision = "fp8" if args.use_fp8 else ("bf16" if device.type == "cuda" else "fp32")
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum_steps * world
     flops_per_token = raw.flops_per_token(args.seq_len)
