@@ -18,37 +18,37 @@ def _check(codes: torch.Tensor, bits: int, group: int, fn: str) -> None:
     if codes.dim() == 0 or codes.shape[-1] % group:
         raise ValueError(f"{fn}(): the last dimension of codes must be a multiple of {group}, got shape "
                          f"{list(codes.shape)}")
-    if codes.numel() and int(codes.max()) >= 1 << bits:
+    if codes.numel() and not codes.is_meta and int(codes.max()) >= 1 << bits:  # a meta tensor has no values
         raise ValueError(f"{fn}(): codes must be below {1 << bits} ({bits}-bit codes), got {int(codes.max())}")
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
     """[..., 2n] FP4 codes (uint8, < 16) -> [..., n] bytes: element 2i in the low nibble, 2i + 1 in the high."""
     _check(codes, 4, 2, "pack_fp4")
-    pairs = codes.reshape(*codes.shape[:-1], -1, 2)
+    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
     return pairs[..., 0] | (pairs[..., 1] << 4)
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of pack_fp4: [..., n] bytes -> [..., 2n] codes."""
     _check(packed, 8, 1, "unpack_fp4")
-    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(*packed.shape[:-1], -1)
+    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
 def pack_fp6(codes: torch.Tensor) -> torch.Tensor:
     """[..., 4n] FP6 codes (uint8, < 64) -> [..., 3n] bytes: each 4 codes c0..c3 form the 24-bit little-endian
     word c0 | c1 << 6 | c2 << 12 | c3 << 18."""
     _check(codes, 6, 4, "pack_fp6")
-    c = codes.reshape(*codes.shape[:-1], -1, 4).to(torch.int32)
+    c = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 4, 4).to(torch.int32)
     word = c[..., 0] | (c[..., 1] << 6) | (c[..., 2] << 12) | (c[..., 3] << 18)
     out = torch.stack([word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF], dim=-1)
-    return out.to(torch.uint8).reshape(*codes.shape[:-1], -1)
+    return out.to(torch.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // 4 * 3)
 
 
 def unpack_fp6(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of pack_fp6: [..., 3n] bytes -> [..., 4n] codes."""
     _check(packed, 8, 3, "unpack_fp6")
-    b = packed.reshape(*packed.shape[:-1], -1, 3).to(torch.int32)
+    b = packed.reshape(*packed.shape[:-1], packed.shape[-1] // 3, 3).to(torch.int32)
     word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
     out = torch.stack([(word >> (6 * k)) & 0x3F for k in range(4)], dim=-1)
-    return out.to(torch.uint8).reshape(*packed.shape[:-1], -1)
+    return out.to(torch.uint8).reshape(*packed.shape[:-1], packed.shape[-1] // 3 * 4)

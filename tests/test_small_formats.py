@@ -118,6 +118,17 @@ def test_packing_round_trips_and_has_the_documented_layout(bits, pack, unpack, g
         pack(codes.float())
 
 
+@pytest.mark.parametrize("bits, pack, unpack, group", [(4, fp8ext.pack_fp4, fp8ext.unpack_fp4, 2),
+                                                       (6, fp8ext.pack_fp6, fp8ext.unpack_fp6, 4)])
+@pytest.mark.parametrize("shape", [(0, 8), (3, 0), (0, 0), (2, 0, 8)])
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_packing_empty_and_meta_tensors_gives_the_packed_shape(bits, pack, unpack, group, shape, device):
+    codes = torch.zeros(shape, dtype=torch.uint8, device=device)
+    packed = pack(codes)
+    assert packed.shape == (*shape[:-1], shape[-1] * bits // 8) and packed.device.type == device
+    assert unpack(packed).shape == codes.shape
+
+
 def test_small_formats_refuse_what_they_do_not_support():
     x = torch.randn(64, 64)
     with pytest.raises(NotImplementedError, match="stochastic rounding is for E4M3 and E5M2 only"):
