@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_check.sh                 # build + tests + all benchmarks
 #   bash benchmarks/gpu_check.sh tests quantize  # pick steps: build is implied; tests, quantize, ...
 #   bash benchmarks/gpu_check.sh notebooks       # execute notebooks/*.ipynb; the executed copies go to $OUT
+#   bash benchmarks/gpu_check.sh sanitize        # compute-sanitizer memcheck and racecheck over the kernel tests
 # The lent machine has no Jupyter: for `notebooks`, carry wheels of nbclient, nbformat and ipykernel with their
 # dependencies in .whl/ (pip download ... -d .whl; see the device tool's notes); they are installed from there.
 set -uo pipefail
@@ -33,7 +34,8 @@ for step in $steps; do
     case $step in
     tests)
         echo "== tests"
-        $PY -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest.log" | tail -25 || status=1 ;;
+        # PYTEST_ARGS narrows the run, e.g. PYTEST_ARGS="-m cuda tests" for the GPU tests alone
+        $PY -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -25 || status=1 ;;
     notebooks)
         echo "== notebooks"
         if [ -d .whl ]; then
@@ -52,6 +54,33 @@ finally:
     nbformat.write(nb, sys.argv[2])
 PYEOF
             then echo "$nb: ran in $(( $(date +%s) - start )) s"; else echo "$nb: FAILED"; status=1; fi
+        done ;;
+    sanitize)
+        # Every kernel's GPU tests under compute-sanitizer: memcheck (out-of-bounds and misaligned accesses,
+        # leaks of device memory) over the kernel test files, racecheck (shared-memory hazards) over the kernels
+        # that use shared memory. cuDNN's kernels are excluded: its SDPA kernel (torch's attention, used by a few
+        # tests as the reference) reports hazards that are not fp8ext's. The largest cases are left out (-k): under
+        # the sanitizer they take minutes and run the same code paths as the smaller ones.
+        # SANITIZE_TIMEOUT (seconds per tool, default 240) bounds each run; a run cut short says so.
+        echo "== sanitize"
+        files="tests/test_cuda.py tests/test_fused.py tests/test_fused_linear.py tests/test_mx.py tests/test_nonfinite.py
+               tests/test_quantize_blocks.py tests/test_cast_transpose_dbias.py tests/test_small_formats.py
+               tests/test_weight_only.py tests/test_decode_attention.py tests/test_stochastic.py"
+        race="tests/test_cuda.py tests/test_fused.py tests/test_fused_linear.py tests/test_mx.py
+              tests/test_quantize_blocks.py tests/test_weight_only.py tests/test_decode_attention.py"
+        skip="not 4096 and not 20000 and not 3000 and not 5000"
+        for tool in memcheck racecheck; do
+            if [ $tool = memcheck ]; then set -- $files; else set -- $race; fi
+            existing=(); for f in "$@"; do [ -f "$f" ] && existing+=("$f"); done
+            timeout "${SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool $tool --kernel-name-exclude kns=cudnn \
+                --print-limit 20 $PY -m pytest -q -p no:cacheprovider -m cuda -k "$skip" "${existing[@]}" \
+                > "$OUT/sanitize_$tool.log" 2>&1
+            rc=$?
+            [ $rc = 124 ] && echo "$tool: cut short after ${SANITIZE_TIMEOUT:-240} s (SANITIZE_TIMEOUT)"
+            grep -E "ERROR SUMMARY|RACECHECK SUMMARY|[0-9]+ (passed|failed)" "$OUT/sanitize_$tool.log" | tail -3
+            if [ $rc != 0 ] || ! grep -qE "(ERROR SUMMARY: 0 errors|RACECHECK SUMMARY: 0 hazards)" "$OUT/sanitize_$tool.log"; then
+                echo "$tool: FAILED (exit $rc; $OUT/sanitize_$tool.log)"; status=1
+            fi
         done ;;
     inference)
         echo "== bench_inference"

@@ -91,7 +91,7 @@ def main() -> None:
         cli.main(["--preset", "tiny", "--max_steps", str(args.steps), "--batch_size", "16", "--seq_len", "128",
                   "--lr", "3e-3", "--eval_every", str(args.steps), "--out_dir", str(run), "--no_progress",
                   "--device", "cpu"])
-    state = torch.load(run / "checkpoint.pt", map_location="cpu", weights_only=False)
+    state = torch.load(run / "checkpoint.pt", map_location="cpu", weights_only=True)
     a = state["args"]
     seq = a["seq_len"]
     fp32 = Transformer(preset(a["preset"], max_seq_len=max(preset(a["preset"]).max_seq_len, seq)))

@@ -60,7 +60,7 @@ def main() -> None:
     if args.run is None:
         cli.main(["--preset", args.preset, "--max_steps", str(args.steps), "--lr", "3e-3", "--eval_every",
                   str(args.steps), "--out_dir", str(run), "--no_progress", "--device", "cpu"])
-    state = torch.load(run / "checkpoint.pt", map_location="cpu", weights_only=False)
+    state = torch.load(run / "checkpoint.pt", map_location="cpu", weights_only=True)
     a = state["args"]
     model = Transformer(preset(a["preset"], max_seq_len=max(preset(a["preset"]).max_seq_len, a["seq_len"])))
     model.load_state_dict(state["model"])

@@ -8,10 +8,18 @@ compute in FP8.
 Contexts nest (the innermost decides; enabled=False inside switches FP8 off for its body) and are per
 thread (each thread has its own stack). With a DelayedScaling recipe, FP8Linear layers record their amaxes
 in the recipe's FP8ScalingManager (one per recipe and device); the scales are updated, for every tensor in
-one kernel, when the next outermost fp8_autocast is entered: that is after the previous step's backward
-pass has recorded the gradients' amaxes, so step t+1 scales with everything step t saw. calibrating=True
-computes in high precision while recording amaxes (to calibrate scales before FP8 inference).
-fp8_group: a torch.distributed group across which amaxes are max-reduced before the update.
+one kernel, at the step boundary: when the next outermost fp8_autocast is entered, that is after the previous
+step's backward pass has recorded the gradients' amaxes, so step t+1 scales with everything step t saw.
+
+A step is the body of an outermost fp8_autocast. Each recipe in use has its own boundary: a recipe first
+entered in a nested context (`with fp8_autocast(fp8_recipe=a): with fp8_autocast(fp8_recipe=b): ...`) is
+updated when that nested context is entered for the first time in the step, so it scales as it would alone.
+A step whose body raises leaves no trace: when an exception leaves the outermost context, the amaxes that the
+step recorded are discarded from every recipe updated at its start, so the next steps scale as if the failed
+step had never run. (Amaxes recorded by a backward pass that raises, outside any context, are kept.)
+
+calibrating=True computes in high precision while recording amaxes (to calibrate scales before FP8
+inference). fp8_group: a torch.distributed group across which amaxes are max-reduced before the update.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ class _Context(NamedTuple):  # a NamedTuple: made on every entry, and cheaper to
 class _ThreadState(threading.local):
     def __init__(self):
         self.stack = []
+        self.step_recipes = []  # recipes whose scales were brought up to date in this thread's current step
 
 
 _state = _ThreadState()
@@ -86,13 +95,27 @@ def get_scaling_manager(recipe: DelayedScaling, device: Union[str, torch.device]
     return mgr
 
 
+def _managers_of(recipe: Recipe):
+    return [mgr for (r, _), mgr in list(_managers.items()) if r is recipe or r == recipe]
+
+
 def _update_pending(recipe: Recipe, group) -> None:
     """Runs the scale update of every manager of `recipe` that recorded amaxes since its last update."""
     if not isinstance(recipe, DelayedScaling):
         return
-    for (r, _), mgr in list(_managers.items()):
-        if (r is recipe or r == recipe) and mgr.dirty:
+    for mgr in _managers_of(recipe):
+        if mgr.dirty:
             mgr.update(group)
+
+
+def _discard_step(recipes) -> None:
+    """A step raised: the managers of `recipes` (each updated at the step's start, so nothing was pending then)
+    forget what the step recorded."""
+    for recipe in recipes:
+        if isinstance(recipe, DelayedScaling):
+            for mgr in _managers_of(recipe):
+                if mgr.dirty:
+                    mgr.discard_recorded()
 
 
 class fp8_autocast(contextlib.ContextDecorator):  # noqa: N801 - Transformer Engine's name, used as a function
@@ -114,13 +137,22 @@ class fp8_autocast(contextlib.ContextDecorator):  # noqa: N801 - Transformer Eng
         self._update = (enabled or calibrating) and not _graph
 
     def __enter__(self):
-        stack = _state.stack
-        if self._update and not stack:
-            _update_pending(self._ctx.recipe, self._ctx.group)
+        state = _state
+        stack = state.stack
+        if not stack:
+            state.step_recipes = []
+        if self._update:
+            recipe = self._ctx.recipe
+            if recipe not in state.step_recipes:  # this recipe's first entry in the step: its step boundary
+                _update_pending(recipe, self._ctx.group)
+                state.step_recipes.append(recipe)
         stack.append(self._ctx)
 
-    def __exit__(self, *exc):
-        _state.stack.pop()
+    def __exit__(self, exc_type, exc, tb):
+        state = _state
+        state.stack.pop()
+        if exc_type is not None and not state.stack:
+            _discard_step(state.step_recipes)
         return False
 
 

@@ -563,6 +563,10 @@ class FP8Linear(nn.Module):
         if self.in_features % 16 or self.out_features % 16:
             raise ValueError(f"FP8Linear({self.in_features}, {self.out_features}): FP8 GEMMs need in_features and "
                              "out_features to be multiples of 16; compute this layer outside fp8_autocast")
+        if input.dtype not in _LEAN_DTYPES or self.weight.dtype not in _LEAN_DTYPES:
+            raise TypeError(f"FP8Linear({self.in_features}, {self.out_features}): in FP8 the input and the weight must be "
+                            f"float32, bfloat16 or float16, got input {str(input.dtype).removeprefix('torch.')} and weight "
+                            f"{str(self.weight.dtype).removeprefix('torch.')}; compute this layer outside fp8_autocast")
         recipe = ctx.recipe
         delayed = isinstance(recipe, DelayedScaling)
         if ctx.calibrating and not ctx.enabled:

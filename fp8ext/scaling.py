@@ -220,6 +220,14 @@ class FP8ScalingManager:
                                self._own_capsules())
             self.dirty = False
 
+    def discard_recorded(self) -> None:
+        """Forgets every amax recorded since the last update (this step's history entries go back to 0, as the
+        update left them): fp8_autocast calls it when a step raises, so a failed step leaves no trace. No host
+        synchronisation."""
+        with self._lock, _state_mode():
+            self.amax_history[:, 0].zero_()
+            self.dirty = False
+
     def _own_capsules(self):
         """DLPack capsules of the manager's four buffers, made again only when a buffer was replaced (the update
         runs every step; C borrows capsules and never consumes them)."""

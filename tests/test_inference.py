@@ -146,7 +146,7 @@ def test_trained_model_from_a_training_checkpoint_quantizes_and_keeps_its_loss(t
     cli.main(["--preset", "tiny", "--batch_size", "8", "--seq_len", "64", "--max_steps", "60", "--lr", "3e-3",
               "--eval_every", "60", "--eval_batches", "2", "--no_progress", "--out_dir", str(run)])
     model = Transformer(preset("tiny"))
-    model.load_state_dict(torch.load(run / "checkpoint.pt", weights_only=False)["model"])
+    model.load_state_dict(torch.load(run / "checkpoint.pt", weights_only=True)["model"])
     corpus = load_corpus()
     calib = [batch(corpus.train, 8, 64, seed=123, step=i)[0] for i in range(4)]
     x, y = batch(corpus.val, 16, 64, seed=5, step=0)

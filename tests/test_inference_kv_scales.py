@@ -178,7 +178,7 @@ def trained_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def trained_tiny(trained_run):
     model = Transformer(CFG)
-    model.load_state_dict(torch.load(trained_run / "checkpoint.pt", weights_only=False)["model"])
+    model.load_state_dict(torch.load(trained_run / "checkpoint.pt", weights_only=True)["model"])
     return model.eval()
 
 

@@ -136,7 +136,7 @@ def test_short_training_run_learns_and_writes_its_outputs(tmp_path, fp8):
     assert info["precision"] == ("fp8" if fp8 else "fp32") and info["final_val_loss"] == rows[-1]["val_loss"]
     if fp8:
         assert info["fp8_scaled_tensors"] == 3 * 4 * 2, "x, w and the gradient of 4 linears in 2 blocks"
-    ck = torch.load(out / "checkpoint.pt", weights_only=False)
+    ck = torch.load(out / "checkpoint.pt", weights_only=True)
     assert ck["step"] == 30 and set(ck) >= {"model", "optimizer", "rng", "args"}
     assert any(k.endswith("_extra_state") for k in ck["model"]), "the FP8 scaling state is in the checkpoint"
 
@@ -206,7 +206,7 @@ def test_two_processes_over_gloo_hold_the_same_fp8_scales(tmp_path, mode):
     assert info["world_size"] == 2 and info["fp8_scaled_tensors"] == 24
     assert info["fp8_scales_equal_across_ranks"] is True, "amaxes max-reduced across ranks"
     assert [r["step"] for r in metrics(tmp_path)] == list(range(1, 7))
-    ck = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    ck = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert ck["model"]["blocks.0.ffn.w13.weight"].shape == (384, 64), "the full, unsharded weight was saved"
 
 
@@ -252,7 +252,7 @@ def test_any_seed_works_and_gives_its_own_batches():
 def test_metrics_keep_one_row_per_step_when_resuming_from_an_earlier_checkpoint(tmp_path):
     common = RUN + ["--max_steps", "8", "--eval_every", "4", "--out_dir", str(tmp_path)]
     cli.main(common + ["--stop_after", "6", "--save_every", "4"])  # saves at 4, stops (and saves) at 6
-    ck = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    ck = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     ck["step"] = 4  # as if the job had died after step 6 with only the step-4 checkpoint written
     cli_state = tmp_path / "early"
     cli_state.mkdir()

@@ -167,6 +167,68 @@ def test_scales_update_at_the_next_outermost_entry(device):
         assert not mgr.dirty
 
 
+def _steps(model, recipe, xs, outer=None, fail_at=None):
+    """Training steps of `model` (SGD) under `recipe`, nested inside `outer` when given; the step at index
+    `fail_at` raises in its forward after the first layer recorded its amaxes. The outputs of the steps that ran."""
+    import contextlib
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    outs = []
+    for i, x in enumerate(xs):
+        if i == fail_at:
+            with pytest.raises(ValueError, match="features"):
+                with outer if outer is not None else contextlib.nullcontext():
+                    with fp8ext.fp8_autocast(fp8_recipe=recipe):
+                        h = model[0](x * 1000)  # records an amax 1000x the others
+                        model[1](h[:, :16])      # a shape error in the next layer
+            continue
+        with outer if outer is not None else contextlib.nullcontext():
+            with fp8ext.fp8_autocast(fp8_recipe=recipe):
+                y = model(x)
+        y.float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        outs.append(y.detach())
+    return outs
+
+
+def _fp8_mlp(device, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(fp8ext.FP8Linear(32, 32, device=device), fp8ext.FP8Linear(32, 16, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("outer", ["delayed", "current", "disabled"])
+def test_a_nested_delayed_recipe_scales_as_it_does_alone(device, outer):
+    inner = fp8ext.DelayedScaling(margin=1, amax_history_len=3)
+    outers = {"delayed": lambda: fp8ext.fp8_autocast(fp8_recipe=fp8ext.DelayedScaling(amax_history_len=5)),
+              "current": lambda: fp8ext.fp8_autocast(fp8_recipe=fp8ext.CurrentScaling()),
+              "disabled": lambda: fp8ext.fp8_autocast(enabled=False)}
+    xs = [torch.randn(16, 32, device=device) * (1 + i) for i in range(5)]
+    nested = _steps(_fp8_mlp(device), inner, xs, outer=outers[outer]())
+    alone = _steps(_fp8_mlp(device), inner, xs)
+    for i, (a, b) in enumerate(zip(nested, alone)):
+        assert torch.equal(a, b), f"step {i}: the nested recipe's output differs from the recipe alone"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_step_that_raises_leaves_the_scaling_state_as_it_was(device):
+    recipe = fp8ext.DelayedScaling(amax_history_len=4)
+    xs = [torch.randn(16, 32, device=device) for _ in range(7)]
+    failed, clean = _fp8_mlp(device), _fp8_mlp(device)
+    outs_failed = _steps(failed, recipe, xs, fail_at=2)
+    outs_clean = _steps(clean, recipe, xs[:2] + xs[3:])
+    outs_nested = _steps(_fp8_mlp(device), recipe, xs, fail_at=2, outer=fp8ext.fp8_autocast(enabled=False))
+    assert all(torch.equal(a, b) for a, b in zip(outs_nested, outs_clean)), "a failed step nested in a context"
+    assert len(outs_failed) == len(outs_clean) == 6
+    for i, (a, b) in enumerate(zip(outs_failed, outs_clean)):
+        assert torch.equal(a, b), f"step {i}: a failed step earlier changed this step's output"
+    for (n, a), b in zip(failed.named_modules(), clean.modules()):
+        if isinstance(a, fp8ext.FP8Linear):
+            sa, sb = a.get_extra_state(), b.get_extra_state()
+            for key in ("amax_history", "scale", "scale_inv"):
+                assert torch.equal(sa[key], sb[key]), f"{n}: {key} differs after a failed step"
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_calibrating_records_amax_and_computes_in_high_precision(device):
     r = fp8ext.DelayedScaling(amax_history_len=4)

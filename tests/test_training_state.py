@@ -39,7 +39,7 @@ RUN_SCRIPT = textwrap.dedent("""
     model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if {path!r}:
-        ckpt = torch.load({path!r}, weights_only=False)
+        ckpt = torch.load({path!r}, weights_only=True)
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["opt"])
     print(json.dumps(train_steps(model, opt, recipe, range({k}, {n}))))
@@ -233,6 +233,16 @@ def test_an_empty_batch_gives_an_empty_output_and_zero_gradients(device, shape, 
     assert torch.equal(layer.weight.grad, torch.zeros_like(layer.weight))
     assert torch.equal(layer.bias.grad, torch.zeros_like(layer.bias))
     assert x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("input_dtype, weight_dtype", [(torch.float64, torch.float32), (torch.float32, torch.float64),
+                                                        (torch.int64, torch.float32)])
+def test_an_input_or_weight_fp8_cannot_take_raises_naming_the_layer(input_dtype, weight_dtype):
+    layer = fp8ext.FP8Linear(32, 16, params_dtype=weight_dtype)
+    x = torch.ones(4, 32, dtype=input_dtype)
+    with fp8ext.fp8_autocast(), pytest.raises(TypeError, match=r"FP8Linear\(32, 16\): in FP8 the input and the weight "
+                                                               r"must be float32, bfloat16 or float16"):
+        layer(x)
 
 
 def test_a_0d_input_raises_what_nn_linear_raises():
