@@ -61,7 +61,7 @@ PYEOF
         # that use shared memory. cuDNN's kernels are excluded: its SDPA kernel (torch's attention, used by a few
         # tests as the reference) reports hazards that are not fp8ext's. The largest cases are left out (-k): under
         # the sanitizer they take minutes and run the same code paths as the smaller ones.
-        # SANITIZE_TIMEOUT (seconds per tool, default 240) bounds each run; a run cut short says so.
+        # SANITIZE_TIMEOUT (seconds per tool, default 420) bounds each run; a run cut short says so.
         echo "== sanitize"
         files="tests/test_cuda.py tests/test_fused.py tests/test_fused_linear.py tests/test_mx.py tests/test_nonfinite.py
                tests/test_quantize_blocks.py tests/test_cast_transpose_dbias.py tests/test_small_formats.py
@@ -72,11 +72,11 @@ PYEOF
         for tool in memcheck racecheck; do
             if [ $tool = memcheck ]; then set -- $files; else set -- $race; fi
             existing=(); for f in "$@"; do [ -f "$f" ] && existing+=("$f"); done
-            timeout "${SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool $tool --kernel-name-exclude kns=cudnn \
+            timeout "${SANITIZE_TIMEOUT:-420}" compute-sanitizer --tool $tool --kernel-name-exclude kns=cudnn \
                 --print-limit 20 $PY -m pytest -q -p no:cacheprovider -m cuda -k "$skip" "${existing[@]}" \
                 > "$OUT/sanitize_$tool.log" 2>&1
             rc=$?
-            [ $rc = 124 ] && echo "$tool: cut short after ${SANITIZE_TIMEOUT:-240} s (SANITIZE_TIMEOUT)"
+            [ $rc = 124 ] && echo "$tool: cut short after ${SANITIZE_TIMEOUT:-420} s (SANITIZE_TIMEOUT)"
             grep -E "ERROR SUMMARY|RACECHECK SUMMARY|[0-9]+ (passed|failed)" "$OUT/sanitize_$tool.log" | tail -3
             if [ $rc != 0 ] || ! grep -qE "(ERROR SUMMARY: 0 errors|RACECHECK SUMMARY: 0 hazards)" "$OUT/sanitize_$tool.log"; then
                 echo "$tool: FAILED (exit $rc; $OUT/sanitize_$tool.log)"; status=1

@@ -5,8 +5,8 @@ import pathlib
 
 import pytest
 
-import nbformat
-from nbclient import NotebookClient
+nbformat = pytest.importorskip("nbformat", reason="the notebook tests need the [test] extra (nbformat, nbclient)")
+NotebookClient = pytest.importorskip("nbclient", reason="the notebook tests need the [test] extra").NotebookClient
 
 NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
 NAMES = ["lab_3_2_3_fp8_training_inference.ipynb", "fp8_scaling_strategies.ipynb"]
