@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from .. import __version__
+from ._checks import OUT_DTYPES, WEIGHT_LAYOUT, check_against_model, check_checkpoint, read_header, read_json
 from .layers import FP8InferenceLinear, fuse_norms
 from .quantize import _set_submodule
 
@@ -94,7 +95,7 @@ def save_quantized(model: nn.Module, out_dir: Union[str, pathlib.Path], config: 
             continue
         seen[key] = k
         tensors[k] = v.detach().contiguous().cpu()
-    layers = {n: {"format": "E4M3", "layout": "row-major [out_features, in_features]", "weights": q["weights"],
+    layers = {n: {"format": "E4M3", "layout": WEIGHT_LAYOUT, "weights": q["weights"],
                   "activations": q["activations"], "input_amax": q["input_amax"].get(n),
                   "out_dtype": str(model.get_submodule(n).out_dtype).replace("torch.", "")} for n in q["layers"]}
     meta = {"format": "pt", "producer": f"fp8ext {__version__}",
@@ -111,20 +112,26 @@ def load_quantized(model_dir: Union[str, pathlib.Path], model_or_factory: Union[
     """The model saved by save_quantized: `model_or_factory` is the high-precision model's skeleton, or a
     callable config_dict -> skeleton (called under the meta device, so its weights take no memory). Its
     linear layers named in the file become FP8InferenceLinear; every tensor is read from the file onto
-    `device` (default: cuda when available)."""
+    `device` (default: cuda when available).
+
+    The checkpoint is checked before anything is built from it (fp8ext.inference._checks): config.json's fields
+    (fp8ext's transformer's config against the blocks in the file), the record of each quantized layer, every
+    tensor's dtype and shape against its layer's scheme and the model, every scale finite and positive. A file
+    that fails raises ValueError (TypeError for a value of the wrong type) naming the file and the key."""
     st = _safetensors()
     d = pathlib.Path(model_dir)
     for f in ("config.json", WEIGHTS_FILE):
         if not (d / f).is_file():
             raise FileNotFoundError(f"load_quantized: {d / f} is missing")
-    cfg = json.loads((d / "config.json").read_text())
-    qc = cfg.get("quantization_config", {})
+    cfg = read_json(d / "config.json")
+    qc = cfg.get("quantization_config")
+    qc = qc if isinstance(qc, dict) else {}
     if qc.get("quant_method") != "compressed-tensors" or qc.get("format") != "float-quantized":
         raise ValueError(f"load_quantized: {d} is not an FP8 compressed-tensors checkpoint "
                          f"(quant_method {qc.get('quant_method')!r}, format {qc.get('format')!r})")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    with st.safe_open(str(d / WEIGHTS_FILE), framework="pt") as f:
-        record = json.loads(f.metadata()["fp8ext"])
+    header = read_header(d / WEIGHTS_FILE)
+    record = check_checkpoint(d / "config.json", cfg, header)
     layers, tied = record["layers"], record.get("tied", {})
     if isinstance(model_or_factory, nn.Module):
         model = model_or_factory
@@ -132,22 +139,19 @@ def load_quantized(model_dir: Union[str, pathlib.Path], model_or_factory: Union[
         with torch.device("meta"):
             model = model_or_factory(cfg.get("model_config", {}))
     for name, spec in layers.items():
-        lin = model.get_submodule(name)
+        lin = _linear_of(model, name, d / WEIGHTS_FILE)
         _set_submodule(model, name, FP8InferenceLinear(
             lin.in_features, lin.out_features, bias=lin.bias is not None, weights=spec["weights"],
-            activations=spec["activations"], device="meta",
-            out_dtype=getattr(torch, spec.get("out_dtype", "bfloat16"))))
+            activations=spec["activations"], device="meta", out_dtype=OUT_DTYPES[spec.get("out_dtype", "bfloat16")]))
+    check_against_model(header, model, record)
     state = st.load_file(str(d / WEIGHTS_FILE), device=str(device))
     # safetensors aligns tensors in the file to 8 bytes; cuBLASLt wants 16-byte aligned operands
     state = {k: v if v.data_ptr() % 16 == 0 else v.clone() for k, v in state.items()}
     for alias, target in tied.items():
         state[alias] = state[target]
-    for key in [k for k in state if k.endswith((".k_scale", ".v_scale"))]:  # FP8 KV-cache scales
+    for key in [k for k in state if k.endswith((".k_scale", ".v_scale"))]:  # FP8 KV-cache scales (checked above)
         mod_name, _, leaf = key.rpartition(".")
         mod = model.get_submodule(mod_name)
-        if not hasattr(mod, leaf):
-            raise ValueError(f"load_quantized: {d / WEIGHTS_FILE} holds KV-cache scales {key} but {mod_name} "
-                             f"({type(mod).__name__}) has no {leaf}")
         if getattr(mod, leaf) is None:  # an unset buffer (the model as built): give it the file's tensor
             setattr(mod, leaf, state[key])
     missing = [k for k in model.load_state_dict(state, strict=False, assign=True).missing_keys
@@ -172,6 +176,18 @@ def load_quantized(model_dir: Union[str, pathlib.Path], model_or_factory: Union[
                               "input_amax": {n: s["input_amax"] for n, s in layers.items() if s["input_amax"]},
                               "kv_cache_scheme": qc.get("kv_cache_scheme"), "kv_amax": record.get("kv_cache", {})}
     return model.eval()
+
+
+def _linear_of(model: nn.Module, name: str, path: pathlib.Path) -> nn.Module:
+    """The skeleton's linear layer `name`, which the file's layer of that name replaces."""
+    try:
+        lin = model.get_submodule(name)
+    except AttributeError:
+        lin = None
+    if not hasattr(lin, "in_features") or not hasattr(lin, "out_features"):
+        raise ValueError(f"load_quantized: {path}: the quantized layer {name!r} is not a linear layer of this "
+                         f"model ({type(model).__name__})")
+    return lin
 
 
 def _rebuild_buffer(model: nn.Module, name: str, device) -> bool:

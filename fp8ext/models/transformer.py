@@ -33,6 +33,13 @@ from fp8ext.recipe import DelayedScaling, Format
 __all__ = ["TransformerConfig", "Transformer", "PRESETS", "preset"]
 
 
+# Upper bounds of the integer sizes, far above the largest published dense models (about 126 layers, d_model
+# 16384, 128 heads, d_ff 53248, vocabularies of about 256k, contexts of 128k to 1M): no real config meets them;
+# a corrupt one (e.g. n_layers 10**6 in a checkpoint's config.json) is refused before it allocates anything.
+_SIZE_LIMITS = {"vocab_size": 1 << 21, "d_model": 1 << 16, "n_layers": 1024, "n_heads": 1024, "n_kv_heads": 1024,
+                "d_ff": 1 << 18, "max_seq_len": 1 << 21}
+
+
 @dataclass(frozen=True)
 class TransformerConfig:
     """Sizes of the model. Every linear layer's dimensions are multiples of 16 (FP8 GEMMs need it)."""
@@ -49,6 +56,7 @@ class TransformerConfig:
     fused_qkv: bool = True  # one QKV projection (False: three, to measure what fusing buys)
 
     def __post_init__(self):
+        self._check_fields()
         if self.d_model % self.n_heads or self.n_heads % self.n_kv_heads:
             raise ValueError(f"TransformerConfig: d_model ({self.d_model}) must be a multiple of n_heads "
                              f"({self.n_heads}), and n_heads of n_kv_heads ({self.n_kv_heads})")
@@ -58,6 +66,26 @@ class TransformerConfig:
                                  f"got {getattr(self, name)}")
         if self.head_dim % 2 or (self.n_kv_heads * self.head_dim) % 16:
             raise ValueError("TransformerConfig: head_dim must be even and n_kv_heads * head_dim a multiple of 16")
+
+    def _check_fields(self) -> None:
+        """Each field's type and range, before any arithmetic on them (a config read from a checkpoint's
+        config.json may hold anything)."""
+        for name, limit in _SIZE_LIMITS.items():
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise TypeError(f"TransformerConfig: {name} must be an int, got {type(v).__name__} {v!r}")
+            if not 1 <= v <= limit:
+                raise ValueError(f"TransformerConfig: {name} must be in [1, {limit}], got {v}")
+        for name, high in (("rope_theta", math.inf), ("norm_eps", 1.0)):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                raise TypeError(f"TransformerConfig: {name} must be a float, got {type(v).__name__} {v!r}")
+            if not (0 < v < high and math.isfinite(v)):
+                below = "" if high == math.inf else f" and below {high}"
+                raise ValueError(f"TransformerConfig: {name} must be finite, positive{below}, got {v}")
+        if not isinstance(self.fused_qkv, bool):
+            raise TypeError(f"TransformerConfig: fused_qkv must be a bool, got {type(self.fused_qkv).__name__} "
+                            f"{self.fused_qkv!r}")
 
     @property
     def head_dim(self) -> int:
