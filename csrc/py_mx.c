@@ -142,10 +142,11 @@ PyMethodDef fp8ext_mx_methods[] = {
     {"quantize_mx", (PyCFunction)(void (*)(void))py_quantize_mx, METH_VARARGS | METH_KEYWORDS,
      "quantize_mx(x, out, scales, fmt, rceil=False, stream=0)\n"
      "MX blocks of 32 along x's last dimension, in one pass on a GPU: out (x's shape) the element codes, scales\n"
-     "[..., K / 32] the E8M0 codes (see fp8ext.quantize_mx)."},
+     "[..., K / 32] the E8M0 codes, 0xFF for a block holding NaN or Inf (see fp8ext.quantize_mx)."},
     {"quantize_nvfp4", (PyCFunction)(void (*)(void))py_quantize_nvfp4, METH_VARARGS | METH_KEYWORDS,
      "quantize_nvfp4(x, out, block_scales, tensor_scale, amax, stream=0)\n"
-     "NVFP4 on a GPU: the tensor's amax into `amax` (workspace), then one pass: E2M1 codes into out, E4M3\n"
-     "block_scales [..., K / 16], tensor_scale (see fp8ext.quantize_nvfp4)."},
+     "NVFP4 on a GPU: the amax of x's finite blocks into `amax` (workspace), then one pass: E2M1 codes into out,\n"
+     "E4M3 block_scales [..., K / 16] (0x7F for a block holding NaN or Inf), tensor_scale\n"
+     "(see fp8ext.quantize_nvfp4)."},
     {NULL, NULL, 0, NULL},
 };

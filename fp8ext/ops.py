@@ -316,7 +316,10 @@ _to_dl = torch._C._to_dlpack  # fp8ext's own freshly allocated outputs: plain dt
 def quantize_rowwise(x: torch.Tensor, fmt: Any = E4M3) -> Tuple[torch.Tensor, torch.Tensor]:
     """(q, scale_inv): each row of a 2-D x [M, K] quantized with its own scale = fmt.max / max|row| (1 for an
     all-zero row), saturating; scale_inv [M] = 1 / scale, float32, as fp8ext.gemm takes it for per-row
-    scaling. One pass over x (K % 8 == 0)."""
+    scaling. One pass over x (K % 8 == 0).
+    A row holding NaN or Inf has nothing finite to fit: its scale is 1 and its codes are the saturating cast's
+    (NaN stays NaN with x's sign, +-Inf becomes +-fmt.max, as fp8ext.quantize), scale_inv 1; the other rows are
+    unaffected (fp8ext.mx, "Non-finite values"). Check inputs that may hold Inf (fp8ext.set_debug_checks)."""
     f = resolve_format(fmt, "quantize_rowwise")
     return _quantize_blocks(x, f, "row", "quantize_rowwise")
 
@@ -330,6 +333,10 @@ def quantize_blockwise(x: torch.Tensor, fmt: Any = E4M3, block: Tuple[int, int] 
     scale_inv comes in the shape and memory layout fp8ext.gemm (cuBLASLt) reads: for 1 x 128 blocks
     [R, ceil(C/128)] stored R-fastest (strides (1, R); R % 4 == 0), for 128 x 128 blocks
     [ceil(R/128), ceil(C/128)] with rows padded to a multiple of 4 floats. One pass over x (C % 8 == 0).
+
+    A block holding NaN or Inf has nothing finite to fit: its scale is 1 and its codes are the saturating cast's
+    (NaN stays NaN with x's sign, +-Inf becomes +-fmt.max, as fp8ext.quantize), scale_inv 1; the other blocks are
+    unaffected (fp8ext.mx, "Non-finite values"). Check inputs that may hold Inf (fp8ext.set_debug_checks).
     """
     f = resolve_format(fmt, "quantize_blockwise")
     if tuple(block) not in ((1, 128), (128, 128)):

@@ -37,7 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .formats import E2M1, E2M3, E3M2, E4M3
-from .mx import dequantize_mx, dequantize_nvfp4, quantize_mx, quantize_nvfp4
+from .mx import dequantize_mx, dequantize_nvfp4, quantize_mx, quantize_nvfp4, refuse_non_finite
 from .ops import quantize
 from . import _C
 from ._boundary import dl
@@ -179,11 +179,13 @@ class WeightOnlyLinear(nn.Module):
     @torch.no_grad()
     def from_linear(cls, linear: nn.Module, fmt: str) -> "WeightOnlyLinear":
         """Quantizes and packs `linear`'s weight into a new layer on the weight's device (the packing runs there
-        too, on the CPU or a GPU, with the same result)."""
+        too, on the CPU or a GPU, with the same result). ValueError if the weight holds NaN or Inf."""
         if not hasattr(linear, "weight") or not isinstance(linear.weight, torch.Tensor) or linear.weight.dim() != 2:
             raise TypeError(f"WeightOnlyLinear.from_linear(): linear must have a 2-D weight, got "
                             f"{type(linear).__name__}")
         w = linear.weight.detach()
+        refuse_non_finite(w, "WeightOnlyLinear.from_linear()", f"{type(linear).__name__}.weight",
+                          "the packed formats cannot keep them (clean or replace the weight first)")
         out_f, in_f = w.shape
         bias = getattr(linear, "bias", None)
         layer = cls(in_f, out_f, fmt, bias=bias is not None, device=w.device)
@@ -194,13 +196,15 @@ class WeightOnlyLinear(nn.Module):
 
     @torch.no_grad()
     def pack_(self, weight: torch.Tensor) -> "WeightOnlyLinear":
-        """Quantizes `weight` [out_features, in_features] into this layer's codes and scales."""
+        """Quantizes `weight` [out_features, in_features] into this layer's codes and scales. A weight holding NaN
+        or Inf is refused (ValueError naming the weight, the count and the first position): it would turn every
+        output it touches into NaN (from_linear checks its linear's weight the same way)."""
         if weight.shape != (self.out_features, self.in_features):
             raise ValueError(f"WeightOnlyLinear.pack_(): weight must be [{self.out_features}, {self.in_features}], "
                              f"got {list(weight.shape)}")
         w = weight.detach().to(self.codes.device, torch.float32).contiguous()
-        if not bool(torch.isfinite(w).all()):
-            raise ValueError("WeightOnlyLinear.pack_(): weight holds NaN or Inf")
+        refuse_non_finite(w, "WeightOnlyLinear.pack_()", "weight",
+                          "the packed formats cannot keep them (clean or replace the weight first)")
         code, elem, block, bits = _FORMATS[self.fmt]
         dev = self.codes.device  # w is there too
         if self.fmt == "fp8":

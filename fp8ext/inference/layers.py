@@ -21,6 +21,7 @@ from torch import nn
 
 from .. import fused
 from ..formats import E4M3
+from ..mx import refuse_non_finite
 from ..normalization import RMSNorm
 from ..ops import quantize, quantize_blockwise, quantize_rowwise, scale_from_amax, amax as _amax
 from .._gemm import gemm
@@ -93,8 +94,12 @@ class FP8InferenceLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, weights: str = "channel", activations: str = "dynamic",
                     input_amax: Optional[float] = None, out_dtype: torch.dtype = torch.bfloat16) -> "FP8InferenceLinear":
         """Quantizes `linear`'s weight (the linear itself is left as it was). Static activations need the
-        calibrated max|input| (`input_amax`)."""
+        calibrated max|input| (`input_amax`). A weight holding NaN or Inf is refused with a ValueError naming the
+        weight, the count and the first position: E4M3 has no Inf, and its scale (per tensor, channel or block)
+        would turn the weight's other values into NaN or garbage for every output they touch."""
         w = linear.weight.detach()
+        refuse_non_finite(w, "FP8InferenceLinear.from_linear", f"{type(linear).__name__}.weight",
+                          "an E4M3 weight cannot keep them (clean or replace the weight before quantizing)")
         layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, weights=weights,
                     activations=activations, device=w.device, out_dtype=out_dtype)
         if weights == "tensor":
