@@ -48,6 +48,8 @@ static int raise_status(const fp8ext_gemm_status *s, const fp8ext_gemm_args *g) 
     return -1;
 }
 
+#endif
+
 /* A uint8 CUDA buffer on a's device starting on a 256-byte boundary (cuBLASLt's workspace rule). */
 static int get_buffer(PyObject *o, const fp8ext_view *a, Py_ssize_t stream, const char *arg, fp8ext_view *v) {
     if (fp8ext_view_get(o, stream, FN, arg, v) < 0 || fp8ext_check_kind(v, FP8EXT_KIND_U8, FN, arg) < 0 ||
@@ -55,24 +57,26 @@ static int get_buffer(PyObject *o, const fp8ext_view *a, Py_ssize_t stream, cons
         return -1;
     return is_aligned(v->data, 256) ? 0 : value_error(FN "(): %s must start on a 256-byte boundary", arg);
 }
-#endif
 
-/* The GEMM on a's GPU, with the GIL released: cuBLASLt calls and autotune's wait for the GPU need no Python,
- * and the plan cache has its own lock (gemm_cublaslt.h). *scratch_bytes > 0: autotune asks for a
- * tune_scratch of that size, nothing was enqueued. 0, or -1 with an exception. */
-static int run_on_gpu(PyObject *module, const fp8ext_view *a, PyObject *ws_o, PyObject *scratch_o, Py_ssize_t stream,
-                      int tune, fp8ext_gemm_args *g, fp8ext_view *ws, fp8ext_view *scratch, size_t *scratch_bytes) {
-#ifdef FP8EXT_WITH_CUDA
+/* The GPU's buffers: workspace (required) and tune_scratch (optional), both written by cuBLASLt. */
+static int get_gpu_buffers(PyObject *ws_o, PyObject *scratch_o, const fp8ext_view *a, Py_ssize_t stream,
+                           fp8ext_view *ws, fp8ext_view *scratch) {
     if (ws_o == Py_None) {
         PyErr_SetString(PyExc_TypeError, FN "(): workspace (a uint8 CUDA tensor) is required on the GPU");
         return -1;
     }
     if (get_buffer(ws_o, a, stream, "workspace", ws) < 0) return -1;
+    return scratch_o == Py_None ? 0 : get_buffer(scratch_o, a, stream, "tune_scratch", scratch);
+}
+
+/* The GEMM on a's GPU, with the GIL released: cuBLASLt calls and autotune's wait for the GPU need no Python,
+ * and the plan cache has its own lock (gemm_cublaslt.h). *scratch_bytes > 0: autotune asks for a
+ * tune_scratch of that size, nothing was enqueued. 0, or -1 with an exception. */
+static int run_on_gpu(PyObject *module, const fp8ext_view *a, Py_ssize_t stream, int tune, fp8ext_gemm_args *g,
+                      const fp8ext_view *ws, const fp8ext_view *scratch, size_t *scratch_bytes) {
+#ifdef FP8EXT_WITH_CUDA
     g->workspace = ws->data, g->workspace_size = (size_t)ws->numel, g->device = a->device_id;
-    if (scratch_o != Py_None) {
-        if (get_buffer(scratch_o, a, stream, "tune_scratch", scratch) < 0) return -1;
-        g->tune_scratch = scratch->data, g->tune_scratch_size = (size_t)scratch->numel;
-    }
+    if (scratch->capsule) g->tune_scratch = scratch->data, g->tune_scratch_size = (size_t)scratch->numel;
     fp8ext_cuda_scope scope;
     fp8ext_cuda_state *cs = &fp8ext_get_state(module)->cuda;
     if (fp8ext_cuda_enter(cs, a->device_id, FN, &scope) < 0) return -1;
@@ -87,7 +91,7 @@ static int run_on_gpu(PyObject *module, const fp8ext_view *a, PyObject *ws_o, Py
     }
     return s.kind == FP8EXT_GEMM_OK ? 0 : raise_status(&s, g);
 #else
-    (void)module, (void)ws_o, (void)scratch_o, (void)stream, (void)tune, (void)g, (void)ws, (void)scratch;
+    (void)module, (void)stream, (void)tune, (void)g, (void)ws, (void)scratch;
     (void)scratch_bytes;
     PyErr_Format(PyExc_RuntimeError, FN "(): got tensors on cuda:%d, but this fp8ext was built without CUDA",
                  a->device_id);
@@ -220,10 +224,12 @@ static PyObject *py_gemm(PyObject *module, PyObject *args, PyObject *kwargs) {
         g.bias = bias.data;
         g.bias_type = want == FP8EXT_KIND_F16 ? FP8EXT_F16 : FP8EXT_BF16;
     }
-    /* cuBLASLt writes out and amax_out while it reads everything else */
-    if (fp8ext_check_disjoint(FN, 2, 8, (const fp8ext_view *const[]){&out, &amax, &a, &b, &sa, &sb, &bias, &os},
-                              (const char *const[]){"out", "amax_out", "a", "b", "a_scale_inv", "b_scale_inv",
-                                                    "bias", "out_scale"}) < 0)
+    /* cuBLASLt writes out, amax_out and its buffers while it reads everything else */
+    if (a.device_type == kDLCUDA && get_gpu_buffers(ws_o, scratch_o, &a, stream, &ws, &scratch) < 0) goto done;
+    if (fp8ext_check_disjoint(FN, 4, 10,
+                              (const fp8ext_view *const[]){&out, &amax, &ws, &scratch, &a, &b, &sa, &sb, &bias, &os},
+                              (const char *const[]){"out", "amax_out", "workspace", "tune_scratch", "a", "b",
+                                                    "a_scale_inv", "b_scale_inv", "bias", "out_scale"}) < 0)
         goto done;
     g.a = a.data, g.b = b.data, g.a_fmt = a_fmt, g.b_fmt = b_fmt, g.out = out.data;
     g.out_scale = os.capsule ? os.data : NULL;
@@ -231,7 +237,7 @@ static PyObject *py_gemm(PyObject *module, PyObject *args, PyObject *kwargs) {
     g.accumulate = accumulate, g.fast_accum = fast_accum;
     if (a.device_type == kDLCUDA) {
         size_t scratch_bytes = 0;
-        if (run_on_gpu(module, &a, ws_o, scratch_o, stream, tune, &g, &ws, &scratch, &scratch_bytes) < 0) goto done;
+        if (run_on_gpu(module, &a, stream, tune, &g, &ws, &scratch, &scratch_bytes) < 0) goto done;
         if (scratch_bytes) { /* autotune's first call of this problem: nothing ran, Python calls again */
             ret = Py_BuildValue("(iin)", g.a_scale_mode, g.b_scale_mode, (Py_ssize_t)scratch_bytes);
             goto done;

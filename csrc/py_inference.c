@@ -7,6 +7,9 @@
 #include "fp8ext.h"
 #include "module_state.h"
 
+#include <math.h>
+#include <stdio.h>
+
 static int hp_dtype(const fp8ext_view *v) {
     return v->kind == FP8EXT_KIND_BF16 ? FP8EXT_BF16 : v->kind == FP8EXT_KIND_F16 ? FP8EXT_F16 : FP8EXT_F32;
 }
@@ -171,6 +174,16 @@ static PyObject *py_decode_attention(PyObject *module, PyObject *args, PyObject 
             goto done;
         }
     }
+    if (!(isfinite(softmax_scale) && softmax_scale > 0.0f)) {
+        char value[32];
+        snprintf(value, sizeof value, "%.9g", (double)softmax_scale);
+        PyErr_Format(PyExc_ValueError, "%s(): softmax_scale must be finite and positive in float32, got %s", fn, value);
+        goto done;
+    }
+    if (fp8ext_check_disjoint(fn, 2, 8, (const fp8ext_view *const[]){&out, &ws, &q, &k, &v, &ks, &vs, &ld},
+                              (const char *const[]){"out", "workspace", "q", "k", "v", "k_scale", "v_scale",
+                                                    "length_dev"}) < 0)
+        goto done;
     a.q = q.data;
     a.k = k.data;
     a.v = v.data;
@@ -232,6 +245,7 @@ static PyObject *py_weight_only(PyObject *module, PyObject *args, PyObject *kwar
         fp8ext_check_writable(&ws, fn, "workspace") < 0 ||
         fp8ext_view_get(cnt_o, stream, fn, "counters", &cnt) < 0 ||
         fp8ext_check_contiguous(&cnt, fn, "counters") < 0 || fp8ext_check_same_device(&cnt, &x, fn, "counters", "x") < 0 ||
+        fp8ext_check_writable(&cnt, fn, "counters") < 0 ||
         get_arg(out_o, FP8EXT_KIND_BF16, &x, "x", stream, fn, "out", &out) < 0 || fp8ext_check_writable(&out, fn, "out") < 0)
         goto done;
     if (x.ndim != 2 || w.ndim != 2 || out.ndim != 2) {
@@ -293,6 +307,10 @@ static PyObject *py_weight_only(PyObject *module, PyObject *args, PyObject *kwar
             goto done;
         }
     }
+    if (fp8ext_check_disjoint(fn, 3, 8, (const fp8ext_view *const[]){&out, &ws, &cnt, &x, &w, &bs, &cs, &ts},
+                              (const char *const[]){"out", "workspace", "counters", "x", "w", "block_scales",
+                                                    "channel_scale", "tensor_scale"}) < 0)
+        goto done;
     a.x = x.data;
     a.w = w.data;
     a.block_scales = bs.capsule ? bs.data : NULL;
@@ -711,8 +729,8 @@ static PyObject *py_kv_store(PyObject *module, PyObject *args, PyObject *kwargs)
         value_error(fn, "x must start on a 16-byte boundary and cache on an 8-byte one");
         goto done;
     }
-    if (fp8ext_check_disjoint(fn, 1, 3, (const fp8ext_view *const[]){&c, &x, &sc},
-                              (const char *const[]){"cache", "x", "scale"}) < 0)
+    if (fp8ext_check_disjoint(fn, 1, 4, (const fp8ext_view *const[]){&c, &x, &sc, &pd},
+                              (const char *const[]){"cache", "x", "scale", "pos_dev"}) < 0)
         goto done;
     a.x = x.data;
     a.x_dtype = hp_dtype(&x);

@@ -81,18 +81,34 @@ static int get_scalar(PyObject *o, const fp8ext_view *ref, Py_ssize_t stream, co
     return 0;
 }
 
+/* A scale: get_scalar, and finite and positive when it lives in host memory (one on a GPU is read by the kernel
+ * where it lives; checking it here would synchronise the host with the device on every step). */
+static int get_scale(PyObject *o, const fp8ext_view *ref, Py_ssize_t stream, const char *fn, const char *arg,
+                     fp8ext_view *v) {
+    if (get_scalar(o, ref, stream, fn, arg, v) < 0 || fp8ext_check_scale_values(v, fn, arg) < 0) return -1;
+    return 0;
+}
+
 static int check_dims(int64_t m, int64_t k, int64_t n, const char *fn) {
     if (m <= 0 || k <= 0 || n <= 0 || m % 16 || k % 16 || n % 16) {
         PyErr_Format(PyExc_ValueError, "%s(): M, K and N must be nonzero multiples of 16, got M=%lld, K=%lld, N=%lld",
                      fn, (long long)m, (long long)k, (long long)n);
         return -1;
     }
+    /* The buffer sizes below are sums of these products (linear_bwd takes M, K and N as numbers): none may wrap. */
+    int64_t mk, nk, mn;
+    if (__builtin_mul_overflow(m, k, &mk) || __builtin_mul_overflow(n, k, &nk) || __builtin_mul_overflow(m, n, &mn) ||
+        mk > INT64_MAX / 4 || nk > INT64_MAX / 4 || mn > INT64_MAX / 4) {
+        PyErr_Format(PyExc_ValueError, "%s(): M=%lld, K=%lld, N=%lld give buffers too large to address", fn,
+                     (long long)m, (long long)k, (long long)n);
+        return -1;
+    }
     return 0;
 }
 
-static int check_fmt(int fmt, const char *fn, const char *arg) {
+static int check_fmt(long long fmt, const char *fn, const char *arg) {
     if (fmt == FP8EXT_E4M3 || fmt == FP8EXT_E5M2) return 0;
-    PyErr_Format(PyExc_ValueError, "%s(): %s must be 0 (E4M3) or 1 (E5M2), got %d", fn, arg, fmt);
+    PyErr_Format(PyExc_ValueError, "%s(): %s must be 0 (E4M3) or 1 (E5M2), got %lld", fn, arg, fmt);
     return -1;
 }
 
@@ -192,7 +208,7 @@ static PyObject *py_linear_fwd(PyObject *module, PyObject *const *args, Py_ssize
     fp8ext_view x = {0}, w = {0}, saved = {0}, scratch = {0}, y = {0}, xs = {0}, xa = {0}, wsc = {0}, wa = {0};
     fp8ext_view bias = {0}, ws = {0};
     PyObject *ret = NULL;
-    if (check_fmt((int)fmt, fn, "fmt") < 0 || get_matrix(args[0], NULL, -1, -1, stream, fn, "x", &x) < 0) goto done;
+    if (check_fmt(fmt, fn, "fmt") < 0 || get_matrix(args[0], NULL, -1, -1, stream, fn, "x", &x) < 0) goto done;
     const int64_t m = x.shape[0], k = x.shape[1];
     if (fp8ext_view_get(args[1], stream, fn, "w", &w) < 0 || fp8ext_check_float(&w, fn, "w") < 0 ||
         fp8ext_check_contiguous(&w, fn, "w") < 0 || fp8ext_check_same_device(&w, &x, fn, "w", "x") < 0)
@@ -207,8 +223,8 @@ static PyObject *py_linear_fwd(PyObject *module, PyObject *const *args, Py_ssize
     if (get_bytes(args[2], &x, SINV_BYTES + rmk + n * k, stream, fn, "saved", &saved) < 0 ||
         get_bytes(args[3], &x, rmk + n * k, stream, fn, "scratch", &scratch) < 0 ||
         get_matrix(args[4], &x, m, n, stream, fn, "y", &y) < 0 || fp8ext_check_writable(&y, fn, "y") < 0 ||
-        get_scalar(args[5], &x, stream, fn, "x_scale", &xs) < 0 || get_scalar(args[6], &x, stream, fn, "x_amax", &xa) < 0 ||
-        get_scalar(args[7], &x, stream, fn, "w_scale", &wsc) < 0 || get_scalar(args[8], &x, stream, fn, "w_amax", &wa) < 0 ||
+        get_scale(args[5], &x, stream, fn, "x_scale", &xs) < 0 || get_scalar(args[6], &x, stream, fn, "x_amax", &xa) < 0 ||
+        get_scale(args[7], &x, stream, fn, "w_scale", &wsc) < 0 || get_scalar(args[8], &x, stream, fn, "w_amax", &wa) < 0 ||
         fp8ext_check_writable(&xa, fn, "x_amax") < 0 || fp8ext_check_writable(&wa, fn, "w_amax") < 0 ||
         get_workspace(args[11], &x, stream, fn, &ws) < 0)
         goto done;
@@ -223,10 +239,10 @@ static PyObject *py_linear_fwd(PyObject *module, PyObject *const *args, Py_ssize
             goto done;
         }
     }
-    if (fp8ext_check_disjoint(fn, 5, 11, (const fp8ext_view *const[]){&saved, &scratch, &y, &xa, &wa, &x, &w, &xs, &wsc,
-                                                                       &bias, &ws},
-                              (const char *const[]){"saved", "scratch", "y", "x_amax", "w_amax", "x", "w", "x_scale",
-                                                    "w_scale", "bias", "workspace"}) < 0)
+    if (fp8ext_check_disjoint(fn, 6, 11, (const fp8ext_view *const[]){&saved, &scratch, &y, &xa, &wa, &ws, &x, &w, &xs,
+                                                                       &wsc, &bias},
+                              (const char *const[]){"saved", "scratch", "y", "x_amax", "w_amax", "workspace", "x", "w",
+                                                    "x_scale", "w_scale", "bias"}) < 0)
         goto done;
     uint8_t *sv = saved.data, *sc = scratch.data;
     fp8ext_cast_transpose_args casts[2] = {
@@ -267,7 +283,7 @@ static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize
     const Py_ssize_t stream = (Py_ssize_t)stream_ll;
     fp8ext_view dy = {0}, saved = {0}, scratch = {0}, gs = {0}, ga = {0}, dx = {0}, dw = {0}, ws = {0}, db = {0};
     PyObject *ret = NULL;
-    if (check_dims(m, k, n, fn) < 0 || check_fmt((int)ffmt, fn, "fwd_fmt") < 0 || check_fmt((int)bfmt, fn, "bwd_fmt") < 0)
+    if (check_dims(m, k, n, fn) < 0 || check_fmt(ffmt, fn, "fwd_fmt") < 0 || check_fmt(bfmt, fn, "bwd_fmt") < 0)
         goto done;
     if (ffmt == FP8EXT_E5M2 && bfmt == FP8EXT_E5M2) {
         PyErr_Format(PyExc_ValueError, "%s(): E5M2 x E5M2 has no cuBLASLt GEMM; make one format E4M3", fn);
@@ -279,7 +295,7 @@ static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize
     if (get_matrix(args[0], NULL, m, n, stream, fn, "dy", &dy) < 0 ||
         get_bytes(args[1], &dy, SINV_BYTES + rmk + n * k, stream, fn, "saved", &saved) < 0 ||
         get_bytes(args[2], &dy, scratch_bytes, stream, fn, "scratch", &scratch) < 0 ||
-        get_scalar(args[7], &dy, stream, fn, "g_scale", &gs) < 0 || get_scalar(args[8], &dy, stream, fn, "g_amax", &ga) < 0 ||
+        get_scale(args[7], &dy, stream, fn, "g_scale", &gs) < 0 || get_scalar(args[8], &dy, stream, fn, "g_amax", &ga) < 0 ||
         fp8ext_check_writable(&ga, fn, "g_amax") < 0 || get_workspace(args[13], &dy, stream, fn, &ws) < 0)
         goto done;
     if (args[10] != Py_None &&
@@ -300,9 +316,9 @@ static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize
         PyErr_Format(PyExc_ValueError, "%s(): accumulate=True adds into dw: pass dw", fn);
         goto done;
     }
-    if (fp8ext_check_disjoint(fn, 6, 9, (const fp8ext_view *const[]){&saved, &scratch, &ga, &dx, &dw, &db, &dy, &gs, &ws},
-                              (const char *const[]){"saved", "scratch", "g_amax", "dx", "dw", "db", "dy", "g_scale",
-                                                    "workspace"}) < 0)
+    if (fp8ext_check_disjoint(fn, 7, 9, (const fp8ext_view *const[]){&saved, &scratch, &ga, &dx, &dw, &db, &ws, &dy, &gs},
+                              (const char *const[]){"saved", "scratch", "g_amax", "dx", "dw", "db", "workspace", "dy",
+                                                    "g_scale"}) < 0)
         goto done;
     uint8_t *sv = saved.data, *sc = scratch.data;
     fp8ext_cast_transpose_args cast = {.x = dy.data, .x_dtype = hp_dtype(&dy), .rows = m, .cols = n, .q = sc,

@@ -44,7 +44,13 @@ static int get_scale(PyObject *o, const fp8ext_view *ref, const char *ref_arg, P
     *value = 1.0f;
     if (PyFloat_Check(o) || (PyLong_Check(o) && !PyBool_Check(o))) {
         const double d = PyFloat_AsDouble(o);
-        if (d == -1.0 && PyErr_Occurred()) return -1;
+        if (d == -1.0 && PyErr_Occurred()) {
+            if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return -1;
+            PyErr_Clear(); /* an int past the double range: the same rule as any other out-of-range value */
+            PyErr_Format(PyExc_ValueError, "%s(): %s must be finite and positive in float32, got an int too large "
+                         "for a float", fn, arg);
+            return -1;
+        }
         const float f = (float)d;
         if (!(isfinite(f) && f > 0.0f)) {
             PyErr_Format(PyExc_ValueError, "%s(): %s must be finite and positive in float32, got %R", fn, arg, o);
@@ -162,7 +168,9 @@ static PyObject *py_dequantize(PyObject *module, PyObject *args, PyObject *kwarg
         fp8ext_check_contiguous(&q, fn, "q") < 0 ||
         get_output(out_o, -1, &q, "q", stream, fn, "out", &out) < 0 ||
         fp8ext_check_same_shape(&out, &q, fn, "out", "q") < 0 ||
-        get_scale(scale_o, &q, "q", stream, fn, "scale_inv", &scale, &a.scale_inv_ptr, &a.scale_inv) < 0)
+        get_scale(scale_o, &q, "q", stream, fn, "scale_inv", &scale, &a.scale_inv_ptr, &a.scale_inv) < 0 ||
+        fp8ext_check_disjoint(fn, 1, 3, (const fp8ext_view *const[]){&out, &q, &scale},
+                              (const char *const[]){"out", "q", "scale_inv"}) < 0)
         goto done;
     a.q = q.data;
     a.fmt = fmt;
@@ -192,6 +200,7 @@ static PyObject *py_amax(PyObject *module, PyObject *args, PyObject *kwargs) {
         PyErr_Format(PyExc_TypeError, "%s(): out must be a float32 tensor, got None", fn);
         goto done;
     }
+    if (fp8ext_check_no_overlap(&out, &x, fn, "out", "x") < 0) goto done;
     a.x = x.data;
     a.x_dtype = hp_dtype(&x);
     a.n = x.numel;

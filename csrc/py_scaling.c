@@ -71,6 +71,7 @@ static PyObject *py_scale_update(PyObject *module, PyObject *args, PyObject *kwa
     if (get_f32_vector(s_o, a.n, &h, stream, fn, "scale", 1, &sc) < 0 ||
         get_f32_vector(si_o, a.n, &h, stream, fn, "scale_inv", 1, &si) < 0 ||
         get_f32_vector(m_o, a.n, &h, stream, fn, "fmt_max", 0, &fm) < 0 ||
+        fp8ext_check_scale_values(&fm, fn, "fmt_max") < 0 ||
         fp8ext_check_disjoint(fn, 3, 4, (const fp8ext_view *const[]){&h, &sc, &si, &fm},
                               (const char *const[]){"history", "scale", "scale_inv", "fmt_max"}) < 0)
         goto done;
@@ -100,7 +101,9 @@ static PyObject *py_scale_from_amax(PyObject *module, PyObject *args, PyObject *
     fp8ext_scale_from_amax_args a = {0};
     if (fp8ext_check_fmt(fmt, fn) < 0 || fp8ext_view_get(a_o, stream, fn, "amax", &am) < 0 ||
         fp8ext_check_scalar_f32(&am, fn, "amax") < 0 || get_f32_vector(s_o, 1, &am, stream, fn, "scale", 1, &sc) < 0 ||
-        get_f32_vector(si_o, 1, &am, stream, fn, "scale_inv", 1, &si) < 0)
+        get_f32_vector(si_o, 1, &am, stream, fn, "scale_inv", 1, &si) < 0 ||
+        fp8ext_check_disjoint(fn, 2, 3, (const fp8ext_view *const[]){&sc, &si, &am},
+                              (const char *const[]){"scale", "scale_inv", "amax"}) < 0)
         goto done;
     if (!(margin >= 0.0 && margin < 64.0)) {
         PyErr_Format(PyExc_ValueError, "%s(): margin must be in [0, 64)", fn);

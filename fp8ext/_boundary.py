@@ -7,13 +7,15 @@ are and C calls their `__dlpack__`. FP8 tensors cross as uint8, the format passe
 
 from __future__ import annotations
 
-from typing import Any, Tuple
+import sys
+from typing import Any, Optional, Tuple
 
 import torch
 
 _to_dlpack = torch._C._to_dlpack
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_FLOAT_MAX = sys.float_info.max
 
 
 def _exports_float8() -> bool:
@@ -29,42 +31,94 @@ def _exports_float8() -> bool:
 FP8_DLPACK = _exports_float8()
 
 
-def dl_fp8(t: torch.Tensor) -> Any:
-    """A DLPack capsule for an FP8 torch tensor: its own float8 type where torch exports it, else uint8."""
-    return _to_dlpack(t if FP8_DLPACK else t.view(torch.uint8))
+def _device_error(t: torch.Tensor, fn: str, arg: str) -> Exception:
+    """The error for a tensor that cannot cross into C: a meta tensor, a sparse one, ..."""
+    if t.device.type == "meta":
+        return ValueError(f"{fn}(): {arg} is on meta; fp8ext runs on cpu and cuda (a meta tensor has no data)")
+    if t.layout != torch.strided:
+        return TypeError(f"{fn}(): {arg} must be a dense (strided) tensor, got {t.layout}")
+    return ValueError(f"{fn}(): {arg} is on {t.device.type}; fp8ext runs on cpu and cuda")
 
 
-def dl(t: Any) -> Any:
-    """A DLPack capsule for a torch tensor (FP8 as dl_fp8 does); anything else unchanged."""
+def _export(t: torch.Tensor, fn: Optional[str], arg: Optional[str]) -> Any:
+    """torch's DLPack export; what it refuses on a device or layout fp8ext cannot read is named (only on that
+    path: the export itself is the check, at no cost to the calls that succeed)."""
+    try:
+        return _to_dlpack(t)
+    except (BufferError, RuntimeError):
+        if fn is None or (t.device.type in ("cpu", "cuda") and t.layout == torch.strided):
+            raise
+        raise _device_error(t, fn, arg or "x") from None
+
+
+def dl_fp8(t: torch.Tensor, fn: Optional[str] = None, arg: Optional[str] = None) -> Any:
+    """A DLPack capsule for an FP8 torch tensor: its own float8 type where torch exports it, else uint8.
+    With fn and arg, a tensor that cannot cross (a meta tensor has no data) raises naming them."""
+    return _export(t if FP8_DLPACK else t.view(torch.uint8), fn, arg)
+
+
+def dl(t: Any, fn: Optional[str] = None, arg: Optional[str] = None) -> Any:
+    """A DLPack capsule for a torch tensor (FP8 as dl_fp8 does); anything else unchanged. With fn and arg, a
+    tensor that cannot cross (a meta tensor has no data) raises a ValueError or TypeError naming them."""
     if isinstance(t, torch.Tensor):
         if t.dtype in _FP8_DTYPES:
-            return dl_fp8(t)
-        return _to_dlpack(t)
+            return dl_fp8(t, fn, arg)
+        return _export(t, fn, arg)
     return t
 
 
-def dl_opt(t: Any) -> Any:
-    return None if t is None else dl(t)
+def dl_opt(t: Any, fn: Optional[str] = None, arg: Optional[str] = None) -> Any:
+    return None if t is None else dl(t, fn, arg)
 
 
-def scale_arg(scale: Any) -> Any:
-    """A Python number stays a number (passed by value); a tensor becomes a capsule (read on device)."""
+def scale_arg(scale: Any, fn: Optional[str] = None, arg: str = "scale") -> Any:
+    """A Python number stays a number (passed by value; C checks it); a tensor becomes a capsule (read on
+    device)."""
     if isinstance(scale, torch.Tensor):
-        return _to_dlpack(scale)
+        return _export(scale, fn, arg)
     return scale
 
 
+def number(value: Any, fn: str, arg: str, rule: str = "must be finite") -> float:
+    """float(value) for a Python number argument (a scale, a margin), refusing what float() cannot convert with
+    an error that names the argument: an int past the float range is a ValueError (`rule`), not an
+    OverflowError. The int is compared before the conversion, so torch.compile traces the refusal too."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > _FLOAT_MAX:
+        raise ValueError(f"{fn}(): {arg} {rule}, got an int too large for a float")
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{fn}(): {arg} must be a number, got {type(value).__name__}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{fn}(): {arg} must be a number, got {type(value).__name__}") from None
+
+
+def _layout_error(fn: str, arg: str, x: Any = None) -> ValueError:
+    if isinstance(x, torch.Tensor) and any(st == 0 and n > 1 for st, n in zip(x.stride(), x.shape)):
+        return ValueError(f"{fn}(): {arg} must be contiguous (row-major, compact), got a broadcast view (stride 0) "
+                          f"of shape {list(x.shape)} and strides {list(x.stride())}; fp8ext reads its inputs in place, "
+                          f"without copying them")
+    return ValueError(f"{fn}(): {arg} must be contiguous (row-major, compact); call .contiguous() first")
+
+
 def describe(x: Any, fn: str, arg: str = "x") -> Tuple[Tuple[int, ...], torch.device]:
-    """Shape and device of a torch tensor or of any array that supports DLPack."""
+    """Shape and device of a torch tensor or of any array that supports DLPack, which must be contiguous (the C
+    layer reads it in place). The layout is checked here, before the caller allocates x-sized outputs: a
+    broadcast view (torch's expand, numpy's broadcast_to) can describe far more elements than it stores."""
     if isinstance(x, torch.Tensor):
-        if x.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"{fn}(): {arg} is on {x.device.type}; fp8ext runs on cpu and cuda")
+        if x.device.type not in ("cpu", "cuda") or x.layout != torch.strided:
+            raise _device_error(x, fn, arg)
+        if not x.is_contiguous():
+            raise _layout_error(fn, arg, x)
         return x.shape, x.device
     dev = getattr(x, "__dlpack_device__", None)
     if dev is None or not hasattr(x, "__dlpack__"):
         raise TypeError(f"{fn}(): {arg} must be a torch.Tensor or an array that supports DLPack, "
                         f"got {type(x).__name__}")
     kind, index = dev()
+    flags = getattr(x, "flags", None)  # numpy and the arrays that copy its interface
+    if getattr(flags, "c_contiguous", True) is False:
+        raise _layout_error(fn, arg)
     if int(kind) == 1:
         return tuple(x.shape), torch.device("cpu")
     if int(kind) == 2:

@@ -15,7 +15,7 @@ from typing import Any, Optional, Tuple, Union
 import torch
 
 from . import _C, debug
-from ._boundary import FP8_DLPACK, describe, dl, dl_fp8, dl_opt, scale_arg, stream_of
+from ._boundary import FP8_DLPACK, describe, dl, dl_fp8, dl_opt, number, scale_arg, stream_of
 from .formats import E4M3, FP8Format, SmallFormat, format_of_dtype, resolve_format
 from .profiling import profiled
 
@@ -35,8 +35,10 @@ def _check_seed(seed: Any, fn: str) -> int:
     return seed
 
 
-def _scale_parts(scale: Scale) -> Tuple[Optional[torch.Tensor], float]:
-    return (scale, 1.0) if isinstance(scale, torch.Tensor) else (None, float(scale))
+def _scale_parts(scale: Scale, fn: str, arg: str = "scale") -> Tuple[Optional[torch.Tensor], float]:
+    if isinstance(scale, torch.Tensor):
+        return scale, 1.0
+    return None, number(scale, fn, arg, "must be finite and positive in float32")
 
 
 @profiled("fp8ext.quantize")
@@ -67,7 +69,7 @@ def quantize(x: Any, fmt: Any = E4M3, scale: Scale = 1.0, *, saturate: bool = Tr
     f = resolve_format(fmt, "quantize")
     seed = _check_seed(seed, "quantize") if stochastic else 0
     if torch.compiler.is_compiling():
-        scale_t, scale_v = _scale_parts(scale)
+        scale_t, scale_v = _scale_parts(scale, "quantize")
         q, new_amax = torch.ops.fp8ext.quantize(x, f.code, scale_t, scale_v, saturate, stochastic, seed, amax_out)
         _write_back(amax_out, new_amax, scale_inv_out, scale)
         return q if out is None else out.copy_(q)
@@ -84,6 +86,8 @@ def _check_out(out: Any, shape, device, dtype: torch.dtype, fn: str, arg: str = 
     if tuple(out.shape) != tuple(shape):
         raise ValueError(f"{fn}(): {arg} must have shape {list(shape)}, got {list(out.shape)}")
     if out.device != torch.device(device):
+        if out.device.type == "meta":
+            raise ValueError(f"{fn}(): {arg} is on meta; fp8ext runs on cpu and cuda (a meta tensor has no data)")
         raise ValueError(f"{fn}(): {arg} is on {out.device}, x on {device}")
     return out
 
@@ -96,8 +100,9 @@ def _quantize_small(x, f: SmallFormat, scale, saturate, stochastic, amax_out, sc
         out = torch.empty(shape, dtype=torch.uint8, device=device)
     else:
         _check_out(out, shape, device, torch.uint8, "quantize")
-    _C.quantize(dl(x), _to_dl(out), f.code, scale_arg(scale), amax_out=dl_opt(amax_out), saturate=saturate,
-                stochastic=stochastic, seed=0, stream=stream_of(device), scale_inv_out=dl_opt(scale_inv_out))
+    _C.quantize(dl(x), _to_dl(out), f.code, scale_arg(scale, "quantize"),
+                amax_out=dl_opt(amax_out, "quantize", "amax_out"), saturate=saturate, stochastic=stochastic, seed=0,
+                stream=stream_of(device), scale_inv_out=dl_opt(scale_inv_out, "quantize", "scale_inv_out"))
     return out
 
 
@@ -119,8 +124,9 @@ def quantize_eager(x: Any, f: FP8Format, scale: Any, saturate: bool, stochastic:
     if debug.enabled():
         _debug_check("quantize", x, scale, "scale")
     out = _fp8_empty(shape, f, device) if out is None else _check_out(out, shape, device, f.torch_dtype, "quantize")
-    _C.quantize(dl(x), dl_fp8(out), f.code, scale_arg(scale), amax_out=dl_opt(amax_out), saturate=saturate,
-                stochastic=stochastic, seed=seed, stream=stream_of(device), scale_inv_out=dl_opt(scale_inv_out))
+    _C.quantize(dl(x), dl_fp8(out), f.code, scale_arg(scale, "quantize"),
+                amax_out=dl_opt(amax_out, "quantize", "amax_out"), saturate=saturate, stochastic=stochastic,
+                seed=seed, stream=stream_of(device), scale_inv_out=dl_opt(scale_inv_out, "quantize", "scale_inv_out"))
     return out
 
 
@@ -144,7 +150,7 @@ def dequantize(q: Any, scale_inv: Scale = 1.0, dtype: torch.dtype = torch.float3
         return dequantize_eager(q, fmt, scale_inv, dtype)
     f = _format_of_q(q, fmt, fn)
     if torch.compiler.is_compiling():
-        scale_t, scale_v = _scale_parts(scale_inv)
+        scale_t, scale_v = _scale_parts(scale_inv, fn, "scale_inv")
         return torch.ops.fp8ext.dequantize(q, f.code, scale_t, scale_v, dtype)
     return dequantize_eager(q, f, scale_inv, dtype)
 
@@ -154,7 +160,8 @@ def dequantize_eager(q: Any, f: FP8Format, scale_inv: Any, dtype: torch.dtype) -
     if debug.enabled():
         _debug_check("dequantize", None, scale_inv, "scale_inv")
     out = torch.empty(shape, dtype=dtype, device=device)
-    _C.dequantize(dl(q), _to_dl(out), f.code, scale_arg(scale_inv), stream=stream_of(device))
+    _C.dequantize(dl(q), _to_dl(out), f.code, scale_arg(scale_inv, "dequantize", "scale_inv"),
+                  stream=stream_of(device))
     return out
 
 
@@ -188,7 +195,7 @@ def cast_transpose(x: Any, fmt: Any = E4M3, scale: Scale = 1.0, amax_out: Option
     if out is not None and (not isinstance(out, (tuple, list)) or len(out) != 2):
         raise TypeError(f"cast_transpose(): out must be a pair (q, q_t) of tensors, got {type(out).__name__}")
     if torch.compiler.is_compiling():
-        scale_t, scale_v = _scale_parts(scale)
+        scale_t, scale_v = _scale_parts(scale, "cast_transpose")
         q, qt, new_amax = torch.ops.fp8ext.cast_transpose(x, f.code, scale_t, scale_v, saturate, amax_out)
         _write_back(amax_out, new_amax, scale_inv_out, scale)
         return (q, qt) if out is None else (out[0].copy_(q), out[1].copy_(qt))
@@ -208,8 +215,10 @@ def cast_transpose_eager(x: Any, f: FP8Format, scale: Any, saturate: bool, amax_
     else:
         q = _check_out(out[0], shape, device, f.torch_dtype, "cast_transpose", "out[0]")
         qt = _check_out(out[1], (shape[1], shape[0]), device, f.torch_dtype, "cast_transpose", "out[1]")
-    _C.cast_transpose(dl(x), dl_fp8(q), dl_fp8(qt), f.code, scale_arg(scale), amax_out=dl_opt(amax_out),
-                      saturate=saturate, stream=stream_of(device), scale_inv_out=dl_opt(scale_inv_out))
+    fn = "cast_transpose"
+    _C.cast_transpose(dl(x), dl_fp8(q), dl_fp8(qt), f.code, scale_arg(scale, fn),
+                      amax_out=dl_opt(amax_out, fn, "amax_out"), saturate=saturate, stream=stream_of(device),
+                      scale_inv_out=dl_opt(scale_inv_out, fn, "scale_inv_out"))
     return q, qt
 
 
@@ -233,7 +242,7 @@ def cast_transpose_dbias(x: Any, fmt: Any = E4M3, scale: Scale = 1.0, amax_out: 
     if out is not None and (not isinstance(out, (tuple, list)) or len(out) != 3):
         raise TypeError(f"{fn}(): out must be a triple (q, q_t, dbias) of tensors, got {type(out).__name__}")
     if torch.compiler.is_compiling():
-        scale_t, scale_v = _scale_parts(scale)
+        scale_t, scale_v = _scale_parts(scale, fn)
         db32 = out is not None and isinstance(out[2], torch.Tensor) and out[2].dtype == torch.float32
         q, qt, db, new_amax = torch.ops.fp8ext.cast_transpose_dbias(x, f.code, scale_t, scale_v, saturate, amax_out,
                                                                     db32)
@@ -262,9 +271,9 @@ def cast_transpose_dbias_eager(x: Any, f: FP8Format, scale: Any, saturate: bool,
         want = torch.float32 if isinstance(out[2], torch.Tensor) and out[2].dtype == torch.float32 else dtype
         db = _check_out(out[2], (cols,), device, want, fn, "out[2]")
     ws = torch.empty(_C.cast_transpose_dbias_workspace(rows, cols), dtype=torch.float32, device=device)
-    _C.cast_transpose_dbias(dl(x), dl_fp8(q), dl_fp8(qt), _to_dl(db), _to_dl(ws), f.code, scale_arg(scale),
-                            amax_out=dl_opt(amax_out), saturate=saturate, stream=stream_of(device),
-                            scale_inv_out=dl_opt(scale_inv_out))
+    _C.cast_transpose_dbias(dl(x), dl_fp8(q), dl_fp8(qt), _to_dl(db), _to_dl(ws), f.code, scale_arg(scale, fn),
+                            amax_out=dl_opt(amax_out, fn, "amax_out"), saturate=saturate, stream=stream_of(device),
+                            scale_inv_out=dl_opt(scale_inv_out, fn, "scale_inv_out"))
     return q, qt, db
 
 
@@ -372,6 +381,7 @@ def scale_from_amax(amax: torch.Tensor, fmt: Any = E4M3, margin: float = 0.0) ->
     """(scale, scale_inv) for current scaling from a one-element amax tensor, on its device: scale =
     fmt.max / amax / 2**margin, or 1 when amax is 0 or not finite (capped at the float32 maximum)."""
     f = resolve_format(fmt, "scale_from_amax")
+    margin = number(margin, "scale_from_amax", "margin")
     if torch.compiler.is_compiling():
         a = amax.reshape(()).float()
         ok = (a > 0) & torch.isfinite(a)
@@ -380,5 +390,5 @@ def scale_from_amax(amax: torch.Tensor, fmt: Any = E4M3, margin: float = 0.0) ->
     _, device = describe(amax, "scale_from_amax", "amax")
     scale = torch.empty((), dtype=torch.float32, device=device)
     scale_inv = torch.empty((), dtype=torch.float32, device=device)
-    _C.scale_from_amax(dl(amax), _to_dl(scale), _to_dl(scale_inv), f.code, float(margin), stream=stream_of(device))
+    _C.scale_from_amax(dl(amax), _to_dl(scale), _to_dl(scale_inv), f.code, margin, stream=stream_of(device))
     return scale, scale_inv
