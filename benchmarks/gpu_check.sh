@@ -56,32 +56,36 @@ PYEOF
             then echo "$nb: ran in $(( $(date +%s) - start )) s"; else echo "$nb: FAILED"; status=1; fi
         done ;;
     sanitize)
-        # Every kernel's GPU tests under compute-sanitizer: memcheck (out-of-bounds and misaligned accesses,
-        # leaks of device memory) over the kernel test files, racecheck (shared-memory hazards) over the kernels
-        # that use shared memory. cuDNN's kernels are excluded: its SDPA kernel (torch's attention, used by a few
-        # tests as the reference) reports hazards that are not fp8ext's. The largest cases are left out (-k): under
-        # the sanitizer they take minutes and run the same code paths as the smaller ones.
-        # SANITIZE_TIMEOUT (seconds per tool, default 420) bounds each run; a run cut short says so.
+        # Every kernel's GPU tests under compute-sanitizer: memcheck (out-of-bounds and misaligned accesses, leaks
+        # of device memory) over the kernel test files, racecheck (shared-memory hazards) over the kernels that use
+        # shared memory. cuDNN's kernels are excluded: its SDPA kernel (torch's attention, the reference of a few
+        # tests) reports hazards that are not fp8ext's. The largest cases are left out (-k): under the sanitizer
+        # they take minutes and run the code paths of the smaller ones; racecheck takes the weight-only kernel's
+        # float64-reference and NaN/Inf cases only (its every-split sweep takes minutes there). One run per row
+        # below: tool, -k expression, test files. SANITIZE_TIMEOUT (seconds per run, default 300) bounds each.
         echo "== sanitize"
-        files="tests/test_cuda.py tests/test_fused.py tests/test_fused_linear.py tests/test_mx.py tests/test_nonfinite.py
-               tests/test_quantize_blocks.py tests/test_cast_transpose_dbias.py tests/test_small_formats.py
-               tests/test_weight_only.py tests/test_decode_attention.py tests/test_stochastic.py"
-        race="tests/test_cuda.py tests/test_fused.py tests/test_fused_linear.py tests/test_mx.py
-              tests/test_quantize_blocks.py tests/test_weight_only.py tests/test_decode_attention.py"
-        skip="not 4096 and not 20000 and not 3000 and not 5000"
-        for tool in memcheck racecheck; do
-            if [ $tool = memcheck ]; then set -- $files; else set -- $race; fi
-            existing=(); for f in "$@"; do [ -f "$f" ] && existing+=("$f"); done
-            timeout "${SANITIZE_TIMEOUT:-420}" compute-sanitizer --tool $tool --kernel-name-exclude kns=cudnn \
-                --print-limit 20 $PY -m pytest -q -p no:cacheprovider -m cuda -k "$skip" "${existing[@]}" \
-                > "$OUT/sanitize_$tool.log" 2>&1
+        big="not 4096 and not 20000 and not 3000 and not 5000"
+        kernels="tests/test_cuda.py tests/test_fused.py tests/test_fused_linear.py tests/test_mx.py"
+        kernels+=" tests/test_nonfinite.py tests/test_quantize_blocks.py tests/test_decode_attention.py"
+        n=0
+        while IFS='|' read -r tool k files; do
+            n=$((n + 1)); log="$OUT/sanitize_${n}_$tool.log"
+            existing=(); for f in $files; do [ -f "$f" ] && existing+=("$f"); done
+            timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool $tool --kernel-name-exclude kns=cudnn \
+                --print-limit 20 $PY -m pytest -q -p no:cacheprovider -m cuda -k "$k" "${existing[@]}" > "$log" 2>&1
             rc=$?
-            [ $rc = 124 ] && echo "$tool: cut short after ${SANITIZE_TIMEOUT:-420} s (SANITIZE_TIMEOUT)"
-            grep -E "ERROR SUMMARY|RACECHECK SUMMARY|[0-9]+ (passed|failed)" "$OUT/sanitize_$tool.log" | tail -3
-            if [ $rc != 0 ] || ! grep -qE "(ERROR SUMMARY: 0 errors|RACECHECK SUMMARY: 0 hazards)" "$OUT/sanitize_$tool.log"; then
-                echo "$tool: FAILED (exit $rc; $OUT/sanitize_$tool.log)"; status=1
+            echo "$tool over ${existing[*]} (-k '$k'):"
+            [ $rc = 124 ] && echo "  cut short after ${SANITIZE_TIMEOUT:-300} s (SANITIZE_TIMEOUT)"
+            grep -E "ERROR SUMMARY|RACECHECK SUMMARY|[0-9]+ (passed|failed)" "$log" | tail -2 | sed 's/^/  /'
+            if [ $rc != 0 ] || ! grep -qE "(ERROR SUMMARY: 0 errors|RACECHECK SUMMARY: 0 hazards)" "$log"; then
+                echo "  FAILED (exit $rc; $log)"; status=1
             fi
-        done ;;
+        done <<ROWS
+memcheck|$big|$kernels tests/test_cast_transpose_dbias.py tests/test_small_formats.py tests/test_weight_only.py tests/test_stochastic.py
+racecheck|$big|$kernels
+racecheck|float64 or nan_and_inf|tests/test_weight_only.py
+ROWS
+        ;;
     inference)
         echo "== bench_inference"
         $PY benchmarks/bench_inference.py 2>&1 | tee "$OUT/bench_inference.log" || status=1 ;;
