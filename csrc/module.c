@@ -5,6 +5,8 @@
 #include "module_state.h"
 
 #include <errno.h>
+#include <stdarg.h>
+#include <string.h>
 
 #include "fp8_numerics.h"
 #include "third_party/dlpack/dlpack.h"
@@ -15,6 +17,56 @@
 #ifndef FP8EXT_NO_CUDA_REASON
 #define FP8EXT_NO_CUDA_REASON ""
 #endif
+
+/* The argument of an OverflowError raised by PyArg_VaParseTupleAndKeywords: each number-typed unit of `format`
+ * is converted again on its own (positional value, else the keyword of its name), the first that overflows is
+ * the one. NULL when none does (the caller then names the function only). Called with no exception set. */
+static const char *overflowing_arg(PyObject *args, PyObject *kwargs, const char *format, char **kwlist) {
+    const Py_ssize_t nargs = PyTuple_Check(args) ? PyTuple_GET_SIZE(args) : 0;
+    const char *f = format;
+    for (int i = 0; kwlist[i]; ++i) {
+        while (*f == '|' || *f == '$') ++f;
+        if (!*f || *f == ':' || *f == ';') break;
+        const char unit = *f++;
+        if (unit == 'e' && *f) ++f; /* es, et: two letters */
+        while (*f == '!' || *f == '&' || *f == '#' || *f == '*') ++f;
+        if (!strchr("bBhHiIlkLKnfd", unit)) continue;
+        PyObject *o = i < nargs ? PyTuple_GET_ITEM(args, i) : kwargs ? PyDict_GetItemString(kwargs, kwlist[i]) : NULL;
+        if (!o) continue;
+        const char one[2] = {unit, '\0'};
+        union { char c; short h; int i; long l; long long ll; Py_ssize_t n; float f; double d; } slot;
+        PyObject *tuple = PyTuple_Pack(1, o);
+        const int ok = tuple && PyArg_ParseTuple(tuple, one, &slot);
+        Py_XDECREF(tuple);
+        if (ok) continue;
+        const int overflow = PyErr_ExceptionMatches(PyExc_OverflowError);
+        PyErr_Clear();
+        if (overflow) return kwlist[i];
+    }
+    return NULL;
+}
+
+int fp8ext_parse_args(PyObject *args, PyObject *kwargs, const char *format, char **kwlist, ...) {
+    va_list va;
+    va_start(va, kwlist);
+    const int ok = PyArg_VaParseTupleAndKeywords(args, kwargs, format, kwlist, va);
+    va_end(va);
+    if (ok || !PyErr_ExceptionMatches(PyExc_OverflowError)) return ok;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    const char *colon = strchr(format, ':');
+    const char *fn = colon ? colon + 1 : "fp8ext._C";
+    const char *arg = overflowing_arg(args, kwargs, format, kwlist);
+    if (arg)
+        PyErr_Format(PyExc_ValueError, "%s(): %s is out of range (%S)", fn, arg, value ? value : Py_None);
+    else
+        PyErr_Format(PyExc_ValueError, "%s(): a number argument is out of range (%S)", fn, value ? value : Py_None);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    fp8ext_set_cause(value);
+    return 0;
+}
 
 int fp8ext_run_op(PyObject *module, const fp8ext_view *where, Py_ssize_t stream, const char *fn, fp8ext_cpu_fn cpu,
                   fp8ext_cuda_fn cuda, const void *args) {

@@ -22,6 +22,12 @@ typedef struct {
 
 static inline fp8ext_state *fp8ext_get_state(PyObject *module) { return (fp8ext_state *)PyModule_GetState(module); }
 
+/* PyArg_ParseTupleAndKeywords for the bindings (kwargs may be NULL for a positional-only one, kwlist still
+ * naming the arguments). A number that does not fit its C type (10**400 for an int or a float) raises a
+ * ValueError naming the function and the argument instead of an OverflowError; the extra work happens only
+ * on that error path. 1, or 0 with an exception set, as PyArg_ParseTupleAndKeywords. */
+int fp8ext_parse_args(PyObject *args, PyObject *kwargs, const char *format, char **kwlist, ...);
+
 /* One operation, as the bindings hand it to run_op: the CPU reference and the CUDA launcher
  * take the same argument struct. */
 typedef void (*fp8ext_cpu_fn)(const void *args);

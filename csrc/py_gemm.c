@@ -112,9 +112,9 @@ static PyObject *py_gemm(PyObject *module, PyObject *args, PyObject *kwargs) {
     PyObject *scratch_o = Py_None;
     int a_fmt, b_fmt, out_fmt = -1, accumulate = 0, fast_accum = 0, tune = 0;
     Py_ssize_t stream = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOiiOOO|iOOOppOnpO:gemm", kwlist, &a_o, &b_o, &a_fmt, &b_fmt, &sa_o,
-                                     &sb_o, &out_o, &out_fmt, &bias_o, &os_o, &amax_o, &accumulate, &fast_accum, &ws_o,
-                                     &stream, &tune, &scratch_o))
+    if (!fp8ext_parse_args(args, kwargs, "OOiiOOO|iOOOppOnpO:gemm", kwlist, &a_o, &b_o, &a_fmt, &b_fmt, &sa_o,
+                           &sb_o, &out_o, &out_fmt, &bias_o, &os_o, &amax_o, &accumulate, &fast_accum, &ws_o,
+                           &stream, &tune, &scratch_o))
         return NULL;
     fp8ext_view a = {0}, b = {0}, sa = {0}, sb = {0}, out = {0}, bias = {0}, os = {0}, amax = {0}, ws = {0};
     fp8ext_view scratch = {0};

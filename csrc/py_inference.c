@@ -85,8 +85,8 @@ static PyObject *py_decode_attention(PyObject *module, PyObject *args, PyObject 
     float softmax_scale;
     int splits;
     Py_ssize_t stream = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOLfi|nO:decode_attention", kwlist, &q_o, &k_o, &v_o, &ks_o,
-                                     &vs_o, &out_o, &ws_o, &length, &softmax_scale, &splits, &stream, &ld_o))
+    if (!fp8ext_parse_args(args, kwargs, "OOOOOOOLfi|nO:decode_attention", kwlist, &q_o, &k_o, &v_o, &ks_o,
+                           &vs_o, &out_o, &ws_o, &length, &softmax_scale, &splits, &stream, &ld_o))
         return NULL;
     fp8ext_view q = {0}, k = {0}, v = {0}, ks = {0}, vs = {0}, out = {0}, ws = {0}, ld = {0};
     PyObject *ret = NULL;
@@ -222,8 +222,8 @@ static PyObject *py_weight_only(PyObject *module, PyObject *args, PyObject *kwar
     PyObject *x_o, *w_o, *bs_o, *cs_o, *ts_o, *ws_o, *cnt_o, *out_o;
     int fmt, splits;
     Py_ssize_t stream = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOOii|n:weight_only", kwlist, &x_o, &w_o, &bs_o, &cs_o, &ts_o,
-                                     &ws_o, &cnt_o, &out_o, &fmt, &splits, &stream))
+    if (!fp8ext_parse_args(args, kwargs, "OOOOOOOOii|n:weight_only", kwlist, &x_o, &w_o, &bs_o, &cs_o, &ts_o,
+                           &ws_o, &cnt_o, &out_o, &fmt, &splits, &stream))
         return NULL;
     fp8ext_view x = {0}, w = {0}, bs = {0}, cs = {0}, ts = {0}, ws = {0}, cnt = {0}, out = {0};
     PyObject *ret = NULL;
@@ -331,8 +331,9 @@ done:
 /* weight_only_blocks_per_sm(fmt, m, device): how many of the weight-only kernel's thread blocks for fmt and m
  * tokens fit on one multiprocessor of `device` (fp8ext/weight_only.py sizes its split of K by it). */
 static PyObject *py_weight_only_blocks_per_sm(PyObject *module, PyObject *args) {
+    static char *kwlist[] = {"fmt", "m", "device", NULL};
     int fmt, m, device;
-    if (!PyArg_ParseTuple(args, "iii:weight_only_blocks_per_sm", &fmt, &m, &device)) return NULL;
+    if (!fp8ext_parse_args(args, NULL, "iii:weight_only_blocks_per_sm", kwlist, &fmt, &m, &device)) return NULL;
     if (fmt < FP8EXT_WO_FP8 || fmt > FP8EXT_WO_NVFP4 || m < 1 || m > 16) {
         PyErr_Format(PyExc_ValueError, "weight_only_blocks_per_sm(): fmt must be 0..5 and m 1..16, got %d and %d",
                      fmt, m);
@@ -367,8 +368,8 @@ static PyObject *py_fused_rows(PyObject *module, PyObject *args, PyObject *kwarg
     float eps;
     int op, mode;
     Py_ssize_t stream = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOfii|n:fused_rows", kwlist, &x_o, &g_o, &out_o, &sc_o, &si_o,
-                                     &eps, &op, &mode, &stream))
+    if (!fp8ext_parse_args(args, kwargs, "OOOOOfii|n:fused_rows", kwlist, &x_o, &g_o, &out_o, &sc_o, &si_o,
+                           &eps, &op, &mode, &stream))
         return NULL;
     if ((op != FP8EXT_FUSED_RMSNORM && op != FP8EXT_FUSED_SWIGLU) || mode < FP8EXT_FUSED_OUT_HP ||
         mode > FP8EXT_FUSED_OUT_FP8_ROWS) {
@@ -448,8 +449,8 @@ static PyObject *py_rope_qkv(PyObject *module, PyObject *args, PyObject *kwargs)
     long long n_heads, n_kv, start_pos;
     Py_ssize_t stream = 0;
     int backward = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOLLL|np:rope_qkv", kwlist, &x_o, &c_o, &s_o, &q_o, &k_o,
-                                     &v_o, &n_heads, &n_kv, &start_pos, &stream, &backward))
+    if (!fp8ext_parse_args(args, kwargs, "OOOOOOLLL|np:rope_qkv", kwlist, &x_o, &c_o, &s_o, &q_o, &k_o,
+                           &v_o, &n_heads, &n_kv, &start_pos, &stream, &backward))
         return NULL;
     fp8ext_view x = {0}, c = {0}, sn = {0}, q = {0}, k = {0}, v = {0};
     PyObject *ret = NULL;
@@ -534,7 +535,7 @@ static PyObject *py_swiglu_backward(PyObject *module, PyObject *args, PyObject *
     static char *kwlist[] = {"h", "dy", "dh", "stream", NULL};
     PyObject *h_o, *dy_o, *dh_o;
     Py_ssize_t stream = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|n:swiglu_backward", kwlist, &h_o, &dy_o, &dh_o, &stream))
+    if (!fp8ext_parse_args(args, kwargs, "OOO|n:swiglu_backward", kwlist, &h_o, &dy_o, &dh_o, &stream))
         return NULL;
     fp8ext_view h = {0}, dy = {0}, dh = {0};
     PyObject *ret = NULL;
@@ -598,8 +599,8 @@ static PyObject *py_rms_norm_fwd(PyObject *module, PyObject *args, PyObject *kwa
     PyObject *x_o, *g_o, *y_o, *r_o;
     float eps;
     Py_ssize_t stream = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOf|n:rms_norm_fwd", kwlist, &x_o, &g_o, &y_o, &r_o, &eps,
-                                     &stream))
+    if (!fp8ext_parse_args(args, kwargs, "OOOOf|n:rms_norm_fwd", kwlist, &x_o, &g_o, &y_o, &r_o, &eps,
+                           &stream))
         return NULL;
     fp8ext_view x = {0}, g = {0}, y = {0}, r = {0};
     PyObject *ret = NULL;
@@ -643,8 +644,8 @@ static PyObject *py_rms_norm_bwd(PyObject *module, PyObject *args, PyObject *kwa
     static char *kwlist[] = {"x", "dy", "gamma", "rstd", "dx", "partial", "dgamma", "stream", NULL};
     PyObject *x_o, *dy_o, *g_o, *r_o, *dx_o, *p_o, *dg_o;
     Py_ssize_t stream = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOO|n:rms_norm_bwd", kwlist, &x_o, &dy_o, &g_o, &r_o, &dx_o,
-                                     &p_o, &dg_o, &stream))
+    if (!fp8ext_parse_args(args, kwargs, "OOOOOOO|n:rms_norm_bwd", kwlist, &x_o, &dy_o, &g_o, &r_o, &dx_o,
+                           &p_o, &dg_o, &stream))
         return NULL;
     fp8ext_view x = {0}, dy = {0}, g = {0}, r = {0}, dx = {0}, pt = {0}, dg = {0};
     PyObject *ret = NULL;
@@ -699,7 +700,7 @@ static PyObject *py_kv_store(PyObject *module, PyObject *args, PyObject *kwargs)
     PyObject *x_o, *s_o, *c_o, *pd_o = NULL;
     long long pos;
     Py_ssize_t stream = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOL|nO:kv_store", kwlist, &x_o, &s_o, &c_o, &pos, &stream, &pd_o))
+    if (!fp8ext_parse_args(args, kwargs, "OOOL|nO:kv_store", kwlist, &x_o, &s_o, &c_o, &pos, &stream, &pd_o))
         return NULL;
     fp8ext_view x = {0}, sc = {0}, c = {0}, pd = {0};
     PyObject *ret = NULL;

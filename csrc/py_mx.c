@@ -70,8 +70,8 @@ static PyObject *py_quantize_mx(PyObject *module, PyObject *args, PyObject *kwar
     PyObject *x_o, *out_o, *s_o;
     int fmt, rceil = 0;
     Py_ssize_t stream = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOi|pn:quantize_mx", kwlist, &x_o, &out_o, &s_o, &fmt, &rceil,
-                                     &stream))
+    if (!fp8ext_parse_args(args, kwargs, "OOOi|pn:quantize_mx", kwlist, &x_o, &out_o, &s_o, &fmt, &rceil,
+                           &stream))
         return NULL;
     fp8ext_view x = {0}, out = {0}, sc = {0};
     PyObject *ret = NULL;
@@ -111,8 +111,8 @@ static PyObject *py_quantize_nvfp4(PyObject *module, PyObject *args, PyObject *k
     static char *kwlist[] = {"x", "out", "block_scales", "tensor_scale", "amax", "stream", NULL};
     PyObject *x_o, *out_o, *bs_o, *ts_o, *amax_o;
     Py_ssize_t stream = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO|n:quantize_nvfp4", kwlist, &x_o, &out_o, &bs_o, &ts_o,
-                                     &amax_o, &stream))
+    if (!fp8ext_parse_args(args, kwargs, "OOOOO|n:quantize_nvfp4", kwlist, &x_o, &out_o, &bs_o, &ts_o,
+                           &amax_o, &stream))
         return NULL;
     fp8ext_view x = {0}, out = {0}, bs = {0}, ts = {0}, amax = {0};
     PyObject *ret = NULL;

@@ -116,8 +116,8 @@ static PyObject *py_quantize(PyObject *module, PyObject *args, PyObject *kwargs)
     int fmt, saturate = 1, stochastic = 0;
     unsigned long long seed = 0;
     Py_ssize_t stream = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOiO|OppKnO:quantize", kwlist, &x_o, &out_o, &fmt, &scale_o,
-                                     &amax_o, &saturate, &stochastic, &seed, &stream, &sinv_o))
+    if (!fp8ext_parse_args(args, kwargs, "OOiO|OppKnO:quantize", kwlist, &x_o, &out_o, &fmt, &scale_o,
+                           &amax_o, &saturate, &stochastic, &seed, &stream, &sinv_o))
         return NULL;
     fp8ext_view x = {0}, out = {0}, scale = {0}, amax = {0}, sinv = {0};
     PyObject *ret = NULL;
@@ -156,7 +156,7 @@ static PyObject *py_dequantize(PyObject *module, PyObject *args, PyObject *kwarg
     PyObject *q_o, *out_o, *scale_o;
     int fmt;
     Py_ssize_t stream = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOiO|n:dequantize", kwlist, &q_o, &out_o, &fmt, &scale_o, &stream))
+    if (!fp8ext_parse_args(args, kwargs, "OOiO|n:dequantize", kwlist, &q_o, &out_o, &fmt, &scale_o, &stream))
         return NULL;
     fp8ext_view q = {0}, out = {0}, scale = {0};
     PyObject *ret = NULL;
@@ -190,7 +190,7 @@ static PyObject *py_amax(PyObject *module, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"x", "out", "stream", NULL};
     PyObject *x_o, *out_o;
     Py_ssize_t stream = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|n:amax", kwlist, &x_o, &out_o, &stream)) return NULL;
+    if (!fp8ext_parse_args(args, kwargs, "OO|n:amax", kwlist, &x_o, &out_o, &stream)) return NULL;
     fp8ext_view x = {0}, out = {0};
     PyObject *ret = NULL;
     fp8ext_amax_args a = {0};
@@ -257,8 +257,8 @@ static PyObject *py_cast_transpose(PyObject *module, PyObject *args, PyObject *k
     PyObject *x_o, *out_o, *outt_o, *scale_o, *amax_o = Py_None, *sinv_o = Py_None;
     int fmt, saturate = 1;
     Py_ssize_t stream = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOiO|OpnO:cast_transpose", kwlist, &x_o, &out_o, &outt_o, &fmt,
-                                     &scale_o, &amax_o, &saturate, &stream, &sinv_o))
+    if (!fp8ext_parse_args(args, kwargs, "OOOiO|OpnO:cast_transpose", kwlist, &x_o, &out_o, &outt_o, &fmt,
+                           &scale_o, &amax_o, &saturate, &stream, &sinv_o))
         return NULL;
     ct_views v = {0};
     PyObject *ret = NULL;
@@ -306,8 +306,8 @@ static PyObject *py_cast_transpose_fused(PyObject *module, PyObject *args, PyObj
              *dy_o = Py_None;
     int fmt, prologue;
     Py_ssize_t stream = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOiOi|OOOnOO:cast_transpose_fused", kwlist, &x_o, &out_o, &outt_o,
-                                     &fmt, &scale_o, &prologue, &rstd_o, &g_o, &amax_o, &stream, &sinv_o, &dy_o))
+    if (!fp8ext_parse_args(args, kwargs, "OOOiOi|OOOnOO:cast_transpose_fused", kwlist, &x_o, &out_o, &outt_o,
+                           &fmt, &scale_o, &prologue, &rstd_o, &g_o, &amax_o, &stream, &sinv_o, &dy_o))
         return NULL;
     ct_views v = {0};
     fp8ext_view rstd = {0}, g = {0}, dy = {0};
@@ -398,8 +398,8 @@ static PyObject *py_cast_transpose_dbias(PyObject *module, PyObject *args, PyObj
     PyObject *x_o, *out_o, *outt_o, *db_o, *ws_o, *scale_o, *amax_o = Py_None, *sinv_o = Py_None;
     int fmt, saturate = 1;
     Py_ssize_t stream = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOiO|OpnO:cast_transpose_dbias", kwlist, &x_o, &out_o, &outt_o,
-                                     &db_o, &ws_o, &fmt, &scale_o, &amax_o, &saturate, &stream, &sinv_o))
+    if (!fp8ext_parse_args(args, kwargs, "OOOOOiO|OpnO:cast_transpose_dbias", kwlist, &x_o, &out_o, &outt_o,
+                           &db_o, &ws_o, &fmt, &scale_o, &amax_o, &saturate, &stream, &sinv_o))
         return NULL;
     ct_views v = {0};
     fp8ext_view db = {0}, ws = {0};
@@ -443,8 +443,9 @@ done:
 /* cast_transpose_dbias_workspace(rows, cols) -> the workspace's shape, (tiles of rows, cols). */
 static PyObject *py_cast_transpose_dbias_workspace(PyObject *module, PyObject *args) {
     (void)module;
+    static char *kwlist[] = {"rows", "cols", NULL};
     long long rows, cols;
-    if (!PyArg_ParseTuple(args, "LL:cast_transpose_dbias_workspace", &rows, &cols)) return NULL;
+    if (!fp8ext_parse_args(args, NULL, "LL:cast_transpose_dbias_workspace", kwlist, &rows, &cols)) return NULL;
     if (rows < 0 || cols < 0) {
         PyErr_Format(PyExc_ValueError, "cast_transpose_dbias_workspace(): rows and cols must be >= 0, got %lld, %lld",
                      rows, cols);
@@ -463,8 +464,8 @@ static PyObject *py_quantize_blocks(PyObject *module, PyObject *args, PyObject *
     int fmt;
     long long br, bc, sr, sc;
     Py_ssize_t stream = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOiLLLL|n:quantize_blocks", kwlist, &x_o, &out_o, &s_o, &fmt, &br,
-                                     &bc, &sr, &sc, &stream))
+    if (!fp8ext_parse_args(args, kwargs, "OOOiLLLL|n:quantize_blocks", kwlist, &x_o, &out_o, &s_o, &fmt, &br,
+                           &bc, &sr, &sc, &stream))
         return NULL;
     fp8ext_view x = {0}, out = {0}, sv = {0};
     PyObject *ret = NULL;

@@ -41,8 +41,8 @@ static PyObject *py_scale_update(PyObject *module, PyObject *args, PyObject *kwa
     int algo, update;
     double margin, backoff;
     Py_ssize_t stream = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOidpd|n:scale_update", kwlist, &h_o, &s_o, &si_o, &m_o, &algo,
-                                     &margin, &update, &backoff, &stream))
+    if (!fp8ext_parse_args(args, kwargs, "OOOOidpd|n:scale_update", kwlist, &h_o, &s_o, &si_o, &m_o, &algo,
+                           &margin, &update, &backoff, &stream))
         return NULL;
     fp8ext_view h = {0}, sc = {0}, si = {0}, fm = {0};
     PyObject *ret = NULL;
@@ -93,8 +93,8 @@ static PyObject *py_scale_from_amax(PyObject *module, PyObject *args, PyObject *
     int fmt;
     double margin = 0.0;
     Py_ssize_t stream = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOi|dn:scale_from_amax", kwlist, &a_o, &s_o, &si_o, &fmt, &margin,
-                                     &stream))
+    if (!fp8ext_parse_args(args, kwargs, "OOOi|dn:scale_from_amax", kwlist, &a_o, &s_o, &si_o, &fmt, &margin,
+                           &stream))
         return NULL;
     fp8ext_view am = {0}, sc = {0}, si = {0};
     PyObject *ret = NULL;

@@ -12,6 +12,39 @@
 static const char kCapsule[] = "dltensor";
 static const char kCapsuleVersioned[] = "dltensor_versioned";
 
+void fp8ext_set_cause(PyObject *cause) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (value && cause) PyException_SetCause(value, cause); /* steals the reference to cause */
+    else Py_XDECREF(cause);
+    PyErr_Restore(type, value, tb);
+}
+
+/* An exception raised by obj.__dlpack__ that says the object cannot be exported (BufferError, which the DLPack
+ * protocol names for this, or a TypeError, ValueError, AttributeError or plain RuntimeError from the producer)
+ * becomes a TypeError naming the function and the argument, chained to it. Other exceptions (MemoryError,
+ * a CUDA error type deriving from RuntimeError, KeyboardInterrupt) stay as they are. */
+static void name_export_error(PyObject *obj, const char *fn, const char *arg) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    const int convert = type && (PyErr_GivenExceptionMatches(type, PyExc_BufferError) ||
+                                 PyErr_GivenExceptionMatches(type, PyExc_TypeError) ||
+                                 PyErr_GivenExceptionMatches(type, PyExc_ValueError) ||
+                                 PyErr_GivenExceptionMatches(type, PyExc_AttributeError) ||
+                                 type == PyExc_RuntimeError);
+    if (!convert) {
+        PyErr_Restore(type, value, tb);
+        return;
+    }
+    PyErr_NormalizeException(&type, &value, &tb);
+    PyErr_Format(PyExc_TypeError, "%s(): %s (%.100s) could not be exported through DLPack (pass a torch tensor or a "
+                 "writable array): %S", fn, arg, Py_TYPE(obj)->tp_name, value ? value : Py_None);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    fp8ext_set_cause(value);
+}
+
 /* Asks obj.__dlpack__ for a capsule, passing the stream for CUDA producers. New reference. */
 static PyObject *capsule_from_object(PyObject *obj, Py_ssize_t stream, const char *fn, const char *arg) {
     PyObject *dev = PyObject_CallMethod(obj, "__dlpack_device__", NULL);
@@ -26,9 +59,17 @@ static PyObject *capsule_from_object(PyObject *obj, Py_ssize_t stream, const cha
     long dev_type = -1;
     if (PyTuple_Check(dev) && PyTuple_GET_SIZE(dev) == 2) dev_type = PyLong_AsLong(PyTuple_GET_ITEM(dev, 0));
     Py_DECREF(dev);
-    if (dev_type == -1 && PyErr_Occurred()) return NULL;
+    if (dev_type == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s(): %s.__dlpack_device__() did not return a (device type, index) pair of "
+                     "ints", fn, arg);
+        return NULL;
+    }
     PyObject *method = PyObject_GetAttrString(obj, "__dlpack__");
-    if (!method) return NULL;
+    if (!method) {
+        name_export_error(obj, fn, arg);
+        return NULL;
+    }
     PyObject *capsule;
     if (dev_type == kDLCUDA) {
         /* DLPack's stream protocol: 0 is not allowed and 1 means the legacy default stream. */
@@ -41,6 +82,7 @@ static PyObject *capsule_from_object(PyObject *obj, Py_ssize_t stream, const cha
         capsule = PyObject_CallNoArgs(method);
     }
     Py_DECREF(method);
+    if (!capsule) name_export_error(obj, fn, arg);
     return capsule;
 }
 

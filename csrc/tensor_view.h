@@ -43,6 +43,10 @@ typedef struct {
 int fp8ext_view_get(PyObject *obj, Py_ssize_t stream, const char *fn, const char *arg, fp8ext_view *v);
 void fp8ext_view_release(fp8ext_view *v);
 
+/* Makes `cause` (a reference this steals; NULL is ignored) the __cause__ of the exception set now: a binding that
+ * replaces an exception with one naming its argument keeps the original one in the traceback. */
+void fp8ext_set_cause(PyObject *cause);
+
 /* Formatting for messages: "float32", "bfloat16", "uint8", "int64", ... and "cpu" / "cuda:1". */
 const char *fp8ext_view_dtype_name(const fp8ext_view *v, char *buf, size_t len);
 const char *fp8ext_view_device_name(const fp8ext_view *v, char *buf, size_t len);

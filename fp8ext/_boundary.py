@@ -40,15 +40,26 @@ def _device_error(t: torch.Tensor, fn: str, arg: str) -> Exception:
     return ValueError(f"{fn}(): {arg} is on {t.device.type}; fp8ext runs on cpu and cuda")
 
 
+def check_device(t: torch.Tensor, fn: str, arg: str) -> None:
+    """A torch tensor argument that fp8ext reads itself or with torch ops: on cpu or cuda and dense. A meta
+    tensor, which has no data, is refused here, naming `arg`, before anything reads its values."""
+    if t.device.type not in ("cpu", "cuda") or t.layout != torch.strided:
+        raise _device_error(t, fn, arg)
+
+
 def _export(t: torch.Tensor, fn: Optional[str], arg: Optional[str]) -> Any:
-    """torch's DLPack export; what it refuses on a device or layout fp8ext cannot read is named (only on that
-    path: the export itself is the check, at no cost to the calls that succeed)."""
+    """torch's DLPack export; what it refuses is named (only on that path: the export itself is the check, at no
+    cost to the calls that succeed): a device or layout fp8ext cannot read as _device_error says, anything else
+    (a dtype DLPack has no code for, ...) as a TypeError with torch's reason."""
     try:
         return _to_dlpack(t)
-    except (BufferError, RuntimeError):
-        if fn is None or (t.device.type in ("cpu", "cuda") and t.layout == torch.strided):
+    except (BufferError, RuntimeError) as e:
+        if fn is None:
             raise
-        raise _device_error(t, fn, arg or "x") from None
+        if t.device.type not in ("cpu", "cuda") or t.layout != torch.strided:
+            raise _device_error(t, fn, arg or "x") from None
+        raise TypeError(f"{fn}(): {arg or 'x'} could not be exported through DLPack (pass a dense tensor of a "
+                        f"dtype fp8ext takes): {e}") from e
 
 
 def dl_fp8(t: torch.Tensor, fn: Optional[str] = None, arg: Optional[str] = None) -> Any:
@@ -93,12 +104,24 @@ def number(value: Any, fn: str, arg: str, rule: str = "must be finite") -> float
         raise TypeError(f"{fn}(): {arg} must be a number, got {type(value).__name__}") from None
 
 
+def _is_broadcast(x: torch.Tensor) -> bool:
+    return any(st == 0 and n > 1 for st, n in zip(x.stride(), x.shape))
+
+
 def _layout_error(fn: str, arg: str, x: Any = None) -> ValueError:
-    if isinstance(x, torch.Tensor) and any(st == 0 and n > 1 for st, n in zip(x.stride(), x.shape)):
+    if isinstance(x, torch.Tensor) and _is_broadcast(x):
         return ValueError(f"{fn}(): {arg} must be contiguous (row-major, compact), got a broadcast view (stride 0) "
-                          f"of shape {list(x.shape)} and strides {list(x.stride())}; fp8ext reads its inputs in place, "
-                          f"without copying them")
+                          f"of shape {list(x.shape)} and strides {list(x.stride())}; fp8ext neither reads one in place "
+                          f"nor copies it (it can describe far more elements than it stores)")
     return ValueError(f"{fn}(): {arg} must be contiguous (row-major, compact); call .contiguous() first")
+
+
+def refuse_broadcast(x: torch.Tensor, fn: str, arg: str = "x") -> None:
+    """For the functions that copy a non-contiguous input before their kernel (a strided or transposed view is
+    fine there): a broadcast view (stride 0 over a dimension longer than one) is refused as describe() refuses it,
+    before a copy materialises every element it describes. Free for a contiguous x (one is_contiguous call)."""
+    if not x.is_contiguous() and _is_broadcast(x):
+        raise _layout_error(fn, arg, x)
 
 
 def describe(x: Any, fn: str, arg: str = "x") -> Tuple[Tuple[int, ...], torch.device]:
@@ -106,8 +129,7 @@ def describe(x: Any, fn: str, arg: str = "x") -> Tuple[Tuple[int, ...], torch.de
     layer reads it in place). The layout is checked here, before the caller allocates x-sized outputs: a
     broadcast view (torch's expand, numpy's broadcast_to) can describe far more elements than it stores."""
     if isinstance(x, torch.Tensor):
-        if x.device.type not in ("cpu", "cuda") or x.layout != torch.strided:
-            raise _device_error(x, fn, arg)
+        check_device(x, fn, arg)
         if not x.is_contiguous():
             raise _layout_error(fn, arg, x)
         return x.shape, x.device
@@ -115,7 +137,10 @@ def describe(x: Any, fn: str, arg: str = "x") -> Tuple[Tuple[int, ...], torch.de
     if dev is None or not hasattr(x, "__dlpack__"):
         raise TypeError(f"{fn}(): {arg} must be a torch.Tensor or an array that supports DLPack, "
                         f"got {type(x).__name__}")
-    kind, index = dev()
+    try:
+        kind, index = dev()
+    except (BufferError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+        raise TypeError(f"{fn}(): {arg}.__dlpack_device__() failed: {e}") from e
     flags = getattr(x, "flags", None)  # numpy and the arrays that copy its interface
     if getattr(flags, "c_contiguous", True) is False:
         raise _layout_error(fn, arg)

@@ -17,7 +17,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from . import _C, debug
-from ._boundary import dl_fp8, stream_of
+from ._boundary import dl, dl_fp8, stream_of
 from .formats import E4M3, E5M2, FP8Format
 from .ops import amax as _amax
 from .ops import dequantize, quantize
@@ -98,6 +98,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, a_scale_inv: torch.Tensor, b_scale
         raise ValueError(f"gemm(): a and b must be 2-D ([M, K] and [N, K]), got shapes {list(a.shape)} and "
                          f"{list(b.shape)}")
     if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"gemm(): out must be a torch.Tensor or None, got {type(out).__name__}")
         if out_dtype is not None and out_dtype != out.dtype:
             raise ValueError(f"gemm(): out is {out.dtype} but out_dtype={out_dtype}")
         out_dtype = out.dtype
@@ -126,11 +128,13 @@ def gemm_eager(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, use_fast_accum, 
     on_gpu = device.type == "cuda"
     stream = stream_of(device) if on_gpu else 0
     def run(tune_scratch=None):
-        return _C.gemm(dl_fp8(a), dl_fp8(b), fa.code, fb.code, _dl_any(a_scale_inv), _dl_any(b_scale_inv),
-                       dl_fp8(out) if fo else _to_dl(out), out_fmt=fo.code if fo else -1, bias=_dl_opt(bias),
-                       out_scale=_dl_opt(out_scale), amax_out=_dl_opt(amax_out), accumulate=accumulate,
-                       fast_accum=use_fast_accum, workspace=_workspace(device, stream) if on_gpu else None,
-                       stream=stream, autotune=tune, tune_scratch=tune_scratch)
+        return _C.gemm(dl_fp8(a), dl_fp8(b), fa.code, fb.code, _dl_any(a_scale_inv, "a_scale_inv"),
+                       _dl_any(b_scale_inv, "b_scale_inv"), dl_fp8(out, "gemm", "out") if fo else _dl_any(out, "out"),
+                       out_fmt=fo.code if fo else -1, bias=_dl_opt(bias, "bias"),
+                       out_scale=_dl_opt(out_scale, "out_scale"), amax_out=_dl_opt(amax_out, "amax_out"),
+                       accumulate=accumulate, fast_accum=use_fast_accum,
+                       workspace=_workspace(device, stream) if on_gpu else None, stream=stream, autotune=tune,
+                       tune_scratch=tune_scratch)
 
     modes = run()
     if len(modes) == 3:  # autotune's first call of a problem ran nothing: it asks for torch memory to time into
@@ -142,12 +146,20 @@ def gemm_eager(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, use_fast_accum, 
     return out
 
 
-def _dl_any(t):
-    return _to_dl(t) if isinstance(t, torch.Tensor) else t  # anything else: C says what it expected
+def _dl_any(t, arg: str):
+    """A tensor argument's capsule; anything else is passed on for C to say what it expected. What torch cannot
+    export (a meta tensor has no data) is refused naming `arg`, by dl() on that path only."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    try:
+        return _to_dl(t)
+    except (BufferError, RuntimeError):
+        dl(t, "gemm", arg)  # raises the error that names arg
+        raise
 
 
-def _dl_opt(t):
-    return None if t is None else _dl_any(t)
+def _dl_opt(t, arg: str):
+    return None if t is None else _dl_any(t, arg)
 
 
 def _expand_scale(s: torch.Tensor, mode: int, rows: int, k: int) -> torch.Tensor:

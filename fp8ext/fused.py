@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from . import _C
-from ._boundary import dl, dl_fp8, stream_of
+from ._boundary import dl, dl_fp8, refuse_broadcast, stream_of
 from .formats import E4M3
 from .ops import quantize, quantize_rowwise
 
@@ -90,7 +90,10 @@ def _check(x: torch.Tensor, fn: str, arg: str = "x") -> None:
         raise ValueError(f"{fn}(): {arg} must have at least one dimension")
 
 
-def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
+def _rows(x: torch.Tensor, width: int, fn: str = "fp8ext", arg: str = "x") -> torch.Tensor:
+    """x as contiguous, 16-byte aligned rows of `width` for the kernels: a strided x is copied, a broadcast view
+    refused (naming fn and arg) before its copy or reshape materialises every element it describes."""
+    refuse_broadcast(x, fn, arg)
     x2 = x.reshape(-1, width)
     if not x2.is_contiguous() or x2.data_ptr() % 16:
         x2 = x2.contiguous() if not x2.is_contiguous() else x2.clone()
@@ -181,7 +184,8 @@ def rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
     if not available(x, x.shape[-1]):
         return _rms_norm_reference(x, gamma, eps)
     cols = x.shape[-1]
-    out, _ = _run_rows(_rows(x, cols), _gamma(gamma, cols, x, "rms_norm"), eps, _RMSNORM, _OUT_HP, None, "rms_norm")
+    out, _ = _run_rows(_rows(x, cols, "rms_norm"), _gamma(gamma, cols, x, "rms_norm"), eps, _RMSNORM, _OUT_HP, None,
+                       "rms_norm")
     return out.reshape(x.shape)
 
 
@@ -220,7 +224,7 @@ def _rms_norm_train_backward_gpu(x2: torch.Tensor, dy: torch.Tensor, g: torch.Te
 class _RMSNormTrain(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gamma, eps, out_dtype):
-        x2 = _rows(x, x.shape[-1])
+        x2 = _rows(x, x.shape[-1], "rms_norm_train")
         g = _aligned(gamma.detach(), torch.float32)
         y, rstd = _rms_norm_train_gpu(x2, g, eps, out_dtype)
         ctx.save_for_backward(x2, g, rstd)
@@ -268,7 +272,7 @@ def rms_norm_fp8(x: torch.Tensor, gamma: torch.Tensor, eps: float,
     if not available(x, x.shape[-1]):
         return _fp8_of(_rms_norm_reference(x, gamma, eps), scale)
     cols = x.shape[-1]
-    q, scale_inv = _run_rows(_rows(x, cols), _gamma(gamma, cols, x, "rms_norm_fp8"), eps, _RMSNORM,
+    q, scale_inv = _run_rows(_rows(x, cols, "rms_norm_fp8"), _gamma(gamma, cols, x, "rms_norm_fp8"), eps, _RMSNORM,
                              _OUT_FP8_ROWS if scale is None else _OUT_FP8, scale, "rms_norm_fp8")
     return q.reshape(x.shape), scale_inv
 
@@ -300,7 +304,7 @@ def _swiglu_backward_gpu(h2: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h):
-        h2 = _rows(h, h.shape[-1])
+        h2 = _rows(h, h.shape[-1], "swiglu", "h")
         out, _ = _run_rows(h2, None, 0.0, _SWIGLU, _OUT_HP, None, "swiglu")
         ctx.save_for_backward(h2)
         ctx.shape = h.shape
@@ -324,7 +328,7 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
         return _swiglu_reference(h)
     if _grad_wanted(h):
         return _SwiGLU.apply(h)
-    out, _ = _run_rows(_rows(h, h.shape[-1]), None, 0.0, _SWIGLU, _OUT_HP, None, "swiglu")
+    out, _ = _run_rows(_rows(h, h.shape[-1], "swiglu", "h"), None, 0.0, _SWIGLU, _OUT_HP, None, "swiglu")
     return out.reshape(shape)
 
 
@@ -336,8 +340,8 @@ def swiglu_fp8(h: torch.Tensor, scale: Optional[torch.Tensor] = None) -> Tuple[t
         scale = _scale(scale, h, "swiglu_fp8")
     if not available(h, shape[-1]):
         return _fp8_of(_swiglu_reference(h), scale)
-    q, scale_inv = _run_rows(_rows(h, h.shape[-1]), None, 0.0, _SWIGLU, _OUT_FP8_ROWS if scale is None else _OUT_FP8,
-                             scale, "swiglu_fp8")
+    q, scale_inv = _run_rows(_rows(h, h.shape[-1], "swiglu_fp8", "h"), None, 0.0, _SWIGLU,
+                             _OUT_FP8_ROWS if scale is None else _OUT_FP8, scale, "swiglu_fp8")
     return q.reshape(shape), scale_inv
 
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _C, debug
-from ._boundary import _raw_stream, stream_of
+from ._boundary import _raw_stream, refuse_broadcast, stream_of
 from .context import activation_dtype, current_context, get_scaling_manager
 from .formats import FP8Format, format_of_code
 from .ops import amax as _amax
@@ -95,6 +95,7 @@ class _FP8LinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, w8, w8t, w_sinv, x_scale, x_amax, g_scale, g_amax, fwd_code, bwd_code, margin,
                 out_dtype, grad_slot, main_grad=None):
         in_features = weight.shape[1]
+        refuse_broadcast(x, "FP8Linear", "input")  # a strided x is copied below; a broadcast view (maybe huge) is not
         x2 = x.reshape(-1, in_features)
         if not x2.is_contiguous():
             x2 = x2.contiguous()

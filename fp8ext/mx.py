@@ -36,7 +36,8 @@ operations; that code is the reference, and it runs on a GPU too. On a GPU, quan
 quantize_nvfp4 run fp8ext's own kernel instead (csrc/kernels/quantize_mx.cu): one pass over x for MX; for NVFP4 one
 pass for the tensor's amax, then one that quantizes. The kernel repeats the reference's float32 operations in its
 order (divisions stay divisions) and gives its bytes. Other block sizes, and calls under torch.compile (the kernel
-is not a registered torch op), take the torch code on a GPU too. A non-contiguous x is copied first on a GPU.
+is not a registered torch op), take the torch code on a GPU too. A non-contiguous x is copied first on a GPU; a
+broadcast view (stride 0) is refused with a ValueError, as fp8ext.quantize refuses it.
 Codes come one per byte (fp8ext.pack_fp4 / pack_fp6 pack them).
 A NaN's sign: a NaN element keeps x's sign; an NVFP4 block scale that is NaN (a block holding NaN or Inf, or 0/0
 in an all-zero block of a tensor whose amax is so small that tensor_scale is 0) is the positive NaN code 0x7F on
@@ -51,7 +52,7 @@ from typing import Tuple
 import torch
 
 from . import _C
-from ._boundary import dl, dl_fp8, stream_of
+from ._boundary import check_device, dl, dl_fp8, refuse_broadcast, stream_of
 from .formats import E2M1, E2M3, E3M2, E4M3, E5M2, E8M0
 from .ops import _fp8_empty, _to_dl, dequantize, quantize
 
@@ -93,6 +94,7 @@ def _check_x(x: torch.Tensor, block: int, fn: str, what: str = "") -> None:
     if x.dim() == 0 or x.shape[-1] % block:
         raise ValueError(f"{fn}(): the last dimension of x must be a multiple of {what or f'block={block}'}, got "
                          f"shape {list(x.shape)}")
+    refuse_broadcast(x, fn)  # before the copy (GPU) or the x-sized float32 temporaries (torch code) it would take
 
 
 def refuse_non_finite(w: torch.Tensor, fn: str, arg: str, why: str) -> None:
@@ -193,6 +195,8 @@ def dequantize_mx(elements: torch.Tensor, scales: torch.Tensor, elem=E4M3, block
             elements.shape[-1] != scales.shape[-1] * block:
         raise ValueError(f"{fn}(): elements {list(elements.shape)} and scales {list(scales.shape)} do not match "
                          f"blocks of {block}")
+    check_device(elements, fn, "elements")
+    check_device(scales, fn, "scales")
     if elements.device != scales.device:
         raise ValueError(f"{fn}(): scales is on {scales.device}, elements on {elements.device}")
     values = dequantize(elements, 1.0, torch.float32, fmt=f)
@@ -263,6 +267,8 @@ def dequantize_nvfp4(elements: torch.Tensor, block_scales: torch.Tensor, tensor_
             elements.shape[-1] != block_scales.shape[-1] * 16:
         raise ValueError(f"{fn}(): elements {list(elements.shape)} and block_scales {list(block_scales.shape)} do "
                          f"not match blocks of 16")
+    for t, arg in ((elements, "elements"), (block_scales, "block_scales"), (tensor_scale, "tensor_scale")):
+        check_device(t, fn, arg)
     values = dequantize(elements, 1.0, torch.float32, fmt=E2M1)
     s = dequantize(block_scales, 1.0, torch.float32) * tensor_scale.float().reshape(())
     out = values.reshape(*block_scales.shape, 16) * s[..., None]

@@ -143,6 +143,7 @@ def dequantize(q: Any, scale_inv: Scale = 1.0, dtype: torch.dtype = torch.float3
     if dtype not in _HIGH_PRECISION:
         raise TypeError(f"{fn}(): dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
     if isinstance(fmt, SmallFormat):
+        describe(q, fn, "q")  # before q's values are read: a meta q has none
         if fmt.bits < 8 and isinstance(q, torch.Tensor) and q.dtype == torch.uint8 and q.numel() and \
                 int(q.max()) >= 1 << fmt.bits:
             raise ValueError(f"{fn}(): q holds {fmt.name} codes, which are below {1 << fmt.bits}; got "

@@ -270,6 +270,7 @@ def meta(*shape, dtype=torch.float32):
 
 
 E4 = torch.float8_e4m3fn
+Q16 = fp8ext.quantize(torch.ones(16, 16))
 META_CALLS = [
     ("quantize", "x", lambda: fp8ext.quantize(meta(4))),
     ("quantize", "scale", lambda: fp8ext.quantize(torch.ones(4), scale=meta())),
@@ -297,6 +298,22 @@ META_CALLS = [
     ("quantize_rowwise", "x", lambda: fp8ext.quantize_rowwise(meta(4, 8))),
     ("quantize_blockwise", "x", lambda: fp8ext.quantize_blockwise(meta(4, 128))),
     ("scale_from_amax", "amax", lambda: fp8ext.scale_from_amax(meta())),
+    ("gemm", "a_scale_inv", lambda: fp8ext.gemm(Q16, Q16, a_scale_inv=meta(1), b_scale_inv=torch.ones(()))),
+    ("gemm", "b_scale_inv", lambda: fp8ext.gemm(Q16, Q16, a_scale_inv=torch.ones(()), b_scale_inv=meta())),
+    ("gemm", "bias", lambda: fp8ext.gemm(Q16, Q16, a_scale_inv=torch.ones(()), b_scale_inv=torch.ones(()),
+                                         bias=meta(16, dtype=torch.bfloat16))),
+    ("gemm", "out", lambda: fp8ext.gemm(Q16, Q16, a_scale_inv=torch.ones(()), b_scale_inv=torch.ones(()),
+                                        out=meta(16, 16))),
+    ("dequantize_nvfp4", "elements",
+     lambda: fp8ext.dequantize_nvfp4(meta(4, 32, dtype=torch.uint8), torch.ones(4, 2).to(E4), torch.ones(()))),
+    ("dequantize_nvfp4", "block_scales",
+     lambda: fp8ext.dequantize_nvfp4(torch.zeros(4, 32, dtype=torch.uint8), meta(4, 2, dtype=E4), torch.ones(()))),
+    ("dequantize_nvfp4", "tensor_scale",
+     lambda: fp8ext.dequantize_nvfp4(torch.zeros(4, 32, dtype=torch.uint8), torch.ones(4, 2).to(E4), meta())),
+    ("dequantize_mx", "elements",
+     lambda: fp8ext.dequantize_mx(meta(4, 32, dtype=torch.uint8), torch.full((4, 1), 127, dtype=torch.uint8),
+                                  fp8ext.E2M1)),
+    ("dequantize", "q", lambda: fp8ext.dequantize(meta(4, dtype=torch.uint8), fmt=fp8ext.E2M1)),
 ]
 
 
@@ -323,6 +340,9 @@ BROADCAST_CASES = {
     "quantize_rowwise": "fp8ext.quantize_rowwise(torch.zeros(1).expand(65536, 65536))",
     "quantize_blockwise": "fp8ext.quantize_blockwise(torch.zeros(1).expand(65536, 65536))",
     "quantize_numpy": "fp8ext.quantize(np.broadcast_to(np.zeros(1, np.float32), (2**32,)))",
+    "quantize_mx": "fp8ext.quantize_mx(torch.zeros(1).expand(65536, 65536))",
+    "quantize_mx_small": "fp8ext.quantize_mx(torch.zeros(1).expand(65536, 65536), fp8ext.E2M1, 16)",
+    "quantize_nvfp4": "fp8ext.quantize_nvfp4(torch.zeros(1).expand(65536, 65536))",
 }
 
 _CHILD = textwrap.dedent("""
@@ -368,3 +388,87 @@ def test_broadcast_view_message_says_what_it_is():
     x = torch.randn(8, 1, 16).transpose(0, 1)  # [1, 8, 16], strides (16, 16, 1): contiguous in torch and in C
     assert torch.equal(fp8ext.quantize(x).float(), fp8ext.quantize(x.clone()).float()), "size-one dimensions' " \
         "strides do not matter"
+
+
+def test_fp8linear_refuses_a_broadcast_input_before_copying_it():
+    """The composed path copies a strided input; a broadcast view, which may describe far more elements than it
+    stores, is refused first (a small one here: the old behaviour, a copy, must not run out of memory)."""
+    layer = fp8ext.FP8Linear(32, 16)
+    with fp8ext.fp8_autocast(), torch.no_grad(), \
+            pytest.raises(ValueError, match=r"FP8Linear\(\): input must be contiguous \(row-major, compact\), got a "
+                                            r"broadcast view \(stride 0\)"):
+        layer(torch.zeros(1).expand(64, 32))
+
+
+def test_fp8linear_still_takes_a_strided_input():
+    layer = fp8ext.FP8Linear(32, 16)
+    x = torch.randn(32, 16).t()  # [16, 32], not contiguous
+    with fp8ext.fp8_autocast(), torch.no_grad():
+        assert torch.equal(layer(x), layer(x.contiguous())), "a transposed input gives what its copy gives"
+
+
+# ---- arguments that cannot cross the boundary at all ------------------------------------------------------------
+
+def read_only(*shape):
+    a = np.zeros(shape, dtype=np.float32)
+    a.flags.writeable = False  # numpy refuses to export it through DLPack (BufferError)
+    return a
+
+
+READ_ONLY_CALLS = [
+    ("quantize", "x", lambda: fp8ext.quantize(read_only(4, 16))),
+    ("quantize", "amax_out", lambda: fp8ext.quantize(torch.ones(4), amax_out=read_only(1))),
+    ("dequantize", "scale_inv", lambda: fp8ext.dequantize(Q, scale_inv=read_only(1))),
+    ("amax", "x", lambda: fp8ext.amax(read_only(4))),
+    ("cast_transpose", "x", lambda: fp8ext.cast_transpose(read_only(4, 16))),
+    ("scale_from_amax", "amax", lambda: fp8ext.scale_from_amax(read_only(1))),
+    ("gemm", "b_scale_inv", lambda: _C.gemm(dl(Q16), dl(Q16), 0, 0, dl(torch.ones(1)), read_only(1),
+                                            dl(torch.zeros(16, 16)))),
+    ("amax", "x", lambda: _C.amax(read_only(4), dl(torch.zeros(1)))),
+    ("rms_norm_fwd", "x", lambda: _C.rms_norm_fwd(read_only(4, 16), dl(torch.ones(16)), dl(torch.zeros(4, 16)),
+                                                  dl(torch.zeros(4)), 1e-5)),
+]
+
+
+@pytest.mark.parametrize("fn, arg, call", READ_ONLY_CALLS, ids=lambda v: v if isinstance(v, str) else "")
+def test_array_that_refuses_dlpack_export_is_a_type_error_naming_it(fn, arg, call):
+    with pytest.raises(TypeError, match=rf"{fn}\(\): {arg} \(numpy.ndarray\) could not be exported through DLPack "
+                                        r"\(pass a torch tensor or a writable array\): Cannot export readonly"):
+        call()
+
+
+def qint8(*shape):
+    return torch.quantize_per_tensor(torch.ones(shape), 1.0, 0, torch.qint8)  # torch has no DLPack code for it
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+@pytest.mark.parametrize("fn, arg, call", [
+    ("quantize", "scale", lambda: fp8ext.quantize(torch.ones(4), scale=qint8(1))),
+    ("quantize", "amax_out", lambda: fp8ext.quantize(torch.ones(4), amax_out=qint8(1))),
+    ("gemm", "a_scale_inv", lambda: fp8ext.gemm(Q16, Q16, a_scale_inv=qint8(1), b_scale_inv=torch.ones(()))),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_tensor_torch_cannot_export_is_a_type_error_naming_it(fn, arg, call):
+    with pytest.raises(TypeError, match=rf"{fn}\(\): {arg} could not be exported through DLPack"):
+        call()
+
+
+# A Python int past the C type of a number argument: ValueError naming the argument, never an OverflowError.
+HUGE_NUMBER_CALLS = [
+    ("quantize", "fmt", lambda n: _C.quantize(dl(torch.ones(4)), dl(torch.zeros(4, dtype=torch.uint8)), n, 1.0)),
+    ("amax", "stream", lambda n: _C.amax(dl(torch.ones(4)), dl(torch.zeros(1)), stream=n)),
+    ("scale_from_amax", "margin", lambda n: _C.scale_from_amax(dl(torch.ones(1)), dl(torch.ones(1)),
+                                                               dl(torch.ones(1)), 0, margin=n)),
+    ("rms_norm_fwd", "eps", lambda n: _C.rms_norm_fwd(dl(torch.ones(4, 16)), dl(torch.ones(16)),
+                                                      dl(torch.zeros(4, 16)), dl(torch.zeros(4)), n)),
+    ("kv_store", "pos", lambda n: _C.kv_store(dl(torch.ones(1, 16)), dl(torch.ones(1)),
+                                              dl(torch.zeros(4, 16, dtype=torch.uint8)), n)),
+    ("cast_transpose_dbias_workspace", "cols", lambda n: _C.cast_transpose_dbias_workspace(16, n)),
+    ("weight_only_blocks_per_sm", "m", lambda n: _C.weight_only_blocks_per_sm(0, n, 0)),
+]
+
+
+@pytest.mark.parametrize("value", [10**400, -10**400], ids=["1e400", "-1e400"])
+@pytest.mark.parametrize("fn, arg, call", HUGE_NUMBER_CALLS, ids=lambda v: v if isinstance(v, str) else "")
+def test_int_past_a_number_arguments_c_type_is_a_value_error_naming_it(fn, arg, call, value):
+    with pytest.raises(ValueError, match=rf"^{fn}\(\): {arg} is out of range \("):
+        call(value)

@@ -72,6 +72,17 @@ def test_bad_arguments_name_themselves():
         decode_attention(q, k, v.to(torch.bfloat16), 4, ks, vs)
 
 
+@pytest.mark.parametrize("fn", [decode_attention, decode_attention_reference], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("bad", [0.0, -0.5, math.nan, math.inf, 1e39, 1e-50, 10**400],
+                         ids=["0", "-0.5", "nan", "inf", "1e39", "1e-50", "int-1e400"])
+def test_softmax_scale_the_kernel_refuses_is_refused_on_the_cpu_too(fn, bad):
+    """The CUDA kernel's binding takes a softmax_scale that is finite and positive in float32; so does the CPU
+    reference (1e39 is Inf and 1e-50 is 0 in float32)."""
+    q, k, v, ks, vs = make(1, 4, 2, 32, 16)
+    with pytest.raises(ValueError, match=rf"{fn.__name__}\(\): softmax_scale must be finite and positive in float32"):
+        fn(q, k, v, 4, ks, vs, softmax_scale=bad)
+
+
 CASES = [  # b, h, kv, hd, max_len, length
     (1, 4, 2, 16, 256, 1), (2, 4, 2, 16, 256, 255), (3, 12, 4, 64, 1024, 700), (2, 16, 4, 128, 2048, 2048),
     (1, 32, 8, 128, 32768, 32768), (4, 8, 8, 64, 512, 333), (2, 16, 2, 128, 4096, 4000), (1, 6, 1, 256, 128, 100),

@@ -600,3 +600,22 @@ def test_compiled_training_runs_the_fused_kernels_with_eager_bytes(monkeypatch):
         assert "swiglu" in calls and "rms_bwd" in calls, f"{fn}: the kernels ran"
     for name, a, b in zip(("y", "dx", "dw", "dgamma"), *results):
         assert_same_bytes(b, a, name)
+
+
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("fn, arg, call", [
+    ("rms_norm", "x", lambda x, g: fused.rms_norm(x, g, 1e-5)),
+    ("rms_norm_fp8", "x", lambda x, g: fused.rms_norm_fp8(x, g, 1e-5)),
+    ("swiglu", "h", lambda x, g: fused.swiglu(x)),
+    ("swiglu_fp8", "h", lambda x, g: fused.swiglu_fp8(x)),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_broadcast_input_is_refused_before_the_kernels_copy_it(fn, arg, call):
+    x = torch.zeros(1, device="cuda").expand(64, 1024)  # a view of one stored element
+    g = torch.ones(1024, device="cuda")
+    with pytest.raises(ValueError, match=rf"{fn}\(\): {arg} must be contiguous \(row-major, compact\), got a "
+                                         r"broadcast view \(stride 0\)"):
+        call(x, g)
+

@@ -155,6 +155,8 @@ RAW = {
                    "fmt:code splits:int | stream:stream",
     "weight_only_blocks_per_sm": "fmt:code m:int device:int",
 }
+# plain torch ops on any layout: a 2**30-element view legitimately needs a result over the child's memory limit
+NO_HUGE = {"pack_fp4", "unpack_fp4", "pack_fp6", "unpack_fp6"}
 OPS = {**{n: (getattr(fp8ext, n), spec, False) for n, spec in PUBLIC.items()},
        **{"_C." + n: (getattr(_C, n), spec, True) for n, spec in RAW.items()}}
 
@@ -277,7 +279,7 @@ def one_call(d, name, fn, slots, raw, state, forced=None):
         try:
             choice = forced[1] if forced else d.pick(*menu(isinstance(v, torch.Tensor), isinstance(v, tuple),
                                                            sources(slots, n)))
-            vals[n], how[n] = mutate(d, v, choice, others, (name, n) not in state["huge"])
+            vals[n], how[n] = mutate(d, v, choice, others, (name, n) not in state["huge"] and name not in NO_HUGE)
         except Exception:  # noqa: BLE001 - torch cannot make that variant: the valid value stays
             how[n] = "n/a"
         state["huge"].update([(name, n)] if how[n].endswith("huge") else [])

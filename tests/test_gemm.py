@@ -275,3 +275,13 @@ def test_one_element_scales_are_not_stretched_over_larger_operands():
     xa, sxa = fp8ext.quantize_blockwise(torch.randn(64, 256), block=(1, 128))
     with pytest.raises(ValueError, match="1x128-block but b_scale_inv is per-tensor"):
         fp8ext.gemm(xa, b, a_scale_inv=sxa, b_scale_inv=torch.ones(1, 1))
+
+
+@pytest.mark.parametrize("out", ["e4m3", 1.5, torch.utils.dlpack.to_dlpack(torch.zeros(16, 16))],
+                         ids=["str", "float", "capsule"])
+def test_out_that_is_not_a_tensor_is_a_type_error_naming_it(out):
+    a = fp8ext.quantize(torch.ones(16, 16))
+    one = torch.ones(())
+    with pytest.raises(TypeError, match=r"gemm\(\): out must be a torch.Tensor or None, got "):
+        fp8ext.gemm(a, a, a_scale_inv=one, b_scale_inv=one, out=out)
+

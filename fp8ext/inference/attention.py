@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 from typing import Optional
 
 import torch
+
+from .._boundary import number
 
 __all__ = ["decode_attention", "decode_attention_reference"]
 
@@ -64,18 +67,33 @@ def _check(q, k_cache, v_cache, length, k_scale, v_scale, fn="decode_attention")
     return fp8
 
 
+def _softmax_scale(softmax_scale, hd: int, fn: str) -> float:
+    """softmax_scale as a float (1 / sqrt(head_dim) for None): finite and positive once rounded to float32, the
+    rule the CUDA kernel's binding applies, so that the reference refuses what the kernel refuses."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(hd)
+    s = number(softmax_scale, fn, "softmax_scale", "must be finite and positive in float32")
+    try:
+        s32 = struct.unpack("f", struct.pack("f", s))[0]
+    except OverflowError:
+        s32 = math.inf
+    if not (math.isfinite(s32) and s32 > 0.0):
+        raise ValueError(f"{fn}(): softmax_scale must be finite and positive in float32, got {s!r}")
+    return s
+
+
 def decode_attention_reference(q, k_cache, v_cache, length: int, k_scale=None, v_scale=None,
                                softmax_scale: Optional[float] = None) -> torch.Tensor:
     """float32 reference: dequantize K/V [0, length) and compute softmax(q K^T * softmax_scale) V."""
     fp8 = _check(q, k_cache, v_cache, length, k_scale, v_scale, "decode_attention_reference")
     b, h, hd = q.shape
+    scale = _softmax_scale(softmax_scale, hd, "decode_attention_reference")
     kv = k_cache.shape[1]
     k = k_cache[:, :, :length].float()
     v = v_cache[:, :, :length].float()
     if fp8:
         k = k * k_scale.view(1, kv, 1, 1)
         v = v * v_scale.view(1, kv, 1, 1)
-    scale = 1.0 / math.sqrt(hd) if softmax_scale is None else float(softmax_scale)
     qg = q.float().view(b, kv, h // kv, hd)                          # query heads grouped by their K/V head
     scores = torch.einsum("bgqd,bgld->bgql", qg, k) * scale          # [b, kv, h/kv, length]
     p = torch.softmax(scores, dim=-1)
@@ -95,6 +113,7 @@ def decode_attention(q, k_cache, v_cache, length, k_scale=None, v_scale=None,
     if isinstance(length, torch.Tensor):
         return _decode_attention_dev(q, k_cache, v_cache, length, k_scale, v_scale, softmax_scale)
     fp8 = _check(q, k_cache, v_cache, length, k_scale, v_scale)
+    softmax_scale = _softmax_scale(softmax_scale, q.shape[-1], "decode_attention")
     if q.is_cuda and fp8 and not (q.requires_grad and torch.is_grad_enabled()):  # the kernel has no backward
         return _kernel(q, k_cache, v_cache, length, k_scale, v_scale, softmax_scale, None)
     return decode_attention_reference(q, k_cache, v_cache, length, k_scale, v_scale, softmax_scale)
@@ -122,7 +141,7 @@ def _kernel(q, k_cache, v_cache, length: int, k_scale, v_scale, softmax_scale, l
     kv = k_cache.shape[1]
     if not k_cache.is_contiguous() or not v_cache.is_contiguous():
         raise ValueError("decode_attention(): k_cache and v_cache must be contiguous on a GPU")
-    scale = 1.0 / math.sqrt(hd) if softmax_scale is None else float(softmax_scale)
+    scale = _softmax_scale(softmax_scale, hd, "decode_attention")
     splits = _splits(b, h, kv, length, q.device, _tensor_cores(hd, q.dtype))
     q = q.contiguous()
     out = torch.empty_like(q)
