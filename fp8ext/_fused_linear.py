@@ -91,7 +91,7 @@ class _FusedInputLinearFunction(torch.autograd.Function):
     def forward(ctx, x, gamma, weight, bias, w8, w8t, w_sinv, x_scale, x_amax, g_scale, g_amax, fwd_code, bwd_code,
                 margin, grad_slot, main_grad, op, eps):
         width = x.shape[-1]
-        x2 = fused._rows(x, width)
+        x2 = fused._rows(x, width, "LayerNormLinear", "input")
         m, k = x2.shape[0], weight.shape[1]
         g = None if gamma is None else fused._aligned(gamma.detach(), torch.float32)
         x8, x8t, x_sinv, rstd = _cast_with_prologue(op, x2, g, eps, format_of_code(fwd_code), x_scale, x_amax, margin)
@@ -205,7 +205,7 @@ class _FusedMLPFunction(torch.autograd.Function):
     def forward(ctx, x, gamma, w1, w2, b2, cast1, cast2, slots1, slots2, grad_slots, main_grads, fwd_code, bwd_code,
                 margin, eps):
         k = w1.shape[1]
-        x2 = fused._rows(x, k)
+        x2 = fused._rows(x, k, "LayerNormMLP", "input")
         m, dtype = x2.shape[0], x.dtype
         fmt = format_of_code(fwd_code)
         g = fused._aligned(gamma.detach(), torch.float32)

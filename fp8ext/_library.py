@@ -134,7 +134,8 @@ def _(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, use_fast_accum, acc_in, o
 def _swiglu(h: torch.Tensor) -> torch.Tensor:
     if not h.is_cuda:
         return _fused._swiglu_reference(h).contiguous()
-    out, _ = _fused._run_rows(_fused._rows(h, h.shape[-1]), None, 0.0, _fused._SWIGLU, _fused._OUT_HP, None, "swiglu")
+    h2 = _fused._rows(h, h.shape[-1], "swiglu", "h")
+    out, _ = _fused._run_rows(h2, None, 0.0, _fused._SWIGLU, _fused._OUT_HP, None, "swiglu")
     return out.reshape(*h.shape[:-1], h.shape[-1] // 2)
 
 
@@ -147,7 +148,7 @@ def _(h):
 def _swiglu_backward(h: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     if not h.is_cuda:
         return _fused._swiglu_backward_reference(h, dy).contiguous()
-    return _fused._swiglu_backward_gpu(_fused._rows(h, h.shape[-1]), dy).reshape(h.shape)
+    return _fused._swiglu_backward_gpu(_fused._rows(h, h.shape[-1], "swiglu_backward", "h"), dy).reshape(h.shape)
 
 
 @_swiglu_backward.register_fake
@@ -174,7 +175,7 @@ def _rms_norm_train(x: torch.Tensor, gamma: torch.Tensor, eps: float, out_dtype:
     if not x.is_cuda:
         y, rstd = _fused._rms_norm_train_reference(x, g, eps, out_dtype)
         return y.contiguous(), rstd.contiguous()
-    y, rstd = _fused._rms_norm_train_gpu(_fused._rows(x, x.shape[-1]), g, eps, out_dtype)
+    y, rstd = _fused._rms_norm_train_gpu(_fused._rows(x, x.shape[-1], "rms_norm_train"), g, eps, out_dtype)
     return y.reshape(x.shape), rstd
 
 
@@ -191,7 +192,8 @@ def _rms_norm_train_backward(x: torch.Tensor, dy: torch.Tensor, gamma: torch.Ten
     if not x.is_cuda:
         dx, dgamma = _fused._rms_norm_train_backward_reference(x, dy, g, rstd)
         return dx.contiguous(), dgamma
-    dx, dgamma = _fused._rms_norm_train_backward_gpu(_fused._rows(x, x.shape[-1]), dy, g, rstd)
+    x2 = _fused._rows(x, x.shape[-1], "rms_norm_train_backward")
+    dx, dgamma = _fused._rms_norm_train_backward_gpu(x2, dy, g, rstd)
     return dx.reshape(x.shape), dgamma
 
 

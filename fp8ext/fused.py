@@ -90,7 +90,7 @@ def _check(x: torch.Tensor, fn: str, arg: str = "x") -> None:
         raise ValueError(f"{fn}(): {arg} must have at least one dimension")
 
 
-def _rows(x: torch.Tensor, width: int, fn: str = "fp8ext", arg: str = "x") -> torch.Tensor:
+def _rows(x: torch.Tensor, width: int, fn: str, arg: str = "x") -> torch.Tensor:
     """x as contiguous, 16-byte aligned rows of `width` for the kernels: a strided x is copied, a broadcast view
     refused (naming fn and arg) before its copy or reshape materialises every element it describes."""
     refuse_broadcast(x, fn, arg)
