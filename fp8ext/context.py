@@ -16,7 +16,8 @@ entered in a nested context (`with fp8_autocast(fp8_recipe=a): with fp8_autocast
 updated when that nested context is entered for the first time in the step, so it scales as it would alone.
 A step whose body raises leaves no trace: when an exception leaves the outermost context, the amaxes that the
 step recorded are discarded from every recipe updated at its start, so the next steps scale as if the failed
-step had never run. (Amaxes recorded by a backward pass that raises, outside any context, are kept.)
+step had never run. (Amaxes recorded by a backward pass that raises, outside any context, are kept; where
+several threads share one recipe, the discard also drops what the other threads recorded since that update.)
 
 calibrating=True computes in high precision while recording amaxes (to calibrate scales before FP8
 inference). fp8_group: a torch.distributed group across which amaxes are max-reduced before the update.
