@@ -3,6 +3,10 @@
     save_quantized(model, "out/")          # out/model.safetensors + out/config.json
     model = load_quantized("out/", factory)   # factory(config_dict) -> the high-precision model's skeleton
 
+A Hugging Face transformers model's directory is one that transformers' from_pretrained loads (its config at the
+top level of config.json, as save_pretrained writes it; compressed-tensors installed): tests/test_inference_
+transformers.py loads it there and compares the logits with fp8ext's.
+
 model.safetensors holds every tensor of the state dict: for each FP8 layer `weight` (F8_E4M3), `weight_scale`
 (F32: [1] per tensor, [out, 1] per channel, [ceil(out/128), ceil(in/128)] per block) and, for static
 activations, `input_scale` ([1]); the other modules' tensors as they are. Scales dequantize (x = q * scale).
@@ -74,8 +78,10 @@ def quantization_config(q: Dict[str, Any]) -> Dict[str, Any]:
 def save_quantized(model: nn.Module, out_dir: Union[str, pathlib.Path], config: Optional[Dict[str, Any]] = None
                    ) -> pathlib.Path:
     """Writes out_dir/model.safetensors and out_dir/config.json for a model quantized by quantize_model.
-    `config` (the model's own config, e.g. dataclasses.asdict(model.cfg)) goes into config.json; by default
-    model.cfg's fields when the model has a dataclass `cfg`."""
+    A Hugging Face transformers model's config goes to config.json's top level as save_pretrained writes it
+    (model_type, architectures, the high-precision tensors' dtype), so that transformers' from_pretrained loads
+    the directory. For other models `config` (the model's own config, e.g. dataclasses.asdict(model.cfg); by
+    default model.cfg's fields when the model has a dataclass `cfg`) goes under config.json's `model_config`."""
     q = getattr(model, "fp8_quantization", None)
     if q is None:
         raise ValueError("save_quantized: the model is not quantized: run fp8ext.inference.quantize_model first")
@@ -101,10 +107,28 @@ def save_quantized(model: nn.Module, out_dir: Union[str, pathlib.Path], config: 
     meta = {"format": "pt", "producer": f"fp8ext {__version__}",
             "fp8ext": json.dumps({"layers": layers, "tied": tied, "kv_cache": q.get("kv_amax") or {}})}
     st.save_file(tensors, str(out / WEIGHTS_FILE), metadata=meta)
-    cfg = {"architectures": [type(model).__name__], "model_config": config or {},
-           "quantization_config": quantization_config(q), "torch_dtype": "bfloat16"}
+    hf_config = getattr(model, "config", None)
+    if config is None and callable(getattr(hf_config, "to_diff_dict", None)):
+        cfg = _transformers_config(model, hf_config, tensors)
+    else:
+        cfg = {"architectures": [type(model).__name__], "model_config": config or {}, "torch_dtype": "bfloat16"}
+    cfg["quantization_config"] = quantization_config(q)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
+
+
+def _transformers_config(model: nn.Module, hf_config, tensors: Dict[str, torch.Tensor]) -> Dict[str, Any]:
+    """config.json of a Hugging Face transformers model, as its save_pretrained writes it (model_type, its fields
+    at the top level), with the architecture and the dtype of the tensors kept in high precision: what
+    from_pretrained needs to rebuild the model around the quantized layers."""
+    cfg = {k: v for k, v in hf_config.to_diff_dict().items() if k != "quantization_config"}
+    counts: Dict[torch.dtype, int] = {}
+    for t in tensors.values():
+        if t.is_floating_point() and t.element_size() > 1:
+            counts[t.dtype] = counts.get(t.dtype, 0) + t.numel()
+    dtype = str(max(counts, key=counts.get) if counts else torch.bfloat16).replace("torch.", "")
+    cfg.update(architectures=[type(model).__name__], dtype=dtype, torch_dtype=dtype)
+    return cfg
 
 
 def load_quantized(model_dir: Union[str, pathlib.Path], model_or_factory: Union[nn.Module, Callable[[dict], nn.Module]],
@@ -137,7 +161,7 @@ def load_quantized(model_dir: Union[str, pathlib.Path], model_or_factory: Union[
         model = model_or_factory
     else:
         with torch.device("meta"):
-            model = model_or_factory(cfg.get("model_config", {}))
+            model = model_or_factory(_model_config(cfg))
     for name, spec in layers.items():
         lin = _linear_of(model, name, d / WEIGHTS_FILE)
         _set_submodule(model, name, FP8InferenceLinear(
@@ -176,6 +200,14 @@ def load_quantized(model_dir: Union[str, pathlib.Path], model_or_factory: Union[
                               "input_amax": {n: s["input_amax"] for n, s in layers.items() if s["input_amax"]},
                               "kv_cache_scheme": qc.get("kv_cache_scheme"), "kv_amax": record.get("kv_cache", {})}
     return model.eval()
+
+
+def _model_config(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """What a factory gets: the model's own config, under `model_config` (fp8ext's layout) or at the top level
+    (a Hugging Face transformers model's), without quantization_config."""
+    if "model_config" in cfg:
+        return cfg["model_config"]
+    return {k: v for k, v in cfg.items() if k != "quantization_config"}
 
 
 def _linear_of(model: nn.Module, name: str, path: pathlib.Path) -> nn.Module:

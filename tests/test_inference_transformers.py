@@ -1,0 +1,73 @@
+"""A Hugging Face transformers model quantized by fp8ext.inference loads in transformers itself: save_quantized's
+directory goes through AutoModelForCausalLM.from_pretrained (with compressed-tensors, as a user's would) with no
+missing, unexpected or mismatched keys, and gives fp8ext's logits. Each test builds a tiny random-init Llama; nothing
+is downloaded."""
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="the transformers round trip needs the [test] extra")
+pytest.importorskip("compressed_tensors", reason="transformers reads FP8 checkpoints through compressed-tensors")
+
+from fp8ext import inference  # noqa: E402
+
+SCHEMES = [("channel", "static"), ("tensor", "static"), ("channel", "dynamic"), ("tensor", "dynamic"),
+           ("block128", "dynamic")]
+
+
+def tiny_llama(dtype):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return transformers.LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+def quantized(weights, activations, dtype, out_dir):
+    """(fp8ext's quantized model, its logits on `ids`, ids, the saved directory)."""
+    model = tiny_llama(dtype)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    inference.calibrate(model, [ids], progress=False)
+    inference.quantize_model(model, weights, activations, out_dtype=dtype)
+    with torch.no_grad():
+        logits = model(ids).logits.float()
+    return model, logits, ids, inference.save_quantized(model, out_dir)
+
+
+@pytest.mark.parametrize("weights, activations", SCHEMES)
+def test_transformers_loads_the_quantized_llama_with_fp8exts_logits(weights, activations, tmp_path):
+    _, want, ids, out = quantized(weights, activations, torch.float32, tmp_path / "fp8")
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert {k: list(v) for k, v in info.items()} == \
+        {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
+    assert type(hf).__name__ == "LlamaForCausalLM" and hf.dtype == torch.float32
+    with torch.no_grad():
+        got = hf.eval()(ids).logits.float()
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel < 1e-5, f"transformers' logits differ from fp8ext's by {rel:.2e} (relative L2)"
+
+
+def test_config_json_is_the_models_own_at_the_top_level(tmp_path):
+    model, _, _, out = quantized("channel", "static", torch.bfloat16, tmp_path / "fp8")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "llama" and cfg["architectures"] == ["LlamaForCausalLM"]
+    assert cfg["hidden_size"] == model.config.hidden_size and "model_config" not in cfg
+    assert cfg["dtype"] == "bfloat16", "the dtype of the tensors kept in high precision"
+    assert cfg["quantization_config"]["quant_method"] == "compressed-tensors"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert hf.dtype == torch.bfloat16
+
+
+def test_fp32_model_saves_its_real_dtype(tmp_path):
+    _, _, _, out = quantized("tensor", "dynamic", torch.float32, tmp_path / "fp8")
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+
+
+@pytest.mark.parametrize("weights, activations", [("channel", "static"), ("block128", "dynamic")])
+def test_the_directory_loads_back_into_fp8ext_with_the_same_logits(weights, activations, tmp_path):
+    _, want, ids, out = quantized(weights, activations, torch.float32, tmp_path / "fp8")
+    back = inference.load_quantized(out, tiny_llama(torch.float32), device="cpu")
+    with torch.no_grad():
+        got = back(ids).logits.float()
+    assert torch.equal(got, want)
