@@ -71,3 +71,13 @@ def test_the_directory_loads_back_into_fp8ext_with_the_same_logits(weights, acti
     with torch.no_grad():
         got = back(ids).logits.float()
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_model_keeps_the_models_dtype_by_default(dtype):
+    model = tiny_llama(dtype)
+    ids = torch.randint(0, 256, (1, 8))
+    inference.quantize_model(model, "channel", "dynamic")
+    assert {m.out_dtype for m in model.modules() if isinstance(m, inference.FP8InferenceLinear)} == {dtype}
+    with torch.no_grad():
+        assert model(ids).logits.dtype == dtype  # a bfloat16 output in a float32 model failed inside attention

@@ -177,15 +177,20 @@ def set_kv_cache_scales(model: nn.Module, kv_calibration: Optional[Dict[str, Dic
     return out
 
 
+_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 @torch.no_grad()
 def quantize_model(model: nn.Module, weights: str = "channel", activations: str = "dynamic", *,
                    calibration: Optional[Dict[str, float]] = None, ignore: Sequence[str] = DEFAULT_IGNORE,
-                   out_dtype: torch.dtype = torch.bfloat16, kv_cache_scales: bool = True,
+                   out_dtype: Optional[torch.dtype] = None, kv_cache_scales: bool = True,
                    kv_calibration: Optional[Dict[str, Dict[str, torch.Tensor]]] = None) -> nn.Module:
     """Replaces every quantizable linear layer of `model` (in place) by an FP8InferenceLinear holding only the
     E4M3 weight and its scales; the high-precision weights are released. Static activations take the input
     amaxes of `calibration` (default: model.fp8_calibration from calibrate()). Returns the model; its
     `fp8_quantization` attribute records the schemes and the ignored modules (save_quantized writes it).
+    out_dtype: the dtype the FP8 layers return; by default each layer's weight dtype (float32, bfloat16 or
+    float16; bfloat16 for any other), so the model computes in the dtype it had.
 
     kv_cache_scales: when K/V amaxes were calibrated (`kv_calibration`, default model.fp8_kv_calibration from
     calibrate()), every attention layer gets `k_scale` / `v_scale` buffers, [n_kv_heads] float32, amax / 448
@@ -211,7 +216,8 @@ def quantize_model(model: nn.Module, weights: str = "channel", activations: str 
         kv_scheme = KV_CACHE_SCHEME
     for name, lin in layers.items():
         amax = calib.get(name) if calib else None
-        _set_submodule(model, name, FP8InferenceLinear.from_linear(lin, weights, activations, amax, out_dtype))
+        dtype = out_dtype or (lin.weight.dtype if lin.weight.dtype in _OUT_DTYPES else torch.bfloat16)
+        _set_submodule(model, name, FP8InferenceLinear.from_linear(lin, weights, activations, amax, dtype))
     fuse_norms(model)  # norms that feed an FP8 layer write its E4M3 input directly (on a GPU, without gradients)
     model.fp8_quantization = {"weights": weights, "activations": activations, "ignore": list(ignore),
                               "ignored_modules": sorted(kept), "layers": sorted(layers),
