@@ -81,3 +81,45 @@ def test_quantize_model_keeps_the_models_dtype_by_default(dtype):
     assert {m.out_dtype for m in model.modules() if isinstance(m, inference.FP8InferenceLinear)} == {dtype}
     with torch.no_grad():
         assert model(ids).logits.dtype == dtype  # a bfloat16 output in a float32 model failed inside attention
+
+
+def test_a_sharded_checkpoint_loads_in_transformers_and_back_in_fp8ext(tmp_path):
+    _, want, ids, out = quantized("channel", "static", torch.float32, tmp_path / "fp8")
+    sharded = inference.save_quantized(inference.load_quantized(out, tiny_llama(torch.float32), device="cpu"),
+                                       tmp_path / "sharded", max_shard_size="200KB")
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and not (sharded / "model.safetensors").exists()
+    assert sorted(p.name for p in sharded.glob("model-*.safetensors")) == files
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(sharded, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    with torch.no_grad():
+        assert ((hf.eval()(ids).logits.float() - want).norm() / want.norm()).item() < 1e-5
+        back = inference.load_quantized(sharded, tiny_llama(torch.float32), device="cpu")
+        assert torch.equal(back(ids).logits.float(), want)
+    inference.save_quantized(back, sharded)  # saved again unsharded into the same folder: no stale shard is left
+    assert sorted(p.name for p in sharded.glob("*.safetensors*")) == ["model.safetensors"]
+
+
+@pytest.mark.parametrize("corrupt, match", [
+    (lambda index, d: index["weight_map"].update({"lm_head.weight": "../model.safetensors"}), "shards must be files"),
+    (lambda index, d: (d / sorted(set(index["weight_map"].values()))[-1]).unlink(), "which is missing"),
+    (lambda index, d: index["weight_map"].update({"extra.weight": index["weight_map"]["lm_head.weight"]}),
+     r"lists \['extra.weight'\], which no shard holds"),
+])
+def test_a_broken_shard_index_is_refused_naming_the_index(corrupt, match, tmp_path):
+    model, _, _, _ = quantized("channel", "dynamic", torch.float32, tmp_path / "fp8")
+    out = inference.save_quantized(model, tmp_path / "sharded", max_shard_size="200KB")
+    path = out / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    corrupt(index, out)
+    path.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"model.safetensors.index.json: .*{match}"):
+        inference.load_quantized(out, tiny_llama(torch.float32), device="cpu")
+
+
+@pytest.mark.parametrize("size", [0, -1, "5XB", "GB", True, 1.5])
+def test_max_shard_size_must_be_a_size(size, tmp_path):
+    model, _, _, _ = quantized("channel", "dynamic", torch.float32, tmp_path / "fp8")
+    with pytest.raises(ValueError, match="max_shard_size must be"):
+        inference.save_quantized(model, tmp_path / "x", max_shard_size=size)

@@ -36,9 +36,10 @@ _HIGH_PRECISION = ("F64", "F32", "F16", "BF16")
 
 
 class Header(NamedTuple):
-    path: pathlib.Path
+    path: pathlib.Path  # the safetensors file, or a sharded checkpoint's index file
     metadata: Dict[str, str]
     tensors: Dict[str, Tuple[str, Tuple[int, ...]]]  # name -> (dtype, shape)
+    files: Dict[str, pathlib.Path]  # name -> the file that holds it
 
 
 def _fail(path, what: str, exc=ValueError):
@@ -60,9 +61,38 @@ def read_header(path: pathlib.Path) -> Header:
     try:
         with safe_open(str(path), framework="pt") as f:
             tensors = {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
-            return Header(path, f.metadata() or {}, tensors)
+            return Header(path, f.metadata() or {}, tensors, dict.fromkeys(tensors, path))
     except SafetensorError as e:
         raise _fail(path, f"not a readable safetensors file ({e})") from None
+
+
+def read_sharded_header(index: pathlib.Path) -> Header:
+    """The headers of a sharded checkpoint's files as one: `index` is its model.safetensors.index.json
+    ({"metadata": {...}, "weight_map": {tensor: file}}, as save_pretrained writes it). Each file must be a plain
+    name in the index's folder and hold exactly the tensors the map gives it; the metadata is the first file's
+    that holds fp8ext's record (else the first file's)."""
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise _fail(index, "weight_map must be a non-empty JSON object of tensor name -> file name")
+    names = sorted(set(weight_map.values()))
+    for name in names:
+        if pathlib.PurePath(name).name != name or name in (".", ".."):
+            raise _fail(index, f"weight_map names the file {name!r}; shards must be files in the index's folder")
+        if not (index.parent / name).is_file():
+            raise _fail(index, f"weight_map names {name}, which is missing")
+    shards = [read_header(index.parent / name) for name in names]
+    tensors, files = {}, {}
+    for h in shards:
+        for k, spec in h.tensors.items():
+            if weight_map.get(k) != h.path.name:
+                raise _fail(index, f"{h.path.name} holds {k}, which weight_map puts in {weight_map.get(k)!r}")
+            tensors[k], files[k] = spec, h.path
+    absent = sorted(set(weight_map) - set(tensors))
+    if absent:
+        raise _fail(index, f"weight_map lists {absent[:5]}, which no shard holds")
+    metadata = next((h.metadata for h in shards if "fp8ext" in h.metadata), shards[0].metadata)
+    return Header(index, metadata, tensors, files)
 
 
 def _amax(path, key: str, v) -> None:
@@ -156,13 +186,14 @@ def _check_scale_values(h: Header, layers: Dict[str, Any]) -> None:
     from safetensors import safe_open
     keys = [k for k in h.tensors if k.rpartition(".")[2] in KV_SCALES]
     keys += [f"{n}.{leaf}" for n in layers for leaf in ("weight_scale", "input_scale") if f"{n}.{leaf}" in h.tensors]
-    with safe_open(str(h.path), framework="pt") as f:
-        for k in keys:
-            s = f.get_tensor(k)
-            bad = s[~(torch.isfinite(s) & (s > 0))]
-            if bad.numel():
-                raise _fail(h.path, f"{k} must be finite and positive (scales dequantize: x = q * scale), "
-                                    f"got {bad[0].item()}")
+    for path in sorted({h.files[k] for k in keys}):
+        with safe_open(str(path), framework="pt") as f:
+            for k in (k for k in keys if h.files[k] == path):
+                s = f.get_tensor(k)
+                bad = s[~(torch.isfinite(s) & (s > 0))]
+                if bad.numel():
+                    raise _fail(h.path, f"{k} must be finite and positive (scales dequantize: x = q * scale), "
+                                        f"got {bad[0].item()}")
 
 
 def _check_model_config(config_path: pathlib.Path, config: Dict[str, Any], h: Header) -> None:

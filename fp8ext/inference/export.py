@@ -36,13 +36,16 @@ import torch
 from torch import nn
 
 from .. import __version__
-from ._checks import OUT_DTYPES, WEIGHT_LAYOUT, check_against_model, check_checkpoint, read_header, read_json
+from ._checks import (OUT_DTYPES, WEIGHT_LAYOUT, check_against_model, check_checkpoint, read_header, read_json,
+                      read_sharded_header)
 from .layers import FP8InferenceLinear, fuse_norms
 from .quantize import _set_submodule
 
 __all__ = ["save_quantized", "load_quantized", "quantization_config"]
 
 WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"  # a sharded checkpoint's map of tensor -> file, as save_pretrained's
+_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
 def _safetensors():
@@ -75,13 +78,15 @@ def quantization_config(q: Dict[str, Any]) -> Dict[str, Any]:
             "ignore": q["ignored_modules"], "kv_cache_scheme": q.get("kv_cache_scheme")}
 
 
-def save_quantized(model: nn.Module, out_dir: Union[str, pathlib.Path], config: Optional[Dict[str, Any]] = None
-                   ) -> pathlib.Path:
+def save_quantized(model: nn.Module, out_dir: Union[str, pathlib.Path], config: Optional[Dict[str, Any]] = None, *,
+                   max_shard_size: Union[int, str] = "5GB") -> pathlib.Path:
     """Writes out_dir/model.safetensors and out_dir/config.json for a model quantized by quantize_model.
     A Hugging Face transformers model's config goes to config.json's top level as save_pretrained writes it
     (model_type, architectures, the high-precision tensors' dtype), so that transformers' from_pretrained loads
     the directory. For other models `config` (the model's own config, e.g. dataclasses.asdict(model.cfg); by
-    default model.cfg's fields when the model has a dataclass `cfg`) goes under config.json's `model_config`."""
+    default model.cfg's fields when the model has a dataclass `cfg`) goes under config.json's `model_config`.
+    Tensors beyond `max_shard_size` (bytes, or a string such as "5GB" or "500MiB") are split over files
+    model-00001-of-0000N.safetensors with model.safetensors.index.json, as save_pretrained does."""
     q = getattr(model, "fp8_quantization", None)
     if q is None:
         raise ValueError("save_quantized: the model is not quantized: run fp8ext.inference.quantize_model first")
@@ -106,7 +111,7 @@ def save_quantized(model: nn.Module, out_dir: Union[str, pathlib.Path], config: 
                   "out_dtype": str(model.get_submodule(n).out_dtype).replace("torch.", "")} for n in q["layers"]}
     meta = {"format": "pt", "producer": f"fp8ext {__version__}",
             "fp8ext": json.dumps({"layers": layers, "tied": tied, "kv_cache": q.get("kv_amax") or {}})}
-    st.save_file(tensors, str(out / WEIGHTS_FILE), metadata=meta)
+    _write_shards(st, tensors, out, meta, _bytes(max_shard_size))
     hf_config = getattr(model, "config", None)
     if config is None and callable(getattr(hf_config, "to_diff_dict", None)):
         cfg = _transformers_config(model, hf_config, tensors)
@@ -115,6 +120,45 @@ def save_quantized(model: nn.Module, out_dir: Union[str, pathlib.Path], config: 
     cfg["quantization_config"] = quantization_config(q)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
+
+
+def _bytes(size: Union[int, str]) -> int:
+    """max_shard_size in bytes: an int, or a number with a unit (KB, MB, GB; KiB, MiB, GiB)."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    if isinstance(size, str):
+        text = size.strip().upper().replace(" ", "")
+        for unit in sorted(_UNITS, key=len, reverse=True):
+            number = text[:-len(unit)]
+            if text.endswith(unit) and number.replace(".", "", 1).isdigit() and float(number) > 0:
+                return int(float(number) * _UNITS[unit])
+    raise ValueError(f"save_quantized(): max_shard_size must be a positive number of bytes or a size such as '5GB', "
+                     f"got {size!r}")
+
+
+def _write_shards(st, tensors: Dict[str, torch.Tensor], out: pathlib.Path, meta: Dict[str, str], limit: int) -> None:
+    """model.safetensors, or shards of at most `limit` bytes (a larger tensor alone in its shard) and the index.
+    Files of an earlier save in `out` that this one does not replace are removed, so no stale shard is read."""
+    shards, size = [[]], 0
+    for k, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(k)
+        size += nbytes
+    for stale in [out / WEIGHTS_FILE, out / INDEX_FILE, *out.glob("model-*-of-*.safetensors")]:
+        stale.unlink(missing_ok=True)
+    if len(shards) == 1:
+        st.save_file(tensors, str(out / WEIGHTS_FILE), metadata=meta)
+        return
+    weight_map = {}
+    for i, names in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        st.save_file({k: tensors[k] for k in names}, str(out / name), metadata=meta)
+        weight_map.update(dict.fromkeys(names, name))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
 
 def _transformers_config(model: nn.Module, hf_config, tensors: Dict[str, torch.Tensor]) -> Dict[str, Any]:
@@ -144,9 +188,10 @@ def load_quantized(model_dir: Union[str, pathlib.Path], model_or_factory: Union[
     that fails raises ValueError (TypeError for a value of the wrong type) naming the file and the key."""
     st = _safetensors()
     d = pathlib.Path(model_dir)
-    for f in ("config.json", WEIGHTS_FILE):
-        if not (d / f).is_file():
-            raise FileNotFoundError(f"load_quantized: {d / f} is missing")
+    if not (d / "config.json").is_file():
+        raise FileNotFoundError(f"load_quantized: {d / 'config.json'} is missing")
+    if not (d / WEIGHTS_FILE).is_file() and not (d / INDEX_FILE).is_file():
+        raise FileNotFoundError(f"load_quantized: {d} holds neither {WEIGHTS_FILE} nor {INDEX_FILE}")
     cfg = read_json(d / "config.json")
     qc = cfg.get("quantization_config")
     qc = qc if isinstance(qc, dict) else {}
@@ -154,7 +199,7 @@ def load_quantized(model_dir: Union[str, pathlib.Path], model_or_factory: Union[
         raise ValueError(f"load_quantized: {d} is not an FP8 compressed-tensors checkpoint "
                          f"(quant_method {qc.get('quant_method')!r}, format {qc.get('format')!r})")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    header = read_header(d / WEIGHTS_FILE)
+    header = read_header(d / WEIGHTS_FILE) if (d / WEIGHTS_FILE).is_file() else read_sharded_header(d / INDEX_FILE)
     record = check_checkpoint(d / "config.json", cfg, header)
     layers, tied = record["layers"], record.get("tied", {})
     if isinstance(model_or_factory, nn.Module):
@@ -163,12 +208,14 @@ def load_quantized(model_dir: Union[str, pathlib.Path], model_or_factory: Union[
         with torch.device("meta"):
             model = model_or_factory(_model_config(cfg))
     for name, spec in layers.items():
-        lin = _linear_of(model, name, d / WEIGHTS_FILE)
+        lin = _linear_of(model, name, header.path)
         _set_submodule(model, name, FP8InferenceLinear(
             lin.in_features, lin.out_features, bias=lin.bias is not None, weights=spec["weights"],
             activations=spec["activations"], device="meta", out_dtype=OUT_DTYPES[spec.get("out_dtype", "bfloat16")]))
     check_against_model(header, model, record)
-    state = st.load_file(str(d / WEIGHTS_FILE), device=str(device))
+    state = {}
+    for path in sorted(set(header.files.values())):
+        state.update(st.load_file(str(path), device=str(device)))
     # safetensors aligns tensors in the file to 8 bytes; cuBLASLt wants 16-byte aligned operands
     state = {k: v if v.data_ptr() % 16 == 0 else v.clone() for k, v in state.items()}
     for alias, target in tied.items():
@@ -181,7 +228,7 @@ def load_quantized(model_dir: Union[str, pathlib.Path], model_or_factory: Union[
     missing = [k for k in model.load_state_dict(state, strict=False, assign=True).missing_keys
                if not k.endswith("_extra_state")]  # high-precision fp8ext.Linear layers' FP8 state is not saved
     if missing:
-        raise ValueError(f"load_quantized: {d / WEIGHTS_FILE} holds no {missing[:5]} for this model")
+        raise ValueError(f"load_quantized: {header.path} holds no {missing[:5]} for this model")
     for alias, target in tied.items():  # re-tie: one Parameter, as in the saved model
         mod_a, _, name_a = alias.rpartition(".")
         mod_t, _, name_t = target.rpartition(".")
@@ -190,7 +237,7 @@ def load_quantized(model_dir: Union[str, pathlib.Path], model_or_factory: Union[
         if t.is_meta or t.device != device:
             if not _rebuild_buffer(model, n, device):
                 if t.is_meta:
-                    raise ValueError(f"load_quantized: {n} is not in {d / WEIGHTS_FILE} and cannot be recomputed")
+                    raise ValueError(f"load_quantized: {n} is not in {header.path} and cannot be recomputed")
                 mod, _, leaf = n.rpartition(".")
                 setattr(model.get_submodule(mod) if mod else model, leaf, t.to(device))
     fuse_norms(model)
