@@ -96,6 +96,27 @@ __all__ = [
 ]
 
 
+def _cpu_only_build_note(info: dict, gpu_visible: bool):
+    """The warning for a build that fell back to CPU only (nvcc or cuBLASLt not found; pip hides the build's
+    output) on a machine with a GPU; None otherwise, and for a CPU-only build asked for with FP8EXT_CUDA=0."""
+    if info["cuda"] or not gpu_visible or info["no_cuda_reason"].startswith("FP8EXT_CUDA=0"):
+        return None
+    return (f"fp8ext was built without its CUDA kernels ({info['no_cuda_reason']}), so everything runs as the "
+            "CPU reference although a GPU is visible. Rebuild with `FP8EXT_CUDA=1 python -m pip install -v "
+            "--no-build-isolation -e .` (FP8EXT_CUDA=1 makes what is missing an error); `python -m fp8ext` shows "
+            "the build.")
+
+
+def _warn_if_cpu_only_build() -> None:
+    import warnings
+    note = _cpu_only_build_note(dict(_C.build_info()), torch.cuda.is_available())
+    if note:
+        warnings.warn(note, RuntimeWarning, stacklevel=3)
+
+
+_warn_if_cpu_only_build()
+
+
 def cuda_available() -> bool:
     """True when this build of fp8ext has its CUDA kernels and a CUDA device is visible."""
     return bool(_C.WITH_CUDA) and _C.cuda_device_count() > 0

@@ -23,3 +23,18 @@ def assert_same_bytes(got, want, what: str = "") -> None:
     """Byte-for-byte equality of FP8 tensors or uint8 codes, NaN encodings included (the GPU must give the
     CPU's exact bytes): fp8ext.testing.assert_fp8_equal with strict_nan=True, `what` leading the message."""
     assert_fp8_equal(got, want, strict_nan=True, msg=what or None)
+
+
+@pytest.fixture
+def progress(request):
+    """progress(text): a line on the terminal while a long test runs (output capture would hold it back until the
+    test ends), e.g. a notebook's cells as they execute. Silent under -q -q and when there is no terminal reporter."""
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+
+    def say(text: str) -> None:
+        if reporter is None or capture is None or request.config.get_verbosity() <= -2:
+            return
+        with capture.global_and_fixture_disabled():
+            reporter.write_line(f"    {request.node.name}: {text}")
+    return say

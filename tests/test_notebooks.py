@@ -17,9 +17,18 @@ def test_both_teaching_notebooks_are_there():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_runs_headless_without_errors(path, tmp_path):
+def test_notebook_runs_headless_without_errors(path, tmp_path, progress):
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
+    cells = sum(c.cell_type == "code" for c in nb.cells)
+    done = []
+
+    def executed(cell, cell_index, **_):  # a line every few cells: these tests take minutes on a CPU
+        done.append(cell_index)
+        if len(done) % 5 == 0 or len(done) == cells:
+            progress(f"{len(done)}/{cells} code cells ran")
+
+    client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}},
+                            on_cell_executed=executed)
     client.execute()  # raises CellExecutionError, with the cell and its traceback, on any error
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert code and all(c.execution_count is not None for c in code), "every code cell ran"
