@@ -1,18 +1,20 @@
-"""A short tour of fp8ext: python -m fp8ext.demo [--out fp8ext_demo.png] [--steps 300]
+"""A short tour of fp8ext: python -m fp8ext.demo [--out runs/fp8ext_demo.png] [--steps 300]
 
 1. The two FP8 formats, as the C core defines them.
 2. Real data: a small MLP trained on scikit-learn's handwritten digits (1797 8x8 images, shipped with the
    package, no download). Its weights, activations and gradients are quantized with per-tensor scaling
    (scale = fmt.max / amax) to E4M3 and to E5M2, and the relative error of each is printed: E4M3's extra
    mantissa bit wins where the scale fits the range; E5M2's range is what gradients need without one.
-3. Correct FP8 rounding next to the teaching lab's fixed-grid simulation, which rounds every value to a
-   multiple of 2^-mant_bits: wrong for small values (they collapse to 0) and for large ones (too fine).
+3. Correct FP8 rounding next to the simulation in the teaching notebook on FP8 training and inference
+   (notebooks/lab_3_2_3_fp8_training_inference.ipynb, "the lab"), which rounds every value to a multiple of
+   2^-mant_bits: wrong for small values (they collapse to 0) and for large ones (too fine).
 Writes a plot of parts 2 and 3 when matplotlib is installed.
 """
 
 from __future__ import annotations
 
 import argparse
+import pathlib
 import math
 import time
 
@@ -79,7 +81,7 @@ def train_digits(steps: int):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="fp8ext_demo.png", help="where to write the plot ('' for none)")
+    ap.add_argument("--out", default="runs/fp8ext_demo.png", help="where to write the plot ('' for none)")
     ap.add_argument("--steps", type=int, default=300, help="training steps on the digits data")
     args = ap.parse_args(argv)
     info = fp8ext.build_info()
@@ -143,9 +145,17 @@ def plot(errors, path):
               alpha=0.55 if hatch else 1.0)
     b.set_xticks(xs.tolist(), [n.replace(" ", "\n", 1) for n in names], fontsize=8)
     b.set_yscale("log")
-    b.set(ylabel="relative error", title="FP8 on the tensors of an MLP trained on digits")
+    from matplotlib.ticker import FuncFormatter, LogLocator
+    percent = FuncFormatter(lambda y, _: f"{y * 100:g}%")  # labels where the bars are (1 %, 2 %, 5 %, ...)
+    b.yaxis.set_major_formatter(percent)
+    b.yaxis.set_minor_locator(LogLocator(subs=(2.0, 3.0, 5.0)))
+    low = min(e for row in errors.values() for e in row if e > 0)
+    b.set_ylim(bottom=10 ** math.floor(math.log10(low)))  # a labelled tick below the lowest bar
+    b.yaxis.set_minor_formatter(percent)
+    b.set(ylabel="relative error (Frobenius norm)", title="FP8 on the tensors of an MLP trained on digits")
     b.legend(fontsize=8)
     fig.tight_layout()
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     print(f"\nwrote {path}")
 

@@ -4,6 +4,7 @@ curves (training and validation) in one plot, the final validation losses, and t
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import pathlib
 import sys
@@ -52,11 +53,13 @@ def compare(dir_a: str, dir_b: str, plot: Optional[str] = None) -> dict:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(8, 4.5))
-        for rows, v, label in ((rows_a, va, la), (rows_b, vb, lb)):
-            line, = ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1, alpha=0.7,
+        # distinct styles, so that curves which coincide (FP8 tracking the baseline) stay visible as two
+        for rows, v, label, style, marker in ((rows_a, va, la, "-", "o"), (rows_b, vb, lb, "--", "s")):
+            line, = ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], style, lw=1.2, alpha=0.8,
                             label=f"{label}: training")
             if v:
-                ax.plot([r["step"] for r in v], [r["val_loss"] for r in v], "o--", color=line.get_color(),
+                ax.plot([r["step"] for r in v], [r["val_loss"] for r in v], marker, ls=":", color=line.get_color(),
+                        ms=7 if marker == "o" else 5, mfc="none" if marker == "o" else line.get_color(),
                         label=f"{label}: validation")
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("cross-entropy (nats per byte)")
@@ -70,13 +73,22 @@ def compare(dir_a: str, dir_b: str, plot: Optional[str] = None) -> dict:
     return result
 
 
+def _default_plot(dir_a: str, dir_b: str) -> pathlib.Path:
+    """compare.png in the folder holding both runs (runs/ for runs/bf16 and runs/fp8), not the working directory."""
+    a, b = pathlib.Path(dir_a).resolve(), pathlib.Path(dir_b).resolve()
+    common = pathlib.Path(os.path.commonpath([a, b]))
+    return (common if common not in (a, b) else common.parent) / "compare.png"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m fp8ext.train.compare", description=__doc__.split("\n")[0])
     p.add_argument("dir_a")
     p.add_argument("dir_b")
-    p.add_argument("--plot", default="compare.png", help="where to write the loss plot ('' for none)")
+    p.add_argument("--plot", default=None,
+                   help="where to write the loss plot (default: compare.png next to the two runs; '' for none)")
     args = p.parse_args(argv)
-    compare(args.dir_a, args.dir_b, plot=args.plot or None)
+    plot = args.plot if args.plot is not None else str(_default_plot(args.dir_a, args.dir_b))
+    compare(args.dir_a, args.dir_b, plot=plot or None)
     return 0
 
 
