@@ -5,12 +5,19 @@
     python -m fp8ext.inference eval --model runs/x-fp8 [--data FILE_OR_DIR]   # bf16 and FP8 perplexity side by side
     python -m fp8ext.inference eval --model runs/x-fp8 --kv_cache            # + decoding through bf16 / FP8 caches
     python -m fp8ext.inference generate --model runs/x-fp8 --prompt "def " --kv_cache fp8
+    python -m fp8ext.inference quantize --model path/to/hf-llama --out llama-fp8 --activations static
+    python -m fp8ext.inference eval --model llama-fp8 [--kv_cache]          # against the source it names
 
 quantize reads a training checkpoint (a run directory or checkpoint.pt), calibrates on training text, packs the
 weights and writes a compressed-tensors checkpoint; it runs on a CPU. eval loads the FP8 checkpoint and the
 training checkpoint it came from and prints both models' loss and perplexity on the same held-out batches;
 with --kv_cache also the FP8 model's, reading the same text one token per step through a bf16 KV cache and an
 FP8 one (its calibrated K/V scales, or scales from a one-token prefill when the checkpoint has none).
+
+quantize --model takes a local Hugging Face transformers causal LM directory (Llama, Mistral, Qwen2, ...; nothing
+is downloaded) instead: the text is tokenized with the directory's tokenizer (or read as bytes when it has none and
+the vocabulary holds 256 ids), the directory written loads in transformers, and eval compares it with the source
+directory; its --kv_cache decodes through transformers' cache and one rounding K/V to E4M3 (fp8ext.inference.hf).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from ..models.transformer import Transformer, TransformerConfig, preset
 from ..train.checkpoint import CheckpointError, read
 from ..train.data import batch, load_corpus
 from . import calibrate, decode_loss, load_quantized, model_kv_scales, quantize_model, save_quantized
+from ._hf_cli import HF_SEQ_LEN, HFModelError, eval_hf as _eval_hf, is_hf_dir, quantize_hf as _quantize_hf
 from .layers import ACTIVATION_SCHEMES, WEIGHT_SCHEMES
 
 
@@ -44,6 +52,8 @@ def _training_model(checkpoint: str, device, option: str) -> tuple:
 
 
 def _quantize(args) -> None:
+    if args.model is not None:
+        return _quantize_hf(args)
     device = torch.device(args.device or "cpu")
     model, train_args, path = _training_model(args.checkpoint, device, "--checkpoint")
     corpus = load_corpus(args.data if args.data is not None else train_args.get("data"))
@@ -69,6 +79,8 @@ def _eval(args) -> None:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     d = pathlib.Path(args.model)
     src = json.loads((d / "config.json").read_text()).get("fp8ext_source", {})
+    if is_hf_dir(d):
+        return _eval_hf(args, d, src, device)
     option = "--reference" if args.reference else f"{d / 'config.json'} (fp8ext_source.training_checkpoint)"
     ref, train_args, _ = _training_model(args.reference or src.get("training_checkpoint", ""), device, option)
     fp8 = load_quantized(d, lambda c: Transformer(TransformerConfig(**c)), device=device).to(device)
@@ -122,15 +134,18 @@ def _generate(args) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fp8ext.inference", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    q = sub.add_parser("quantize", help="calibrate, pack and export a training checkpoint")
-    q.add_argument("--checkpoint", required=True, help="an fp8ext.train run directory or checkpoint.pt")
+    q = sub.add_parser("quantize", help="calibrate, pack and export a training checkpoint or a transformers model")
+    source = q.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="an fp8ext.train run directory or checkpoint.pt")
+    source.add_argument("--model", help="a local Hugging Face transformers causal LM directory (save_pretrained's)")
     q.add_argument("--calib_batches", type=int, default=16)
     q.add_argument("--weights", choices=WEIGHT_SCHEMES, default="channel")
     q.add_argument("--activations", choices=ACTIVATION_SCHEMES, default="dynamic")
     q.add_argument("--out", required=True)
     e = sub.add_parser("eval", help="perplexity of the FP8 model next to the high-precision one")
     e.add_argument("--model", required=True, help="a directory written by `quantize`")
-    e.add_argument("--reference", default=None, help="the training checkpoint (default: the one it came from)")
+    e.add_argument("--reference", default=None, help="the training checkpoint, or the transformers model directory "
+                   "(default: the one it came from)")
     e.add_argument("--eval_batches", type=int, default=16)
     e.add_argument("--kv_cache", action="store_true",
                    help="also decode the held-out text one token per step through a bf16 and an FP8 KV cache")
@@ -147,12 +162,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     for s in (q, e):
         s.add_argument("--data", default=None, help="text file or directory (default: the training run's data)")
         s.add_argument("--batch_size", type=int, default=8)
-        s.add_argument("--seq_len", type=int, default=None, help="default: the training run's")
+        s.add_argument("--seq_len", type=int, default=None,
+                       help=f"default: the training run's (a transformers model: {HF_SEQ_LEN} or its context)")
         s.add_argument("--device", default=None)
     args = p.parse_args(argv)
     try:
         {"quantize": _quantize, "eval": _eval, "generate": _generate}[args.command](args)
-    except CheckpointError as e:  # a one-line error naming the file, as for a wrong argument
+    except (CheckpointError, HFModelError) as e:  # a one-line error naming the file, as for a wrong argument
         raise SystemExit(f"python -m fp8ext.inference {args.command}: {e}") from e
     return 0
 

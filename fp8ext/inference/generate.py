@@ -9,6 +9,7 @@ from typing import Optional, Tuple
 import torch
 
 from .. import _C
+from .hf import is_transformers_model
 from .kv_cache import KVCache
 
 __all__ = ["generate", "decode_loss"]
@@ -70,6 +71,16 @@ class _GraphedStep:
         return self.out
 
 
+def _check_model(model, fn: str) -> None:
+    """fp8ext's generation drives fp8ext's Transformer (its KV cache follows model.cfg); others are refused."""
+    if is_transformers_model(model) or not hasattr(model, "cfg"):
+        hint = (" (a transformers model: use its own model.generate(ids, max_new_tokens=...), with "
+                "cache=fp8ext.inference.hf.fp8_kv_cache(model) for an FP8 KV cache's numbers)"
+                if is_transformers_model(model) else "")
+        raise TypeError(f"{fn}: model must be fp8ext's Transformer (fp8ext.models.transformer), got "
+                        f"{type(model).__name__}{hint}")
+
+
 @torch.no_grad()
 def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, kv_cache: Optional[str] = "fp8",
              kv_scales: str = "auto", temperature: float = 0.0, seed: int = 0,
@@ -84,6 +95,7 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, kv_cache: Opti
     stats: prefill and decode tokens/s (the graph's warm-up and capture counted in the decode time), cache
     bytes, kv_scales (where the FP8 cache's scales came from: "calibrated" or "prefill"; None without an FP8
     cache) and cuda_graph (whether decode steps ran as a graph)."""
+    _check_model(model, "generate")
     if prompt.dim() != 2 or prompt.shape[1] == 0:
         raise ValueError(f"generate: prompt must be [batch, length > 0] token ids, got shape {list(prompt.shape)}")
     device = prompt.device
@@ -133,6 +145,7 @@ def decode_loss(model, ids: torch.Tensor, targets: torch.Tensor, *, kv_cache: Op
     model(ids, targets)[1] up to rounding). Positions of the prefill count too, so the figure compares with the
     model's ordinary loss; a short prompt makes almost every position a decode step. cuda_graph as in
     generate."""
+    _check_model(model, "decode_loss")
     if ids.dim() != 2 or targets.shape != ids.shape:
         raise ValueError(f"decode_loss: ids and targets must both be [batch, n], got {list(ids.shape)} and "
                          f"{list(targets.shape)}")

@@ -97,7 +97,9 @@ class FP8InferenceLinear(nn.Module):
         calibrated max|input| (`input_amax`). A weight holding NaN or Inf is refused with a ValueError naming the
         weight, the count and the first position: E4M3 has no Inf, and its scale (per tensor, channel or block)
         would turn the weight's other values into NaN or garbage for every output they touch."""
-        w = linear.weight.detach()
+        w = linear.weight.detach().contiguous()
+        if w.data_ptr() % 16:  # e.g. a weight from_pretrained mapped from a safetensors file; kernels read 16 bytes
+            w = w.clone()
         refuse_non_finite(w, "FP8InferenceLinear.from_linear", f"{type(linear).__name__}.weight",
                           "an E4M3 weight cannot keep them (clean or replace the weight before quantizing)")
         layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, weights=weights,
@@ -107,11 +109,11 @@ class FP8InferenceLinear(nn.Module):
             layer.weight.copy_(quantize(w, E4M3, scale))
             layer.weight_scale.copy_(scale_inv.reshape(1))
         elif weights == "channel":
-            q, scale_inv = quantize_rowwise(w.contiguous(), E4M3)
+            q, scale_inv = quantize_rowwise(w, E4M3)
             layer.weight.copy_(q)
             layer.weight_scale.copy_(scale_inv.reshape(-1, 1))
         else:
-            q, scale_inv = quantize_blockwise(w.contiguous(), E4M3, block=(128, 128))
+            q, scale_inv = quantize_blockwise(w, E4M3, block=(128, 128))
             layer.weight.copy_(q)
             layer.weight_scale.copy_(scale_inv)
         if activations == "static":

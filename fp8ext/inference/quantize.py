@@ -4,9 +4,10 @@
     fp8ext.inference.quantize_model(model, weights="channel", activations="static")   # in place
 
 Calibration also records, for every attention layer that offers a `kv_observer` hook (fp8ext's
-GroupedQueryAttention), the per-KV-head max|K| (after RoPE) and max|V|; quantize_model turns them into the FP8
-KV cache's dequantizing scales (amax / 448, one per KV head) held by the attention modules as `k_scale` /
-`v_scale`, which save_quantized writes and KVCache.from_model / generate use.
+GroupedQueryAttention) and every attention layer of a Hugging Face transformers model (through the cache it
+updates after RoPE; see fp8ext.inference.hf), the per-KV-head max|K| (after RoPE) and max|V|; quantize_model turns
+them into the FP8 KV cache's dequantizing scales (amax / 448, one per KV head) held by the attention modules as
+`k_scale` / `v_scale`, which save_quantized writes and KVCache.from_model / generate use.
 
 Layer policy (the usual one for FP8 serving): the linear layers of the network compute in FP8; the modules
 named in `ignore` (by default the output head and embeddings), norms, attention's softmax and RoPE stay in high
@@ -24,6 +25,7 @@ from torch import nn
 from ..formats import E4M3
 from ..linear import FP8Linear
 from ..ops import amax as _amax
+from . import hf
 from .layers import FP8InferenceLinear, _check_schemes, fuse_norms
 
 __all__ = ["calibrate", "quantize_model", "DEFAULT_IGNORE", "quantizable_linears", "kv_scales_from_amax",
@@ -50,8 +52,11 @@ def quantizable_linears(model: nn.Module, ignore: Sequence[str] = DEFAULT_IGNORE
 
 
 def _kv_attention_modules(model: nn.Module) -> Dict[str, nn.Module]:
-    """{name: module} of the attention layers that offer the kv_observer hook (fp8ext's GroupedQueryAttention)."""
-    return {n: m for n, m in model.named_modules() if hasattr(type(m), "kv_observer")}
+    """{name: module} of the attention layers whose K/V calibrate records: those that offer the kv_observer hook
+    (fp8ext's GroupedQueryAttention) and a transformers model's (fp8ext.inference.hf.attention_modules)."""
+    found = {n: m for n, m in model.named_modules() if hasattr(type(m), "kv_observer")}
+    found.update(hf.attention_modules(model))
+    return found
 
 
 def kv_scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
@@ -70,10 +75,12 @@ def calibrate(model: nn.Module, batches: Iterable, *, forward: Optional[Callable
     amaxes accumulate on the device (no host synchronisation per batch); the result, {layer name: amax}, is
     also kept as `model.fp8_calibration` for quantize_model. NaN or Inf in an input is an error naming the layer.
 
-    Attention layers with a `kv_observer` hook (fp8ext's GroupedQueryAttention) also have the per-KV-head
-    max|K| (after RoPE) and max|V| recorded, kept as `model.fp8_kv_calibration` = {attention module name:
-    {"k_amax": [n_kv_heads] float32, "v_amax": ...}} (CPU tensors) for quantize_model's KV-cache scales. The
-    hooks are removed afterwards.
+    Attention layers with a `kv_observer` hook (fp8ext's GroupedQueryAttention) and the attention layers of a
+    Hugging Face transformers model also have the per-KV-head max|K| (after RoPE) and max|V| recorded (the
+    latter where they call cache.update(k, v, layer_idx), as transformers' Llama, Mistral and Qwen2 do, whatever
+    `forward` runs the model: calibrate wraps the cache each one receives), kept as `model.fp8_kv_calibration` =
+    {attention module name: {"k_amax": [n_kv_heads] float32, "v_amax": ...}} (CPU tensors) for quantize_model's
+    KV-cache scales. The hooks are removed afterwards.
     """
     layers = quantizable_linears(model, ignore)
     if not layers:
@@ -95,27 +102,31 @@ def calibrate(model: nn.Module, batches: Iterable, *, forward: Optional[Callable
         return observe
 
     handles = [m.register_forward_pre_hook(hook(n)) for n, m in layers.items()]
-    attns = _kv_attention_modules(model)
+    attns = {n: m for n, m in model.named_modules() if hasattr(type(m), "kv_observer")}
     for n, m in attns.items():
         m.kv_observer = kv_hook(n)
     was_training = model.training
     model.eval()
     try:
-        items = batches
-        if progress:
-            from tqdm.auto import tqdm
-            items = tqdm(batches, desc="calibrating", unit="batch")
-        count = 0
-        for b in items:
-            if forward is not None:
-                forward(model, b)
-            elif isinstance(b, (tuple, list)):
-                model(*b)
-            else:
-                model(b)
-            count += 1
-        if count == 0:
-            raise ValueError("calibrate: batches is empty")
+        with hf.record_kv(hf.attention_modules(model), kv_hook) as skipped:
+            if skipped:
+                warnings.warn(f"calibrate: the attention layers {skipped} take no cache argument; their K/V are "
+                              "not recorded (no FP8 KV-cache scales for them)", stacklevel=3)
+            items = batches
+            if progress:
+                from tqdm.auto import tqdm
+                items = tqdm(batches, desc="calibrating", unit="batch")
+            count = 0
+            for b in items:
+                if forward is not None:
+                    forward(model, b)
+                elif isinstance(b, (tuple, list)):
+                    model(*b)
+                else:
+                    model(b)
+                count += 1
+            if count == 0:
+                raise ValueError("calibrate: batches is empty")
     finally:
         for h in handles:
             h.remove()
@@ -171,8 +182,8 @@ def set_kv_cache_scales(model: nn.Module, kv_calibration: Optional[Dict[str, Dic
         if ka.numel() != heads or va.numel() != heads:
             raise ValueError(f"{fn}: kv_calibration[{n!r}] holds {ka.numel()} / {va.numel()} amaxes for "
                              f"{heads} KV heads")
-        m.k_scale = kv_scales_from_amax(ka).to(device)
-        m.v_scale = kv_scales_from_amax(va).to(device)
+        m.register_buffer("k_scale", kv_scales_from_amax(ka).to(device))  # a new buffer on a transformers module
+        m.register_buffer("v_scale", kv_scales_from_amax(va).to(device))
         out[n] = {"k_amax": ka.tolist(), "v_amax": va.tolist()}
     return out
 

@@ -1,0 +1,196 @@
+"""Hugging Face transformers causal LMs (Llama, Mistral, Qwen2) through fp8ext.inference: calibrate records each
+attention layer's per-KV-head K (after RoPE) and V amaxes, quantize_model gives them KV-cache scales, the saved
+directory loads in transformers with fp8ext's logits, transformers' generate runs, and the CLI quantizes and
+evaluates a model directory. Tiny random-init models built here; nothing is downloaded."""
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="the Hugging Face path needs the [test] extra")
+pytest.importorskip("compressed_tensors", reason="transformers reads FP8 checkpoints through compressed-tensors")
+
+from compressed_tensors.quantization.lifecycle.initialize import is_cached_attention_module  # noqa: E402
+
+from fp8ext import inference  # noqa: E402
+from fp8ext.inference import hf  # noqa: E402
+from fp8ext.inference.__main__ import main  # noqa: E402
+
+SIZES = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128)
+MODELS = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+          "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+          "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}
+
+
+def tiny(kind):
+    torch.manual_seed(0)
+    config_cls, model_cls = MODELS[kind]
+    return model_cls(config_cls(**SIZES)).float().eval()
+
+
+def ids(batch=2, seq=16, seed=1):
+    return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def reference_kv_amax(model, batches):
+    """{attention name: (k_amax, v_amax)} from transformers' own DynamicCache after a forward with use_cache."""
+    names = {m.layer_idx: n for n, m in model.named_modules() if type(m).__name__.endswith("Attention")}
+    out = {}
+    with torch.no_grad():
+        for x in batches:
+            cache = model(x, use_cache=True).cache
+            for i, layer in enumerate(cache.layers):
+                k, v = (t.abs().amax(dim=(0, 2, 3)) for t in (layer.keys, layer.values))
+                prev = out.get(names[i])
+                out[names[i]] = (k, v) if prev is None else (torch.maximum(prev[0], k), torch.maximum(prev[1], v))
+    return out
+
+
+def calibrated(kind, weights="channel", activations="static"):
+    model = tiny(kind)
+    batches = [ids(seed=1), ids(seed=2)]
+    want = reference_kv_amax(model, batches)
+    inference.calibrate(model, batches, progress=False)
+    return model, want
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_calibrate_records_each_attention_layers_kv_amax_per_head(kind):
+    model, want = calibrated(kind)
+    got = model.fp8_kv_calibration
+    assert sorted(got) == sorted(want) == [f"model.layers.{i}.self_attn" for i in range(2)]
+    for name, (k, v) in want.items():
+        assert got[name]["k_amax"].shape == (2,) and got[name]["k_amax"].dtype == torch.float32
+        assert torch.equal(got[name]["k_amax"], k.float()), f"{name}: K amax (after RoPE) differs from the cache's"
+        assert torch.equal(got[name]["v_amax"], v.float()), f"{name}: V amax differs from the cache's"
+
+
+def test_calibrate_records_kv_with_a_users_forward_and_no_cache():
+    model, want = calibrated("llama")
+    again = tiny("llama")
+    inference.calibrate(again, [ids(seed=1), ids(seed=2)], forward=lambda m, x: m(input_ids=x, use_cache=False),
+                        progress=False)
+    for name, (k, v) in want.items():
+        assert torch.equal(again.fp8_kv_calibration[name]["k_amax"], k.float())
+        assert torch.equal(again.fp8_kv_calibration[name]["v_amax"], v.float())
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_quantize_model_gives_attention_layers_kv_cache_scales(kind):
+    model, want = calibrated(kind)
+    inference.quantize_model(model, "channel", "static")
+    for name, (k, v) in want.items():
+        attn = model.get_submodule(name)
+        buffers = dict(attn.named_buffers(recurse=False))
+        assert set(buffers) == {"k_scale", "v_scale"}
+        assert torch.equal(attn.k_scale, inference.kv_scales_from_amax(k)) and attn.k_scale.dtype == torch.float32
+        assert torch.equal(attn.v_scale, inference.kv_scales_from_amax(v))
+    assert model.fp8_quantization["kv_cache_scheme"]["strategy"] == "attn_head"
+    assert isinstance(model.model.layers[0].self_attn.q_proj, inference.FP8InferenceLinear)
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_transformers_loads_the_directory_with_fp8exts_logits(kind, tmp_path):
+    model, _ = calibrated(kind)
+    inference.quantize_model(model, "channel", "static")
+    x = ids(seed=3)
+    with torch.no_grad():
+        want = model(x).logits
+    out = inference.save_quantized(model, tmp_path / kind)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"]["kv_cache_scheme"]["strategy"] == "attn_head"
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    scales = {f"model.layers.{i}.self_attn.{s}" for i in range(2) for s in ("k_scale", "v_scale")}
+    assert not info["missing_keys"] and not info["mismatched_keys"] and not info["error_msgs"]
+    if is_cached_attention_module(loaded.model.layers[0].self_attn):
+        assert not info["unexpected_keys"]
+    else:  # compressed-tensors looks for `past_key_values` in attention's forward; transformers 5 calls it `cache`
+        assert set(info["unexpected_keys"]) == scales, "only the KV-cache scales, which it does not place"
+    with torch.no_grad():
+        got = loaded.eval()(x).logits
+    rel = ((got - want).norm() / want.norm()).item()
+    print(f"{kind}: transformers vs fp8ext logits, relative L2 {rel:.2e}")
+    assert rel < 1e-5, f"{kind}: transformers' logits differ from fp8ext's by {rel:.2e} (relative L2)"
+    back = inference.load_quantized(out, hf.from_config, device="cpu")
+    assert torch.equal(back.model.layers[1].self_attn.k_scale, model.model.layers[1].self_attn.k_scale)
+    with torch.no_grad():
+        assert torch.equal(back(x).logits, want), "fp8ext's own load of the directory gives the same logits"
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_transformers_generate_runs_on_the_quantized_model(kind):
+    model, _ = calibrated(kind)
+    reference = tiny(kind)
+    inference.quantize_model(model, "channel", "static")
+    prompt = ids(1, 6, seed=4)
+    out = model.generate(prompt, max_new_tokens=5, do_sample=False)
+    assert out.shape == (1, 11) and torch.equal(out[:, :6], prompt)
+    with torch.no_grad():  # greedy: each new token is the argmax of a full forward over what came before
+        for t in range(6, 11):
+            assert out[0, t] == model(out[:, :t]).logits[0, -1].argmax()
+    fp8 = model.generate(prompt, max_new_tokens=5, do_sample=False, cache=hf.fp8_kv_cache(model))
+    assert fp8.shape == (1, 11)
+    assert reference.generate(prompt, max_new_tokens=5, do_sample=False).shape == (1, 11)
+
+
+def test_fp8_kv_cache_rounds_k_and_v_to_e4m3_with_the_calibrated_scales():
+    model, _ = calibrated("llama")
+    inference.quantize_model(model, "channel", "static")
+    cache = hf.fp8_kv_cache(model, scales="calibrated")
+    assert cache.scale_source == "calibrated"
+    with torch.no_grad():
+        model(ids(1, 8), cache=cache, use_cache=True)
+    attn = model.model.layers[0].self_attn
+    codes = cache.layers[0].keys / attn.k_scale.view(1, -1, 1, 1)
+    assert torch.allclose(codes, codes.to(torch.float8_e4m3fn).float(), rtol=1e-6, atol=0), \
+        "stored K are E4M3 values times the scale (up to the float32 division here)"
+    assert hf.fp8_kv_cache(tiny("llama")).scale_source == "prefill"
+    with pytest.raises(ValueError, match="carries no KV-cache scales"):
+        hf.fp8_kv_cache(tiny("llama"), scales="calibrated")
+
+
+def test_fp8exts_generate_refuses_a_transformers_model():
+    model = tiny("llama")
+    with pytest.raises(TypeError, match=r"generate: model must be fp8ext's Transformer.*model\.generate"):
+        inference.generate(model, ids(1, 4), 2)
+    with pytest.raises(TypeError, match="decode_loss: model must be fp8ext's Transformer"):
+        inference.decode_loss(model, ids(1, 4), ids(1, 4))
+
+
+def test_cli_quantizes_and_evaluates_a_model_directory(tmp_path, capsys):
+    src, out = tmp_path / "llama", tmp_path / "llama-fp8"
+    tiny("llama").save_pretrained(src)
+    data = tmp_path / "text.txt"
+    data.write_bytes(bytes(range(256)) * 40)
+    assert main(["quantize", "--model", str(src), "--out", str(out), "--calib_batches", "2", "--batch_size", "2",
+                 "--seq_len", "16", "--activations", "static", "--data", str(data)]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["fp8ext_source"]["model"] == str(src.resolve()) and cfg["fp8ext_source"]["tokens"] == "bytes"
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"]
+    assert main(["eval", "--model", str(out), "--eval_batches", "1", "--batch_size", "1", "--seq_len", "8",
+                 "--kv_cache"]) == 0
+    text = capsys.readouterr().out
+    assert "FP8 (channel weights, static activations) vs reference" in text
+    assert "FP8 KV cache (calibrated scales)" in text
+
+
+def test_cli_needs_a_model_or_a_checkpoint_not_both(tmp_path):
+    with pytest.raises(SystemExit):
+        main(["quantize", "--out", str(tmp_path / "o")])
+    with pytest.raises(SystemExit):
+        main(["quantize", "--model", "a", "--checkpoint", "b", "--out", str(tmp_path / "o")])
+    with pytest.raises(SystemExit, match="is not a transformers model directory"):
+        main(["quantize", "--model", str(tmp_path), "--out", str(tmp_path / "o")])
+
+
+def test_cli_refuses_bytes_for_a_vocabulary_under_256(tmp_path):
+    src = tmp_path / "small"
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**SIZES, "vocab_size": 128})).save_pretrained(src)
+    data = tmp_path / "text.txt"
+    data.write_bytes(b"hello world " * 200)
+    with pytest.raises(SystemExit, match=r"no tokenizer .* \(128 ids\)"):
+        main(["quantize", "--model", str(src), "--out", str(tmp_path / "o"), "--data", str(data)])
