@@ -1,6 +1,7 @@
 """python -m fp8ext.validate: the quick run on the CPU (exit status, metrics.json, report.html), its arguments,
 --profile's traces, the page rendered in headless Chromium, and on a GPU the benchmarks' figures."""
 
+import html
 import json
 import os
 import shutil
@@ -81,6 +82,15 @@ def test_speed_is_skipped_with_the_reason_on_a_cpu(cpu_report):
     assert m["plots"]["memory.png"] == "written" and (out / "memory.png").exists()
     for name in ("tflops.png", "speedup.png"):
         assert "no GPU" in m["plots"][name] and not (out / name).exists()
+
+
+def test_a_skip_reason_shared_by_sections_is_printed_once(cpu_report):
+    res, out = cpu_report
+    reason = load_metrics(out)["sections"]["casts"]["speed"][len("skipped: "):]
+    assert res.stdout.count(reason) == 1, res.stdout
+    assert res.stdout.count("speed: skipped (*)") >= 6 and f"(*) {reason}" in res.stdout
+    page = (out / "report.html").read_text()
+    assert page.count(html.escape(reason)) >= 1 and page.count("skipped (*)") >= 6
 
 
 def test_report_html_is_self_contained_and_has_every_section(cpu_report):

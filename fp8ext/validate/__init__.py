@@ -39,6 +39,7 @@ import torch
 __all__ = ["main", "validate", "parser", "SECTIONS", "TITLES"]
 
 from ._run import SECTIONS, TITLES, Run, environment  # noqa: E402
+from ._report import speed_cells  # noqa: E402
 
 DEFAULT_REPORT = os.path.join("runs", "validate")
 
@@ -141,8 +142,10 @@ def summary_text(payload: dict, out_dir: str) -> str:
         if not c["passed"]:
             lines.append(f"  FAIL [{c['section']}] {c['name']} ({c['shape']}): {c['value']} {c['unit']} "
                          f"(limit {c['limit']}) {c['detail']}")
-    for sec, st in payload["sections"].items():
-        lines.append(f"  {sec:<10} correctness: {st['correctness']:<9} ({st['checks']} checks)  speed: {st['speed']}")
+    speeds, reasons = speed_cells([st["speed"] for st in payload["sections"].values()])  # each reason once
+    for (sec, st), speed in zip(payload["sections"].items(), speeds):
+        lines.append(f"  {sec:<10} correctness: {st['correctness']:<9} ({st['checks']} checks)  speed: {speed}")
+    lines += [f"  ({'*' * (i + 1)}) {reason}" for i, reason in enumerate(reasons)]
     verdict = "all passed" if s["all_passed"] else f"{s['failed']} FAILED"
     lines.append(f"{s['checks']} correctness checks: {verdict}; {s['figures']} figures; {s['seconds']} s")
     lines.append(f"report: {os.path.join(out_dir, 'report.html')}")

@@ -10,7 +10,7 @@ import json
 import math
 import os
 from collections import OrderedDict
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from ._run import NO_GPU, SECTIONS, TITLES, Run
 
@@ -53,6 +53,19 @@ def section_status(run: Run, section: str) -> dict:
             "speed": "skipped: " + "; ".join(sorted({s["reason"] for s in skipped})) if skipped
             else ("measured" if any(f["unit"] in ("ms", "us", "TFLOP/s", "TB/s", "tokens/s") for f in figures)
                   else "not measured")}
+
+
+def speed_cells(speeds: List[str]) -> Tuple[List[str], List[str]]:
+    """The sections' speed column with each skip reason given once: ("skipped (*)", ...) and the reasons, in the
+    order of their markers."""
+    cells, reasons = [], []
+    for speed in speeds:
+        if speed.startswith("skipped: "):
+            reason = speed[len("skipped: "):]
+            reasons += [reason] if reason not in reasons else []
+            speed = f"skipped ({'*' * (reasons.index(reason) + 1)})"
+        cells.append(speed)
+    return cells, reasons
 
 
 def write_json(path: str, payload: dict) -> None:
@@ -291,16 +304,18 @@ def _summary_html(run: Run, payload: dict) -> str:
              "timings after warm-up, medians, random data)." if run.on_gpu else
              f"Speed was not measured: {_e(env.get('no_gpu_reason', 'no GPU'))}. Only the correctness part ran, "
              "on fp8ext's CPU reference.")
+    cells, reasons = speed_cells([st["speed"] for st in payload["sections"].values()])
     rows = [[_td(f'<a href="#{sec}">{_e(TITLES[sec])}</a>'),
              _td(f'<span class="{"fail" if st["correctness"] == "failed" else "pass"}">{_e(st["correctness"])}'
-                 "</span>"), _td(str(st["checks"]), "num"), _td(_e(st["speed"]))]
-            for sec, st in payload["sections"].items()]
+                 "</span>"), _td(str(st["checks"]), "num"), _td(_e(cell))]
+            for (sec, st), cell in zip(payload["sections"].items(), cells)]
+    notes = "".join(f'<p class="note">({"*" * (i + 1)}) {_e(r)}</p>' for i, r in enumerate(reasons))
     ran = ", ".join(payload["options"]["sections"])
     opts = ("--quick (small shapes)" if run.quick else "full shapes") + (", --profile" if run.profile else "")
     return (banner + f"<p>{speed}</p><p class=\"note\">fp8ext {_e(env['fp8ext'])}, torch {_e(env['torch'])}, "
             f"CUDA {_e(env['torch_cuda'] or 'none')}, driver {_e(env['driver'] or 'none')}; {_e(env['date'])}; "
             f"{opts}; sections: {_e(ran)}; {s['seconds']} s.</p>"
-            + _table(["section", "correctness", "checks", "speed"], rows))
+            + _table(["section", "correctness", "checks", "speed"], rows) + notes)
 
 
 def _traces_html(run: Run) -> str:
