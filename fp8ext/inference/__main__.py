@@ -89,7 +89,9 @@ def _eval(args) -> None:
     totals = {"bf16": 0.0, "fp8": 0.0}
     if args.kv_cache:
         totals.update({"fp8, bf16 KV cache": 0.0, "fp8, fp8 KV cache": 0.0})
-    for i in range(args.eval_batches):
+    from tqdm.auto import tqdm
+    for i in tqdm(range(args.eval_batches), desc="eval" + (" (+ one token per step)" if args.kv_cache else ""),
+                  unit="batch"):
         x, y = batch(corpus.val, args.batch_size, seq, seed=20_011, step=i, device=device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             totals["bf16"] += ref(x, y)[1].item()

@@ -195,7 +195,8 @@ _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def quantize_model(model: nn.Module, weights: str = "channel", activations: str = "dynamic", *,
                    calibration: Optional[Dict[str, float]] = None, ignore: Sequence[str] = DEFAULT_IGNORE,
                    out_dtype: Optional[torch.dtype] = None, kv_cache_scales: bool = True,
-                   kv_calibration: Optional[Dict[str, Dict[str, torch.Tensor]]] = None) -> nn.Module:
+                   kv_calibration: Optional[Dict[str, Dict[str, torch.Tensor]]] = None,
+                   progress: bool = True) -> nn.Module:
     """Replaces every quantizable linear layer of `model` (in place) by an FP8InferenceLinear holding only the
     E4M3 weight and its scales; the high-precision weights are released. Static activations take the input
     amaxes of `calibration` (default: model.fp8_calibration from calibrate()). Returns the model; its
@@ -206,7 +207,9 @@ def quantize_model(model: nn.Module, weights: str = "channel", activations: str 
     kv_cache_scales: when K/V amaxes were calibrated (`kv_calibration`, default model.fp8_kv_calibration from
     calibrate()), every attention layer gets `k_scale` / `v_scale` buffers, [n_kv_heads] float32, amax / 448
     (dequantizing), the FP8 KV cache's scales, and the checkpoint declares kv_cache_scheme (8-bit float,
-    symmetric, static, strategy "attn_head": one scale per KV head)."""
+    symmetric, static, strategy "attn_head": one scale per KV head).
+
+    progress: a progress bar over the layers (packing a large model's weights on a CPU takes minutes)."""
     _check_schemes(weights, activations, "quantize_model")
     calib = calibration if calibration is not None else getattr(model, "fp8_calibration", None)
     kv_calib = kv_calibration if kv_calibration is not None else getattr(model, "fp8_kv_calibration", None)
@@ -225,7 +228,11 @@ def quantize_model(model: nn.Module, weights: str = "channel", activations: str 
     if kv_cache_scales and kv_calib:
         kv_amax = set_kv_cache_scales(model, kv_calib, fn="quantize_model")
         kv_scheme = KV_CACHE_SCHEME
-    for name, lin in layers.items():
+    items = layers.items()
+    if progress:
+        from tqdm.auto import tqdm
+        items = tqdm(items, desc="quantizing", unit="layer", total=len(layers))
+    for name, lin in items:
         amax = calib.get(name) if calib else None
         dtype = out_dtype or (lin.weight.dtype if lin.weight.dtype in _OUT_DTYPES else torch.bfloat16)
         _set_submodule(model, name, FP8InferenceLinear.from_linear(lin, weights, activations, amax, dtype))

@@ -189,7 +189,7 @@ def speed_train(run: Run) -> None:
 # ---------------------------------------------------------------------------------------------------- inference
 def _quantized(model):
     q = copy.deepcopy(model)
-    inference.quantize_model(q, weights="channel", activations="dynamic")
+    inference.quantize_model(q, weights="channel", activations="dynamic", progress=False)
     return q
 
 
