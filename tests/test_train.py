@@ -210,6 +210,33 @@ def test_two_processes_over_gloo_hold_the_same_fp8_scales(tmp_path, mode):
     assert ck["model"]["blocks.0.ffn.w13.weight"].shape == (384, 64), "the full, unsharded weight was saved"
 
 
+PROBE = """
+import os, sys
+from fp8ext.train import cli
+code = cli.main(sys.argv[1:])
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print("threads after train:", sorted(names), flush=True)
+sys.exit(code)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads the process's threads from Linux's /proc")
+def test_fsdp_over_gloo_leaves_no_process_group_threads_behind(tmp_path):
+    """DTensor's caches keep FSDP2's device mesh alive after training; the trainer releases the mesh's gloo group
+    after destroy_process_group, so its worker threads end before the interpreter exits (a group destroyed
+    during interpreter exit aborted one run in tens: "terminate called without an active exception")."""
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), *RUN,
+           "--max_steps", "2", "--eval_every", "2", "--use_fp8", "--fsdp", "--out_dir", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("threads after train:")]
+    assert len(lines) == 2, proc.stdout
+    assert not any("gloo" in line for line in lines), lines
+
+
 TWO_GPUS = fp8ext.cuda_available() and torch.cuda.device_count() >= 2
 
 

@@ -10,6 +10,7 @@ at checkpoints, never inside a step. Several processes (torchrun) train data-par
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import os
@@ -78,11 +79,30 @@ def _recipe(args):
     return DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=args.amax_history_len, amax_compute_algo="max")
 
 
+# The device meshes this process built for FSDP2, released at teardown (see _release_meshes)
+_MESHES: list = []
+
+
+def _release_meshes(drop_groups: bool) -> None:
+    """Drops the process groups held by the device meshes FSDP2 trained with, once destroy_process_group ran.
+    DTensor's global sharding caches keep a mesh alive after training, and the mesh keeps its process group: a
+    gloo group's worker threads then outlive destroy_process_group, and the group is destroyed during interpreter
+    exit, which can abort the process ("terminate called without an active exception"). Releasing it here lets
+    the group shut its threads down while the interpreter is alive."""
+    while _MESHES:
+        registry = getattr(_MESHES.pop(), "_pg_registry", None)
+        if drop_groups and isinstance(registry, dict):
+            registry.clear()
+    if drop_groups:
+        gc.collect()
+
+
 def _wrap(model, args, device, world):
     if world > 1 and args.fsdp:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         mesh = init_device_mesh(device.type, (world,))  # the training device's, not the machine's default (--device cpu)
+        _MESHES.append(mesh)
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -157,6 +177,7 @@ def train(args: Namespace) -> dict:
     finally:
         if owned and dist.is_initialized():  # a process group left to the interpreter's exit can abort it
             dist.destroy_process_group()
+        _release_meshes(drop_groups=owned)  # a caller's own process group stays as it is
 
 
 def _train(args: Namespace, device: torch.device, rank: int, world: int) -> dict:
