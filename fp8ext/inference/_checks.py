@@ -5,6 +5,14 @@ A file is described by its safetensors header: each tensor's dtype (as safetenso
 tensors), to refuse any that is not finite and positive. Each refusal is a ValueError (a TypeError for a value of
 the wrong type) naming the file and the tensor or key.
 
+fp8ext's own files carry a record of each quantized layer in the header's metadata ('fp8ext'). A compressed-tensors
+checkpoint another tool wrote (llmcompressor, ...) has none: record_from_config derives it from config.json's
+quantization_config (config_groups, ignore) and the tensors in the file (every `X.weight` in F8_E4M3 with an
+`X.weight_scale` is a quantized layer). Such files are read with the shapes and dtypes other tools write: scales
+in F32, BF16 or F16; per-tensor scales [1] or [] (a scalar), per-channel [out, 1] or [out]; KV-cache scales
+[n_kv_heads], [n_kv_heads, 1, 1], [1] or []. fp8ext's own files keep the strict layout: F32, [1], [out, 1],
+[n_kv_heads].
+
     header = read_header(path)
     record = check_checkpoint(config_path, config, header)  # before the model is built
     ...build the skeleton on the meta device, swap in the FP8 layers...
@@ -18,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import re
 from typing import Any, Dict, NamedTuple, Tuple
 
 import torch
@@ -29,6 +38,9 @@ OUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": t
 FORMATS = {"E4M3": "F8_E4M3"}  # the record's format -> the weight's dtype in the file
 WEIGHT_LAYOUT = "row-major [out_features, in_features]"
 KV_SCALES = ("k_scale", "v_scale")
+LAYER_SCALES = ("weight_scale", "input_scale")
+FOREIGN = "quantization_config"  # record["source"] of a record derived from config.json, not read from metadata
+_SCALE_DTYPES = ("F32", "BF16", "F16")  # what other tools write scales in (read as float32)
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
               torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64", torch.int32: "I32",
               torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
@@ -119,7 +131,7 @@ def _record(h: Header) -> Dict[str, Any]:
     return record
 
 
-def _check_layer(h: Header, name: str, spec) -> None:
+def _check_layer(h: Header, name: str, spec, scale_dtypes: Tuple[str, ...] = ("F32",)) -> None:
     key = f"metadata 'fp8ext' layers[{name!r}]"
     if not isinstance(spec, dict):
         raise _fail(h.path, f"{key} must be a JSON object, got {spec!r}", TypeError)
@@ -149,8 +161,8 @@ def _check_layer(h: Header, name: str, spec) -> None:
             raise _fail(h.path, f"holds no {t} ({spec['weights']} weights, {spec['activations']} activations)")
         if not wanted and t in h.tensors:
             raise _fail(h.path, f"holds {t}, but the layer's activations are {spec['activations']}")
-        if wanted and h.tensors[t][0] != "F32":
-            raise _fail(h.path, f"{t} is {h.tensors[t][0]}; scales are F32")
+        if wanted and h.tensors[t][0] not in scale_dtypes:
+            raise _fail(h.path, f"{t} is {h.tensors[t][0]}; scales are {' / '.join(scale_dtypes)}")
 
 
 def _check_kv(h: Header, record: Dict[str, Any]) -> None:
@@ -166,7 +178,11 @@ def _check_kv(h: Header, record: Dict[str, Any]) -> None:
         mod, _, leaf = key.rpartition(".")
         if leaf in KV_SCALES:
             other = f"{mod}.{'v_scale' if leaf == 'k_scale' else 'k_scale'}"
-            if dtype != "F32" or len(shape) != 1:
+            if record.get("source") == FOREIGN:
+                if dtype not in _SCALE_DTYPES or len(shape) > 3 or len(_squeezed(shape)) > 1:
+                    raise _fail(h.path, f"{key} is {dtype} {list(shape)}; KV-cache scales are F32, BF16 or F16 "
+                                        f"[n_kv_heads], [n_kv_heads, 1, 1], [1] or []")
+            elif dtype != "F32" or len(shape) != 1:
                 raise _fail(h.path, f"{key} is {dtype} {list(shape)}; KV-cache scales are F32 [n_kv_heads]")
             if h.tensors.get(other, (None, None))[1] != shape:
                 raise _fail(h.path, f"{key} is {list(shape)} but {other} is "
@@ -216,18 +232,143 @@ def _check_model_config(config_path: pathlib.Path, config: Dict[str, Any], h: He
                                  f"blocks {blocks[:8]}{' ...' if len(blocks) > 8 else ''}")
 
 
+def _fp8_args(config_path, key: str, args) -> Dict[str, Any]:
+    """One compressed-tensors QuantizationArgs of config.json: 8-bit symmetric float (E4M3) or a ValueError."""
+    if not isinstance(args, dict):
+        raise _fail(config_path, f"{key} must be a JSON object, got {args!r}", TypeError)
+    for field, want, what in (("type", "float", "float (FP8) quantization"), ("num_bits", 8, "8 bits"),
+                              ("symmetric", True, "symmetric scales (no zero point)")):
+        if args.get(field, want) != want:
+            raise _fail(config_path, f"{key}.{field} is {args.get(field)!r}; fp8ext reads {what} only")
+    return args
+
+
+def _group_schemes(config_path, gkey: str, group) -> Tuple[str, str]:
+    """fp8ext's (weights, activations) for a config group of quantization_config, or a ValueError naming it."""
+    if not isinstance(group, dict):
+        raise _fail(config_path, f"{gkey} must be a JSON object, got {group!r}", TypeError)
+    if group.get("format") not in (None, "float-quantized"):
+        raise _fail(config_path, f"{gkey}.format is {group['format']!r}; fp8ext reads 'float-quantized'")
+    if group.get("output_activations") is not None:
+        raise _fail(config_path, f"{gkey}.output_activations is set; fp8ext quantizes no layer outputs")
+    w = _fp8_args(config_path, f"{gkey}.weights", group.get("weights"))
+    strategy = w.get("strategy", "tensor")
+    if w.get("dynamic"):
+        raise _fail(config_path, f"{gkey}.weights.dynamic is {w['dynamic']!r}; FP8 weights have stored scales")
+    if strategy == "block":
+        if list(w.get("block_structure") or []) != [128, 128]:
+            raise _fail(config_path, f"{gkey}.weights.block_structure is {w.get('block_structure')!r}; fp8ext reads "
+                                     "128 x 128 blocks ([128, 128]) only")
+        weights = "block128"
+    elif strategy in ("tensor", "channel"):
+        weights = strategy
+    else:
+        raise _fail(config_path, f"{gkey}.weights.strategy is {strategy!r}; fp8ext reads 'tensor', 'channel' and "
+                                 "'block' (128 x 128) weights")
+    a = group.get("input_activations")
+    if a is None:
+        raise _fail(config_path, f"{gkey}.input_activations is null (weight-only FP8); fp8ext's FP8 layers "
+                                 "quantize their inputs (static or dynamic)")
+    a = _fp8_args(config_path, f"{gkey}.input_activations", a)
+    strategy = a.get("strategy", "tensor")
+    if not a.get("dynamic"):
+        if strategy != "tensor":
+            raise _fail(config_path, f"{gkey}.input_activations.strategy is {strategy!r}; static input scales are "
+                                     "per tensor")
+        activations = "static"
+    elif strategy == "token" or (strategy == "group" and a.get("group_size") == 128 and weights == "block128"):
+        activations = "dynamic"  # per token; with block weights per 1 x 128 group, as FP8InferenceLinear does
+    else:
+        raise _fail(config_path, f"{gkey}.input_activations is dynamic with strategy {strategy!r} (group_size "
+                                 f"{a.get('group_size')!r}); fp8ext reads dynamic activations per token, or per "
+                                 "128-group with 128 x 128 block weights")
+    _check_schemes(weights, activations, f"load_quantized: {config_path}: {gkey}")
+    return weights, activations
+
+
+def _matches(name: str, patterns) -> bool:
+    """compressed-tensors' targets / ignore entries: a module name, "re:<regex>", or the class name "Linear"
+    (every quantized layer here is a linear layer; the model built later confirms it)."""
+    for pat in patterns:
+        if not isinstance(pat, str):
+            continue
+        if pat == "Linear" or pat == name or (pat.startswith("re:") and re.match(pat[3:], name)):
+            return True
+    return False
+
+
+def record_from_config(config_path: pathlib.Path, config: Dict[str, Any], h: Header) -> Dict[str, Any]:
+    """The record of a compressed-tensors checkpoint without fp8ext's metadata (written by another tool):
+    each `X.weight` of the file in F8_E4M3 with an `X.weight_scale` is a quantized layer, whose schemes come from
+    the config group that targets it (weights: strategy tensor, channel, block [128, 128]; input activations:
+    static per tensor, dynamic per token or per 128-group) and whose output dtype is config.json's dtype (or
+    torch_dtype; float32 when neither is given, as transformers builds it). Anything fp8ext cannot compute
+    exactly (integer or E5M2 weights, other block sizes, group weights, weight-only FP8, zero points) is a
+    ValueError naming the file and the key."""
+    qc = config["quantization_config"]
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise _fail(config_path, f"quantization_config.config_groups must be a non-empty JSON object, got {groups!r}")
+    schemes = {}
+    for gname, group in groups.items():
+        gkey = f"quantization_config.config_groups.{gname}"
+        targets = group.get("targets") if isinstance(group, dict) else None
+        if not isinstance(targets, list) or not targets:
+            raise _fail(config_path, f"{gkey}.targets must be a non-empty list, got {targets!r}")
+        schemes[gname] = (targets, _group_schemes(config_path, gkey, group))
+    dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+    if dtype not in OUT_DTYPES:
+        raise _fail(config_path, f"dtype is {dtype!r}; fp8ext's FP8 layers compute in {sorted(OUT_DTYPES)}")
+    kv = qc.get("kv_cache_scheme")
+    if kv:
+        _fp8_args(config_path, "quantization_config.kv_cache_scheme", kv)
+        if kv.get("dynamic") or kv.get("strategy", "tensor") not in ("tensor", "attn_head"):
+            raise _fail(config_path, f"quantization_config.kv_cache_scheme is {kv.get('strategy')!r} "
+                                     f"(dynamic {kv.get('dynamic')!r}); fp8ext reads static 'tensor' and "
+                                     "'attn_head' KV-cache scales")
+    layers = {}
+    for key, (st_dtype, _) in sorted(h.tensors.items()):
+        name, _, leaf = key.rpartition(".")
+        if leaf == "weight_scale" and h.tensors.get(f"{name}.weight", ("",))[0] not in ("F8_E4M3", "F8_E5M2"):
+            raise _fail(h.path, f"holds {key} but {name}.weight is "
+                                f"{h.tensors[name + '.weight'][0] if name + '.weight' in h.tensors else 'absent'}; "
+                                "a quantized layer's weight is F8_E4M3")
+        if leaf != "weight" or st_dtype not in ("F8_E4M3", "F8_E5M2"):
+            continue
+        if st_dtype == "F8_E5M2":
+            raise _fail(h.path, f"{key} is F8_E5M2; compressed-tensors' float-quantized weights are F8_E4M3")
+        if f"{name}.weight_scale" not in h.tensors:
+            raise _fail(h.path, f"holds the F8_E4M3 weight {key} but no {name}.weight_scale")
+        if f"{name}.weight_zero_point" in h.tensors or f"{name}.input_zero_point" in h.tensors:
+            raise _fail(h.path, f"holds a zero point for {name}; fp8ext reads symmetric scales only")
+        if _matches(name, qc.get("ignore", [])):
+            raise _fail(h.path, f"{key} is F8_E4M3, but quantization_config's ignore names {name}")
+        found = [g for g, (targets, _) in schemes.items() if _matches(name, targets)]
+        if not found:
+            raise _fail(h.path, f"{key} is F8_E4M3, but no quantization_config.config_groups entry targets {name}")
+        weights, activations = schemes[found[0]][1]
+        layers[name] = {"format": "E4M3", "layout": WEIGHT_LAYOUT, "weights": weights, "activations": activations,
+                        "input_amax": None, "out_dtype": dtype}
+    if not layers:
+        raise _fail(h.path, "holds no quantized layer (an F8_E4M3 X.weight with its X.weight_scale) and no "
+                            "'fp8ext' metadata")
+    return {"layers": layers, "tied": {}, "kv_cache": {}, "source": FOREIGN}
+
+
 def check_checkpoint(config_path: pathlib.Path, config: Dict[str, Any], h: Header) -> Dict[str, Any]:
     """Everything that can be checked before a model exists: config.json's fields, the metadata's record of each
-    quantized layer, each layer's tensors' dtypes, the scales' values. Returns the record (layers, tied,
-    kv_cache)."""
+    quantized layer (derived from quantization_config when the file has no fp8ext metadata: record_from_config),
+    each layer's tensors' dtypes, the scales' values. Returns the record (layers, tied, kv_cache; "source" is
+    FOREIGN for a derived one)."""
     qc = config.get("quantization_config", {})
     if not isinstance(qc, dict) or not isinstance(qc.get("ignore", []), list) or not isinstance(
             qc.get("kv_cache_scheme") or {}, dict):
         raise _fail(config_path, "quantization_config must be a JSON object whose 'ignore' is a list and "
                                  "'kv_cache_scheme' an object or null", TypeError)
-    record = _record(h)
+    foreign = "fp8ext" not in h.metadata
+    record = record_from_config(config_path, config, h) if foreign else _record(h)
     for name, spec in record["layers"].items():
-        _check_layer(h, name, spec)
+        _check_layer(h, name, spec, _SCALE_DTYPES if foreign else ("F32",))
     _check_tied(h, record.get("tied", {}))
     _check_kv(h, record)
     _check_scale_values(h, record["layers"])
@@ -239,18 +380,28 @@ def check_against_model(h: Header, model: nn.Module, record: Dict[str, Any]) -> 
     """Each tensor of the file (and each tied alias) against its place in `model` (the skeleton, FP8 layers
     swapped in): same shape; the same dtype in FP8 layers and wherever the model's tensor is not a high-precision
     float; a high-precision float elsewhere (it is loaded as it is stored). KV-cache scales go to attention
-    modules that have k_scale / v_scale, one per KV head."""
+    modules that have k_scale / v_scale, one per KV head. In a derived record (another tool's file) a scale fits
+    when its dimensions other than 1s are the model's ([] for [1], [out] for [out, 1]; one KV scale for all
+    heads too): the loader reshapes it."""
     state = {k: v for k, v in model.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
+    foreign = record.get("source") == FOREIGN
     entries = dict(h.tensors)
     entries.update({alias: h.tensors[target] for alias, target in record.get("tied", {}).items()})
     for key, (dtype, shape) in entries.items():
         mod_name, _, leaf = key.rpartition(".")
         if key not in state and leaf in KV_SCALES:
-            _check_kv_place(h, model, key, shape)
+            _check_kv_place(h, model, key, shape, foreign)
             continue
         if key not in state:
             raise _fail(h.path, f"holds {key}, which {type(model).__name__} has no place for")
         want = _ST_DTYPES.get(state[key].dtype, str(state[key].dtype))
+        if foreign and mod_name in record["layers"] and leaf in LAYER_SCALES:  # dtype checked by _check_layer
+            if _squeezed(shape) != _squeezed(state[key].shape):
+                spec = record["layers"][mod_name]
+                raise _fail(h.path, f"{key} is {list(shape)}; the model's {key} ({spec['weights']} weights, "
+                                    f"{spec['activations']} activations) is {list(state[key].shape)} (or the same "
+                                    f"without its dimensions of size 1)")
+            continue
         if list(shape) != list(state[key].shape):
             spec = record["layers"].get(mod_name)
             scheme = f" ({spec['weights']} weights, {spec['activations']} activations)" if spec else ""
@@ -261,7 +412,7 @@ def check_against_model(h: Header, model: nn.Module, record: Dict[str, Any]) -> 
                                 f"{want if exact else ' / '.join(_HIGH_PRECISION)}")
 
 
-def _check_kv_place(h: Header, model: nn.Module, key: str, shape) -> None:
+def _check_kv_place(h: Header, model: nn.Module, key: str, shape, foreign: bool = False) -> None:
     mod_name, _, leaf = key.rpartition(".")
     try:
         mod = model.get_submodule(mod_name)
@@ -270,6 +421,39 @@ def _check_kv_place(h: Header, model: nn.Module, key: str, shape) -> None:
     if mod is None or not hasattr(mod, leaf):
         raise _fail(h.path, f"holds KV-cache scales {key} but {mod_name} "
                             f"({type(mod).__name__ if mod is not None else 'absent'}) has no {leaf}")
-    heads = getattr(getattr(mod, "cfg", None), "n_kv_heads", None)
-    if heads is not None and list(shape) != [heads]:
+    heads = kv_heads(model, mod)
+    if foreign:
+        if heads is not None and _squeezed(shape) not in ([], [heads]):
+            raise _fail(h.path, f"{key} is {list(shape)}; {mod_name} has {heads} KV heads: one scale each "
+                                f"([{heads}] or [{heads}, 1, 1]) or one for all ([1] or [])")
+    elif heads is not None and list(shape) != [heads]:
         raise _fail(h.path, f"{key} is {list(shape)}; {mod_name} has {heads} KV heads, one scale each")
+
+
+def kv_heads(model: nn.Module, attention: nn.Module):
+    """The number of KV heads of an attention module: fp8ext's (cfg.n_kv_heads) or a transformers model's
+    (config.num_key_value_heads); None when neither says."""
+    heads = getattr(getattr(attention, "cfg", None), "n_kv_heads", None)
+    if heads is None:
+        config = getattr(attention, "config", None) or getattr(model, "config", None)
+        heads = getattr(config, "num_key_value_heads", None)
+    return heads if isinstance(heads, int) else None
+
+
+def _squeezed(shape) -> list:
+    """A shape without its dimensions of size 1: [] for [] and [1], [out] for [out, 1] and [out]."""
+    return [d for d in shape if d != 1]
+
+
+def tied_parameters(h: Header, model: nn.Module) -> Dict[str, str]:
+    """{alias: name in the file} for the parameters `model` shares between names (a tied output head) of which
+    the file holds one name: what fp8ext's record says in 'tied', for a file without it."""
+    names: Dict[int, list] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    tied = {}
+    for group in names.values():
+        held = [n for n in group if n in h.tensors]
+        if held:
+            tied.update({n: held[0] for n in group if n not in h.tensors})
+    return tied

@@ -1,7 +1,9 @@
-"""FP8 checkpoints in the compressed-tensors layout that vLLM and transformers load.
+"""FP8 checkpoints in the compressed-tensors layout that vLLM and transformers load: fp8ext writes them, and reads
+its own and those other tools write (llmcompressor's FP8_DYNAMIC, FP8 and FP8_BLOCK schemes, ...).
 
     save_quantized(model, "out/")          # out/model.safetensors + out/config.json
     model = load_quantized("out/", factory)   # factory(config_dict) -> the high-precision model's skeleton
+    model = load_quantized("llmcompressor-fp8/")  # the skeleton built from config.json (transformers' architecture)
 
 A Hugging Face transformers model's directory is one that transformers' from_pretrained loads (its config at the
 top level of config.json, as save_pretrained writes it; compressed-tensors installed): tests/test_inference_
@@ -21,6 +23,14 @@ the attention module's name (`blocks.N.attn.k_scale`, fp8ext's counterpart of a 
 symmetric, dynamic false, strategy "attn_head"} (one scale per KV head: what vLLM reads for per-head scales;
 vLLM backends that take one scale per layer use the largest), and the metadata keeps the K/V amaxes.
 
+A checkpoint another tool wrote has no fp8ext record in its metadata: load_quantized takes each layer's scheme
+from config.json's quantization_config (config_groups: weights per tensor, channel or 128 x 128 block; inputs static
+per tensor or dynamic per token / 128-group; `ignore`) and the tensors (each F8_E4M3 `X.weight` with an
+`X.weight_scale`), and reads scales as other tools write them: F32, BF16 or F16; [1] or [] per tensor, [out, 1] or
+[out] per channel; k_scale / v_scale [n_kv_heads], [n_kv_heads, 1, 1], [1] or []. They are kept as float32 in
+fp8ext's shapes (a per-tensor KV scale repeated over the heads). Schemes fp8ext cannot compute (integer, E5M2 or
+group-wise weights, other block sizes, weight-only FP8, zero points) are refused naming the file and the key.
+
 Loading builds the model on the meta device (no memory), swaps in the FP8 layers, and takes the tensors from
 the file straight to the target device (safetensors reads them into device memory without a CPU copy of the
 whole model).
@@ -36,8 +46,8 @@ import torch
 from torch import nn
 
 from .. import __version__
-from ._checks import (OUT_DTYPES, WEIGHT_LAYOUT, check_against_model, check_checkpoint, read_header, read_json,
-                      read_sharded_header)
+from ._checks import (FOREIGN, KV_SCALES, LAYER_SCALES, OUT_DTYPES, WEIGHT_LAYOUT, check_against_model,
+                      check_checkpoint, kv_heads, read_header, read_json, read_sharded_header, tied_parameters)
 from .layers import FP8InferenceLinear, fuse_norms
 from .quantize import _set_submodule
 
@@ -175,12 +185,22 @@ def _transformers_config(model: nn.Module, hf_config, tensors: Dict[str, torch.T
     return cfg
 
 
-def load_quantized(model_dir: Union[str, pathlib.Path], model_or_factory: Union[nn.Module, Callable[[dict], nn.Module]],
+def load_quantized(model_dir: Union[str, pathlib.Path],
+                   model_or_factory: Union[nn.Module, Callable[[dict], nn.Module], None] = None,
                    device: Union[str, torch.device, None] = None) -> nn.Module:
-    """The model saved by save_quantized: `model_or_factory` is the high-precision model's skeleton, or a
-    callable config_dict -> skeleton (called under the meta device, so its weights take no memory). Its
-    linear layers named in the file become FP8InferenceLinear; every tensor is read from the file onto
-    `device` (default: cuda when available).
+    """An FP8 compressed-tensors checkpoint (model.safetensors, or shards with model.safetensors.index.json, and
+    config.json): one saved by save_quantized, or one another tool wrote (llmcompressor's FP8_DYNAMIC, FP8,
+    FP8_BLOCK schemes, ...), whose quantized layers and schemes are then taken from config.json's
+    quantization_config and the tensors in the file (see fp8ext.inference._checks.record_from_config).
+
+    `model_or_factory` is the high-precision model's skeleton, or a callable config_dict -> skeleton (called
+    under the meta device, so its weights take no memory). None (the default) builds it from config.json:
+    fp8ext's Transformer for its own `model_config` layout (architectures ["Transformer"]), else the
+    transformers architecture config.json names (fp8ext.inference.hf.from_config; needs transformers). The
+    skeleton's linear layers named in the file become FP8InferenceLinear; every tensor is read from the file onto
+    `device` (default: cuda when available). Scales are read as float32 in the shapes FP8InferenceLinear keeps
+    ([1], [out, 1], blocks; KV-cache scales [n_kv_heads]) whatever shape and dtype the file gives them; buffers
+    that no file holds (rotary tables, transformers' inv_freq) are computed again on `device`.
 
     The checkpoint is checked before anything is built from it (fp8ext.inference._checks): config.json's fields
     (fp8ext's transformer's config against the blocks in the file), the record of each quantized layer, every
@@ -201,12 +221,19 @@ def load_quantized(model_dir: Union[str, pathlib.Path], model_or_factory: Union[
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     header = read_header(d / WEIGHTS_FILE) if (d / WEIGHTS_FILE).is_file() else read_sharded_header(d / INDEX_FILE)
     record = check_checkpoint(d / "config.json", cfg, header)
-    layers, tied = record["layers"], record.get("tied", {})
+    layers = record["layers"]
+    if model_or_factory is None:
+        model_or_factory = _default_factory(cfg, d)
     if isinstance(model_or_factory, nn.Module):
         model = model_or_factory
     else:
         with torch.device("meta"):
             model = model_or_factory(_model_config(cfg))
+    from .hf import add_kv_scale_buffers
+    add_kv_scale_buffers(model)  # a transformers model's places for KV-cache scales (nothing for other models)
+    if record.get("source") == FOREIGN:  # another tool's file: the model's shared parameters say what is tied
+        record["tied"] = tied_parameters(header, model)
+    tied = record.get("tied", {})
     for name, spec in layers.items():
         lin = _linear_of(model, name, header.path)
         _set_submodule(model, name, FP8InferenceLinear(
@@ -218,6 +245,7 @@ def load_quantized(model_dir: Union[str, pathlib.Path], model_or_factory: Union[
         state.update(st.load_file(str(path), device=str(device)))
     # safetensors aligns tensors in the file to 8 bytes; cuBLASLt wants 16-byte aligned operands
     state = {k: v if v.data_ptr() % 16 == 0 else v.clone() for k, v in state.items()}
+    _conform_scales(model, layers, state)
     for alias, target in tied.items():
         state[alias] = state[target]
     for key in [k for k in state if k.endswith((".k_scale", ".v_scale"))]:  # FP8 KV-cache scales (checked above)
@@ -233,7 +261,8 @@ def load_quantized(model_dir: Union[str, pathlib.Path], model_or_factory: Union[
         mod_a, _, name_a = alias.rpartition(".")
         mod_t, _, name_t = target.rpartition(".")
         setattr(model.get_submodule(mod_a), name_a, getattr(model.get_submodule(mod_t), name_t))
-    for n, t in list(model.named_buffers()):  # non-persistent buffers (e.g. rotary tables) are not in the file
+    for n in [n for n, _ in model.named_buffers()]:  # non-persistent buffers (e.g. rotary tables): not in the file
+        t = model.get_buffer(n)  # looked up again: _rebuild_buffer may have replaced its module
         if t.is_meta or t.device != device:
             if not _rebuild_buffer(model, n, device):
                 if t.is_meta:
@@ -247,6 +276,38 @@ def load_quantized(model_dir: Union[str, pathlib.Path], model_or_factory: Union[
                               "input_amax": {n: s["input_amax"] for n, s in layers.items() if s["input_amax"]},
                               "kv_cache_scheme": qc.get("kv_cache_scheme"), "kv_amax": record.get("kv_cache", {})}
     return model.eval()
+
+
+def _default_factory(cfg: Dict[str, Any], d: pathlib.Path) -> Callable[[dict], nn.Module]:
+    """The skeleton's factory when load_quantized is given none: fp8ext's Transformer for its own config layout,
+    else the transformers architecture of config.json."""
+    if cfg.get("architectures") == ["Transformer"] and "model_config" in cfg:
+        from ..models.transformer import Transformer, TransformerConfig
+        return lambda model_config: Transformer(TransformerConfig(**model_config))
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ImportError(f"load_quantized: {d / 'config.json'} describes a transformers model "
+                          f"(architectures {cfg.get('architectures')!r}); building it needs transformers: pip install "
+                          "transformers, or pass the model or a factory") from None
+    from .hf import from_config
+    return from_config
+
+
+def _conform_scales(model: nn.Module, layers: Dict[str, Any], state: Dict[str, torch.Tensor]) -> None:
+    """The file's scales in float32 and in the shapes the model keeps (checked to fit by check_against_model):
+    weight_scale / input_scale reshaped to the FP8 layer's buffers ([] -> [1], [out] -> [out, 1]); KV-cache
+    scales 1-d, one per KV head (a single per-tensor scale repeated over the heads). A no-op for fp8ext's files."""
+    for name in layers:
+        mod = model.get_submodule(name)
+        for leaf in LAYER_SCALES:
+            key = f"{name}.{leaf}"
+            if key in state and getattr(mod, leaf, None) is not None:
+                state[key] = state[key].to(torch.float32).reshape(getattr(mod, leaf).shape)
+    for key in [k for k in state if k.rpartition(".")[2] in KV_SCALES]:
+        s = state[key].to(torch.float32).reshape(-1)
+        heads = kv_heads(model, model.get_submodule(key.rpartition(".")[0]))
+        state[key] = s.expand(heads).contiguous() if s.numel() == 1 and heads else s
 
 
 def _model_config(cfg: Dict[str, Any]) -> Dict[str, Any]:
@@ -270,10 +331,26 @@ def _linear_of(model: nn.Module, name: str, path: pathlib.Path) -> nn.Module:
 
 
 def _rebuild_buffer(model: nn.Module, name: str, device) -> bool:
-    """Non-persistent buffers the model can recompute: fp8ext's transformer's rotary tables."""
+    """Non-persistent buffers the model can recompute: fp8ext's transformer's rotary tables, and the buffers of a
+    transformers module that holds nothing a checkpoint stores (a rotary embedding's inv_freq): the module is
+    built again from its config on `device`, as the model built it."""
     if name in ("rope_cos", "rope_sin") and hasattr(model, "cfg"):
         from ..models.transformer import rope_tables
         cos, sin = rope_tables(model.cfg, device)
         model.rope_cos, model.rope_sin = cos, sin
         return True
-    return False
+    parent, _, leaf = name.rpartition(".")
+    mod = model.get_submodule(parent) if parent else model
+    config = getattr(mod, "config", None)
+    if mod is model or config is None or mod.state_dict() or any(True for _ in mod.parameters()):
+        return False
+    try:
+        with torch.device(device):
+            fresh = type(mod)(config)
+    except TypeError:
+        return False
+    if not isinstance(getattr(fresh, leaf, None), torch.Tensor) or fresh.get_buffer(leaf).is_meta:
+        return False
+    owner, _, child = parent.rpartition(".")
+    setattr(model.get_submodule(owner) if owner else model, child, fresh.train(mod.training))
+    return True
