@@ -18,6 +18,8 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
 from fp8ext import inference  # noqa: E402
 from fp8ext.inference import hf  # noqa: E402
 
+import ct_reference  # noqa: E402
+
 E4M3_MAX = 448.0
 N_LAYERS, N_KV = 2, 2
 IDS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -187,19 +189,10 @@ def relative_l2(got, want):
     return ((got - want).norm() / want.norm()).item()
 
 
-def compressed_tensors_per_token(x, fmt):
-    """Per-token E4M3 as compressed-tensors computes it: scale = amax / 448, q = x / scale. fp8ext's kernel takes
-    scale_inv = 1 / (448 / amax), which can differ in the last bit; an activation on a rounding boundary then
-    rounds to the neighbouring E4M3 value (see test_fp8exts_per_token_scales_agree_up_to_rounding_flips)."""
-    s = x.float().abs().amax(dim=1, keepdim=True) / E4M3_MAX
-    s = torch.where(s > 0, s, torch.ones_like(s))
-    return _fp8(x.float(), s), s.reshape(-1)
-
-
 @pytest.mark.parametrize("factory", [None, plain_factory, hf.from_config], ids=["no-factory", "plain", "hf"])
 def test_another_tools_checkpoint_gives_transformers_logits(checkpoint, factory, monkeypatch):
     d, want, kw = checkpoint
-    monkeypatch.setattr(inference.layers, "quantize_rowwise", compressed_tensors_per_token)
+    monkeypatch.setattr(inference.layers, "quantize_rowwise", ct_reference.per_token)
     model = inference.load_quantized(d, factory, device="cpu")
     assert sum(isinstance(m, inference.FP8InferenceLinear) for m in model.modules()) == 7 * N_LAYERS
     with torch.no_grad():
@@ -243,7 +236,7 @@ def test_scales_are_float32_in_fp8exts_shapes_and_kv_scales_one_per_head(checkpo
 
 def test_a_skeleton_module_loads_too(checkpoint, monkeypatch):
     d, want, kw = checkpoint
-    monkeypatch.setattr(inference.layers, "quantize_rowwise", compressed_tensors_per_token)
+    monkeypatch.setattr(inference.layers, "quantize_rowwise", ct_reference.per_token)
     model = inference.load_quantized(d, tiny_llama(tie=kw.get("tie", False)), device="cpu")
     with torch.no_grad():
         assert relative_l2(model(IDS).logits.float(), want) < 1e-5
