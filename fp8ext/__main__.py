@@ -79,9 +79,14 @@ def report() -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def parser():
+    """The command line's parser: no arguments (tests/test_docs.py parses the documented commands with it)."""
     import argparse
-    argparse.ArgumentParser(prog="python -m fp8ext", description=__doc__.split("\n\n")[0]).parse_args(argv)
+    return argparse.ArgumentParser(prog="python -m fp8ext", description=__doc__.split("\n\n")[0])
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser().parse_args(argv)
     print(report())
     return 0
 

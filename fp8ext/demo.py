@@ -79,11 +79,16 @@ def train_digits(steps: int):
             "gradient of hidden activation": hidden.grad}
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
+    """The command line's parser (tests/test_docs.py parses the documented commands with it)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/fp8ext_demo.png", help="where to write the plot ('' for none)")
     ap.add_argument("--steps", type=int, default=300, help="training steps on the digits data")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     info = fp8ext.build_info()
     print(f"fp8ext {fp8ext.__version__}: {'CUDA ' + info['cuda_archs'] if info['cuda'] else 'CPU-only'} build, "
           f"GPU in use: {fp8ext.cuda_available()}\n")

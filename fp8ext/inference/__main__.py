@@ -133,7 +133,8 @@ def _generate(args) -> None:
           + f" ({device}{', decode steps as a CUDA graph' if stats['cuda_graph'] else ''})")
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line's parser (tests/test_docs.py parses the documented commands with it)."""
     p = argparse.ArgumentParser(prog="python -m fp8ext.inference", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     q = sub.add_parser("quantize", help="calibrate, pack and export a training checkpoint or a transformers model")
@@ -167,7 +168,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         s.add_argument("--seq_len", type=int, default=None,
                        help=f"default: the training run's (a transformers model: {HF_SEQ_LEN} or its context)")
         s.add_argument("--device", default=None)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parser().parse_args(argv)
     try:
         {"quantize": _quantize, "eval": _eval, "generate": _generate}[args.command](args)
     except (CheckpointError, HFModelError) as e:  # a one-line error naming the file, as for a wrong argument

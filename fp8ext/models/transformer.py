@@ -358,7 +358,8 @@ def default_recipe(amax_history_len: int = 16) -> DelayedScaling:
     return DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=amax_history_len, amax_compute_algo="max")
 
 
-def _self_test(argv=None) -> None:
+def parser() -> argparse.ArgumentParser:
+    """The self test's command-line parser (tests/test_docs.py parses the documented commands with it)."""
     p = argparse.ArgumentParser(prog="python -m fp8ext.models.transformer",
                                 description="Self test: parameter counts, a forward pass and its loss.")
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
@@ -366,7 +367,11 @@ def _self_test(argv=None) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--batch_size", type=int, default=2)
-    args = p.parse_args(argv)
+    return p
+
+
+def _self_test(argv=None) -> None:
+    args = parser().parse_args(argv)
     device = torch.device(args.device)
     if args.fp8 and device.type == "cuda" and not te.cuda_available():
         raise RuntimeError("--fp8 on a GPU needs fp8ext's CUDA kernels; this build has none "

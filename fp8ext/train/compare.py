@@ -10,7 +10,7 @@ import pathlib
 import sys
 from typing import Optional
 
-__all__ = ["compare", "main"]
+__all__ = ["compare", "main", "parser"]
 
 
 def _run(run_dir: str):
@@ -80,13 +80,18 @@ def _default_plot(dir_a: str, dir_b: str) -> pathlib.Path:
     return (common if common not in (a, b) else common.parent) / "compare.png"
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line's parser (tests/test_docs.py parses the documented commands with it)."""
     p = argparse.ArgumentParser(prog="python -m fp8ext.train.compare", description=__doc__.split("\n")[0])
     p.add_argument("dir_a")
     p.add_argument("dir_b")
     p.add_argument("--plot", default=None,
                    help="where to write the loss plot (default: compare.png next to the two runs; '' for none)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     plot = args.plot if args.plot is not None else str(_default_plot(args.dir_a, args.dir_b))
     compare(args.dir_a, args.dir_b, plot=plot or None)
     return 0
