@@ -271,7 +271,8 @@ def test_readme_quickstart_in_a_fresh_venv_and_clone(tmp_path):
     subprocess.run(["git", "clone", "--quiet", str(ROOT), str(repo)], check=True, timeout=300)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env = {k: v for k, v in os.environ.items()  # a newcomer's shell: none of CI's settings (FP8EXT_CUDA among them)
+           if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "FP8EXT_CUDA")}
     env.update(VIRTUAL_ENV=str(venv), PATH=str(venv / "bin") + os.pathsep + env.get("PATH", ""), MPLBACKEND="Agg")
     r = subprocess.run(["bash", "-c", line], cwd=repo, env=env, capture_output=True, text=True, timeout=3600)
     assert r.returncode == 0, f"{line!r} exited {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
