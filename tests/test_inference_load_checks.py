@@ -14,6 +14,8 @@ from fp8ext import inference
 from fp8ext.models.transformer import Transformer, TransformerConfig, preset
 
 CFG = preset("tiny")
+# block128 needs q/k/v and gate/up parts of multiples of 128 rows (they are separate layers in the Llama checkpoint)
+BLOCK_CFG = TransformerConfig(d_model=256, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=256)
 SCHEMES = [("tensor", "static"), ("tensor", "dynamic"), ("channel", "static"), ("channel", "dynamic"),
            ("block128", "dynamic")]
 
@@ -24,7 +26,7 @@ def factory(cfg):
 
 def save_checkpoint(out, weights="channel", activations="static"):
     torch.manual_seed(0)
-    model = Transformer(CFG).eval()
+    model = Transformer(BLOCK_CFG if weights == "block128" else CFG).eval()
     inference.calibrate(model, [torch.randint(0, 256, (2, 32))], progress=False)  # input and K/V amaxes
     inference.quantize_model(model, weights, activations)
     inference.save_quantized(model, out)
@@ -84,8 +86,8 @@ def test_genuine_checkpoints_still_load_and_compute_as_saved(tmp_path, weights, 
 
 
 @pytest.mark.parametrize("value", [float("inf"), 0.0, float("nan"), -1.0])
-@pytest.mark.parametrize("key", ["blocks.0.attn.qkv_proj.input_scale", "blocks.1.ffn.w2.weight_scale",
-                                 "blocks.1.attn.k_scale"])
+@pytest.mark.parametrize("key", ["model.layers.0.self_attn.q_proj.input_scale",
+                                 "model.layers.1.mlp.down_proj.weight_scale", "model.layers.1.self_attn.k_scale"])
 def test_a_scale_that_is_not_finite_and_positive_is_refused_with_its_value(ckpt, key, value):
     def change(t):
         t[key] = t[key].clone()
@@ -97,7 +99,7 @@ def test_a_scale_that_is_not_finite_and_positive_is_refused_with_its_value(ckpt,
 
 
 def test_an_e5m2_weight_under_an_e4m3_record_is_refused(ckpt):
-    key = "blocks.0.ffn.w13.weight"
+    key = "model.layers.0.mlp.gate_proj.weight"
     rewrite_tensors(ckpt, lambda t: t.update({key: t[key].float().to(torch.float8_e5m2)}))
     with pytest.raises(ValueError, match=names(ckpt / "model.safetensors", key) + " is F8_E5M2.*format E4M3"):
         inference.load_quantized(ckpt, factory, device="cpu")
@@ -105,7 +107,7 @@ def test_an_e5m2_weight_under_an_e4m3_record_is_refused(ckpt):
 
 @pytest.mark.parametrize("dtype, name", [(torch.float32, "F32"), (torch.uint8, "U8"), (torch.int32, "I32")])
 def test_a_weight_that_is_not_fp8_is_refused(ckpt, dtype, name):
-    key = "blocks.1.attn.o_proj.weight"
+    key = "model.layers.1.self_attn.o_proj.weight"
     rewrite_tensors(ckpt, lambda t: t.update({key: t[key].view(torch.uint8).to(dtype)}))
     with pytest.raises(ValueError, match=names(ckpt / "model.safetensors", key) + f" is {name}"):
         inference.load_quantized(ckpt, factory, device="cpu")
@@ -113,8 +115,9 @@ def test_a_weight_that_is_not_fp8_is_refused(ckpt, dtype, name):
 
 @pytest.mark.parametrize("out_dtype", ["load", "float8_e4m3fn", "int64"])
 def test_out_dtype_outside_bfloat16_float16_float32_is_refused(ckpt, out_dtype):
-    rewrite_record(ckpt, lambda r: r["layers"]["blocks.0.ffn.w2"].update(out_dtype=out_dtype))
-    with pytest.raises(ValueError, match=names(ckpt / "model.safetensors", "blocks.0.ffn.w2") + r".*out_dtype.*"
+    rewrite_record(ckpt, lambda r: r["layers"]["model.layers.0.mlp.down_proj"].update(out_dtype=out_dtype))
+    with pytest.raises(ValueError, match=names(ckpt / "model.safetensors", "model.layers.0.mlp.down_proj")
+                       + r".*out_dtype.*"
                        + re.escape(repr(out_dtype))):
         inference.load_quantized(ckpt, factory, device="cpu")
 
@@ -124,7 +127,7 @@ def test_out_dtype_outside_bfloat16_float16_float32_is_refused(ckpt, out_dtype):
     ("norm_eps", float("nan"), ValueError), ("fused_qkv", "yes", TypeError), ("n_layres", 2, TypeError)])
 def test_a_model_config_value_of_the_wrong_type_or_range_is_refused_before_the_model_is_built(ckpt, field, value,
                                                                                               exc):
-    rewrite_config(ckpt, lambda c: c["model_config"].update({field: value}))
+    rewrite_config(ckpt, lambda c: c["fp8ext_model_config"].update({field: value}))
     built = []
     with pytest.raises(exc, match=names(ckpt / "config.json", field)):
         inference.load_quantized(ckpt, lambda c: built.append(c) or factory(c), device="cpu")
@@ -132,8 +135,8 @@ def test_a_model_config_value_of_the_wrong_type_or_range_is_refused_before_the_m
 
 
 def test_n_layers_must_match_the_blocks_in_the_file(ckpt):
-    rewrite_config(ckpt, lambda c: c["model_config"].update(n_layers=3))
-    with pytest.raises(ValueError, match=names(ckpt / "config.json", "n_layers is 3") + r".*blocks \[0, 1\]"):
+    rewrite_config(ckpt, lambda c: c["fp8ext_model_config"].update(n_layers=3))
+    with pytest.raises(ValueError, match=names(ckpt / "config.json", "n_layers is 3") + r".*layers \[0, 1\]"):
         inference.load_quantized(ckpt, factory, device="cpu")
 
 
@@ -152,7 +155,7 @@ def test_a_record_without_layers_is_refused(ckpt):
     ("input_amax", float("inf"), ValueError, "['input_amax'] must be finite and >= 0, got inf"),
     ("input_amax", "3", TypeError, "['input_amax'] must be a number")])
 def test_a_layer_record_with_a_missing_or_unknown_field_is_refused(ckpt, field, value, exc, says):
-    name = "blocks.1.attn.qkv_proj"
+    name = "model.layers.1.self_attn.q_proj"
     rewrite_record(ckpt, lambda r: r["layers"].__setitem__(name, {} if field is None else
                                                            {**r["layers"][name], field: value}))
     with pytest.raises(exc, match=names(ckpt / "model.safetensors", f"layers[{name!r}]") + ".*" + re.escape(says)):
@@ -176,15 +179,15 @@ def test_malformed_config_json_is_refused(ckpt):
 
 @pytest.mark.parametrize("which", [("k_scale",), ("k_scale", "v_scale")])
 def test_kv_scales_of_the_wrong_shape_are_refused_at_load(ckpt, which):
-    rewrite_tensors(ckpt, lambda t: t.update({f"blocks.0.attn.{k}": torch.full((CFG.n_kv_heads + 1,), 0.01)
-                                              for k in which}))
-    with pytest.raises(ValueError, match=names(ckpt / "model.safetensors", "blocks.0.attn.k_scale is [3]")):
+    rewrite_tensors(ckpt, lambda t: t.update({f"model.layers.0.self_attn.{k}": torch.full((CFG.n_kv_heads + 1,),
+                                                                                            0.01) for k in which}))
+    with pytest.raises(ValueError, match=names(ckpt / "model.safetensors", "model.layers.0.self_attn.k_scale is [3]")):
         inference.load_quantized(ckpt, factory, device="cpu")
 
 
-@pytest.mark.parametrize("key, shape", [("blocks.0.ffn.w13.weight_scale", (1,)),  # per tensor under a channel record
-                                        ("blocks.0.attn.qkv_proj.input_scale", (2,)),
-                                        ("blocks.1.ffn.w2.weight", (64, 208))])
+@pytest.mark.parametrize("key, shape", [("model.layers.0.mlp.gate_proj.weight_scale", (1,)),  # per tensor: channel
+                                        ("model.layers.0.self_attn.k_proj.input_scale", (2,)),
+                                        ("model.layers.1.mlp.down_proj.weight", (64, 208))])
 def test_a_tensor_whose_shape_does_not_fit_its_layer_is_refused(ckpt, key, shape):
     def change(t):
         t[key] = torch.ones(shape, dtype=t[key].dtype) if t[key].dtype == torch.float32 else \
@@ -195,7 +198,7 @@ def test_a_tensor_whose_shape_does_not_fit_its_layer_is_refused(ckpt, key, shape
 
 
 def test_an_input_scale_for_a_dynamic_layer_or_none_for_a_static_one_is_refused(ckpt, tmp_path):
-    name = "blocks.0.ffn.w13"
+    name = "model.layers.0.mlp.up_proj"
     rewrite_tensors(ckpt, lambda t: t.pop(f"{name}.input_scale"))
     with pytest.raises(ValueError, match=names(ckpt / "model.safetensors", f"holds no {name}.input_scale")):
         inference.load_quantized(ckpt, factory, device="cpu")
@@ -207,6 +210,7 @@ def test_an_input_scale_for_a_dynamic_layer_or_none_for_a_static_one_is_refused(
 
 
 def test_a_tensor_the_model_has_no_place_for_is_refused(ckpt):
-    rewrite_tensors(ckpt, lambda t: t.update({"blocks.0.extra.weight": torch.ones(4)}))
-    with pytest.raises(ValueError, match=names(ckpt / "model.safetensors", "blocks.0.extra.weight") + ".*no place"):
+    rewrite_tensors(ckpt, lambda t: t.update({"model.layers.0.extra.weight": torch.ones(4)}))
+    with pytest.raises(ValueError, match=names(ckpt / "model.safetensors", "model.layers.0.extra.weight") +
+                       ".*no place"):
         inference.load_quantized(ckpt, factory, device="cpu")

@@ -25,9 +25,13 @@ class HFModelError(ValueError):
 
 
 def is_hf_dir(d: pathlib.Path) -> bool:
-    """Whether `d` holds a transformers model (config.json with a model_type), not an fp8ext checkpoint."""
+    """Whether `d` holds a transformers model (config.json with a model_type), not an fp8ext checkpoint (fp8ext's
+    Transformer written as a Llama checkpoint has a model_type too, and fp8ext_model_config)."""
     cfg = d / "config.json"
-    return cfg.is_file() and "model_type" in json.loads(cfg.read_text())
+    if not cfg.is_file():
+        return False
+    config = json.loads(cfg.read_text())
+    return "model_type" in config and "fp8ext_model_config" not in config
 
 
 def _transformers():

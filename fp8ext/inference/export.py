@@ -14,12 +14,14 @@ model.safetensors holds every tensor of the state dict: for each FP8 layer `weig
 activations, `input_scale` ([1]); the other modules' tensors as they are. Scales dequantize (x = q * scale).
 Its header's metadata keeps fp8ext's own record: the format, layout, schemes and the calibrated amax of each
 layer (the seed of an amax history, were the model fine-tuned in FP8 again). config.json holds the model's
-config and `quantization_config` (quant_method "compressed-tensors", format "float-quantized").
+config and `quantization_config` (quant_method "compressed-tensors", format "float-quantized"). fp8ext's own
+Transformer is written as a Llama checkpoint (Llama's tensor names, q/k/v and gate/up as separate layers, a
+LlamaConfig plus `fp8ext_model_config`): see fp8ext.inference.llama.
 
 FP8 KV cache: when quantize_model set calibrated K/V scales, each attention layer's `k_scale` and `v_scale`
 (F32 [n_kv_heads], dequantizing: amax / 448 of that head's K after RoPE, and of its V) are in the file under
-the attention module's name (`blocks.N.attn.k_scale`, fp8ext's counterpart of a Llama checkpoint's
-`model.layers.N.self_attn.k_scale`), quantization_config's `kv_cache_scheme` is {num_bits 8, type float,
+the attention module's name (`model.layers.N.self_attn.k_scale` in a Llama checkpoint, fp8ext's
+Transformer's included), quantization_config's `kv_cache_scheme` is {num_bits 8, type float,
 symmetric, dynamic false, strategy "attn_head"} (one scale per KV head: what vLLM reads for per-head scales;
 vLLM backends that take one scale per layer use the largest), and the metadata keeps the K/V amaxes.
 
@@ -46,6 +48,7 @@ import torch
 from torch import nn
 
 from .. import __version__
+from . import llama
 from ._checks import (FOREIGN, KV_SCALES, LAYER_SCALES, OUT_DTYPES, WEIGHT_LAYOUT, check_against_model,
                       check_checkpoint, kv_heads, read_header, read_json, read_sharded_header, tied_parameters)
 from .layers import FP8InferenceLinear, fuse_norms
@@ -96,7 +99,11 @@ def save_quantized(model: nn.Module, out_dir: Union[str, pathlib.Path], config: 
     the directory. For other models `config` (the model's own config, e.g. dataclasses.asdict(model.cfg); by
     default model.cfg's fields when the model has a dataclass `cfg`) goes under config.json's `model_config`.
     Tensors beyond `max_shard_size` (bytes, or a string such as "5GB" or "500MiB") are split over files
-    model-00001-of-0000N.safetensors with model.safetensors.index.json, as save_pretrained does."""
+    model-00001-of-0000N.safetensors with model.safetensors.index.json, as save_pretrained does.
+    fp8ext's own Transformer is written as a Llama checkpoint (fp8ext.inference.llama), which transformers and vLLM
+    load as LlamaForCausalLM."""
+    if llama.is_fp8ext_transformer(model):
+        return llama.save(model, out_dir, config, max_shard_size=max_shard_size)
     q = getattr(model, "fp8_quantization", None)
     if q is None:
         raise ValueError("save_quantized: the model is not quantized: run fp8ext.inference.quantize_model first")
@@ -176,13 +183,18 @@ def _transformers_config(model: nn.Module, hf_config, tensors: Dict[str, torch.T
     at the top level), with the architecture and the dtype of the tensors kept in high precision: what
     from_pretrained needs to rebuild the model around the quantized layers."""
     cfg = {k: v for k, v in hf_config.to_diff_dict().items() if k != "quantization_config"}
+    dtype = high_precision_dtype(tensors)
+    cfg.update(architectures=[type(model).__name__], dtype=dtype, torch_dtype=dtype)
+    return cfg
+
+
+def high_precision_dtype(tensors: Dict[str, torch.Tensor]) -> str:
+    """config.json's dtype: that of most elements of the tensors kept in high precision ("bfloat16" if none)."""
     counts: Dict[torch.dtype, int] = {}
     for t in tensors.values():
         if t.is_floating_point() and t.element_size() > 1:
             counts[t.dtype] = counts.get(t.dtype, 0) + t.numel()
-    dtype = str(max(counts, key=counts.get) if counts else torch.bfloat16).replace("torch.", "")
-    cfg.update(architectures=[type(model).__name__], dtype=dtype, torch_dtype=dtype)
-    return cfg
+    return str(max(counts, key=counts.get) if counts else torch.bfloat16).replace("torch.", "")
 
 
 def load_quantized(model_dir: Union[str, pathlib.Path],
@@ -205,7 +217,10 @@ def load_quantized(model_dir: Union[str, pathlib.Path],
     The checkpoint is checked before anything is built from it (fp8ext.inference._checks): config.json's fields
     (fp8ext's transformer's config against the blocks in the file), the record of each quantized layer, every
     tensor's dtype and shape against its layer's scheme and the model, every scale finite and positive. A file
-    that fails raises ValueError (TypeError for a value of the wrong type) naming the file and the key."""
+    that fails raises ValueError (TypeError for a value of the wrong type) naming the file and the key.
+
+    A directory holding fp8ext's Transformer as a Llama checkpoint (config.json's fp8ext_model_config) loads
+    back into fp8ext's Transformer (fp8ext.inference.llama); there `model_or_factory` may be None."""
     st = _safetensors()
     d = pathlib.Path(model_dir)
     if not (d / "config.json").is_file():
@@ -213,6 +228,8 @@ def load_quantized(model_dir: Union[str, pathlib.Path],
     if not (d / WEIGHTS_FILE).is_file() and not (d / INDEX_FILE).is_file():
         raise FileNotFoundError(f"load_quantized: {d} holds neither {WEIGHTS_FILE} nor {INDEX_FILE}")
     cfg = read_json(d / "config.json")
+    if llama.is_fp8ext_llama(cfg):  # fp8ext's Transformer written as a Llama checkpoint
+        return llama.load(d, cfg, model_or_factory, device)
     qc = cfg.get("quantization_config")
     qc = qc if isinstance(qc, dict) else {}
     if qc.get("quant_method") != "compressed-tensors" or qc.get("format") != "float-quantized":
