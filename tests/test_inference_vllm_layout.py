@@ -45,6 +45,16 @@ def test_mistral_and_qwen2_meet_vllms_loader(kind, tmp_path):
     assert vllm_layout.problems(save(tiny(kind), "channel", "static", tmp_path / kind)) == []
 
 
+@pytest.mark.parametrize("weights, activations", SCHEMES)
+def test_fp8exts_own_transformer_exported_as_llama_meets_vllms_loader(weights, activations, tmp_path):
+    from fp8ext.models.transformer import Transformer, TransformerConfig, preset
+    torch.manual_seed(0)  # block scales stack only when each part's rows are a multiple of 128
+    cfg = TransformerConfig(d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=256) \
+        if weights == "block128" else preset("tiny")
+    out = save(Transformer(cfg).eval(), weights, activations, tmp_path / "fp8")
+    assert vllm_layout.problems(out) == []
+
+
 def test_kv_cache_scales_are_what_vllm_reads(tmp_path):
     out = save(tiny(), "tensor", "static", tmp_path / "fp8")
     cfg = json.loads((out / "config.json").read_text())
@@ -60,8 +70,11 @@ def edit_config(out, change):
 
 
 def test_the_checks_catch_a_fused_layer_quantized_in_part(tmp_path):
-    """Ignoring q_proj alone leaves k/v_proj in FP8: vLLM cannot fuse them into one qkv_proj."""
-    out = save(tiny(), "channel", "dynamic", tmp_path / "fp8", ignore=["lm_head", "model.layers.0.self_attn.q_proj"])
+    """Ignoring q_proj alone leaves k/v_proj in FP8: vLLM cannot fuse them into one qkv_proj (save_quantized warns)."""
+    with pytest.warns(UserWarning, match=r"self_attn.k_proj, model.layers.0.self_attn.v_proj quantized but "
+                                         r"model.layers.0.self_attn.q_proj kept .* vLLM .* refuses"):
+        out = save(tiny(), "channel", "dynamic", tmp_path / "fp8",
+                   ignore=["lm_head", "model.layers.0.self_attn.q_proj"])
     found = vllm_layout.problems(out)
     assert any("qkv_proj" in p and "quantized alike" in p for p in found), found
 

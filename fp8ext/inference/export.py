@@ -107,6 +107,7 @@ def save_quantized(model: nn.Module, out_dir: Union[str, pathlib.Path], config: 
     q = getattr(model, "fp8_quantization", None)
     if q is None:
         raise ValueError("save_quantized: the model is not quantized: run fp8ext.inference.quantize_model first")
+    _warn_partly_quantized_fusions(q)
     st = _safetensors()
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -137,6 +138,26 @@ def save_quantized(model: nn.Module, out_dir: Union[str, pathlib.Path], config: 
     cfg["quantization_config"] = quantization_config(q)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
+
+
+# layers vLLM loads fused into one (its Llama-family loaders' stacked_params_mapping): quantized all alike or not at all
+FUSED_IN_VLLM = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _warn_partly_quantized_fusions(q: Dict[str, Any]) -> None:
+    """A warning when an `ignore` list kept some parts of a layer vLLM fuses (q/k/v_proj, gate/up_proj) in high
+    precision and quantized the others: transformers loads such a checkpoint, vLLM refuses it."""
+    import warnings
+    quantized, kept = set(q["layers"]), set(q.get("ignored_modules") or [])
+    for parts in FUSED_IN_VLLM:
+        parents = sorted({n.rpartition(".")[0] for n in quantized if n.rpartition(".")[2] in parts})
+        for parent in parents:
+            siblings = [f"{parent}.{p}" if parent else p for p in parts]
+            if any(s in kept for s in siblings):
+                warnings.warn(f"save_quantized: {', '.join(s for s in siblings if s in quantized)} quantized but "
+                              f"{', '.join(s for s in siblings if s in kept)} kept in high precision: vLLM loads "
+                              "these layers as one and refuses the checkpoint (transformers loads it); ignore all "
+                              "of them or none", stacklevel=3)
 
 
 def _bytes(size: Union[int, str]) -> int:
