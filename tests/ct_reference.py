@@ -14,3 +14,24 @@ def per_token(x: torch.Tensor, fmt=None):
     s = x.float().abs().amax(dim=1, keepdim=True) / E4M3_MAX
     s = torch.where(s > 0, s, torch.ones_like(s))
     return (x.float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), s.reshape(-1)
+
+
+def rounds_kv(model) -> bool:
+    """Whether transformers, loading a checkpoint with a kv_cache_scheme into `model`'s architecture, rounds K/V
+    with its k_scale / v_scale: compressed-tensors 0.20 places them only in attention whose forward takes
+    `past_key_values` (transformers 5.17 does; 5.24 calls it `cache` and reports the scales as unexpected keys)."""
+    from compressed_tensors.quantization.lifecycle.initialize import is_cached_attention_module
+    from fp8ext.inference import hf
+    return any(is_cached_attention_module(m) for m in hf.attention_modules(model).values())
+
+
+def logits_as_transformers_computes(model, ids):
+    """A transformers model quantized by fp8ext: its logits on `ids` as from_pretrained's model of the saved
+    directory computes them, with K/V rounded to E4M3 by the calibrated scales where transformers does that
+    (rounds_kv), through fp8ext's fp8_kv_cache."""
+    from fp8ext.inference import hf
+    carries = all(getattr(m, "k_scale", None) is not None for m in hf.attention_modules(model).values())
+    kw = {hf.cache_argument(model): hf.fp8_kv_cache(model, scales="calibrated"), "use_cache": True} \
+        if rounds_kv(model) and carries else {}
+    with torch.no_grad():
+        return model(ids, **kw).logits.float()

@@ -18,6 +18,7 @@ installs packages or takes long is preceded by `<!-- test: gpu -->` or `<!-- tes
 from __future__ import annotations
 
 import dataclasses
+import gc
 import importlib
 import os
 import pathlib
@@ -168,6 +169,15 @@ def test_command_arguments_are_accepted(block, cmd, capsys):
 
 
 _STATE: Dict[tuple, dict] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_the_examples():
+    """The examples' objects (FP8 layers among them) are released when this file's tests end: they hold slots in
+    the FP8 scaling managers that a training run later in the same process would count as its own."""
+    yield
+    _STATE.clear()
+    gc.collect()
 
 
 def _file_state(kind: str, path: pathlib.Path, factory) -> dict:

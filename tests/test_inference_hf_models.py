@@ -17,6 +17,8 @@ from fp8ext import inference  # noqa: E402
 from fp8ext.inference import hf  # noqa: E402
 from fp8ext.inference.__main__ import main  # noqa: E402
 
+import ct_reference  # noqa: E402
+
 SIZES = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128)
 MODELS = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -40,7 +42,8 @@ def reference_kv_amax(model, batches):
     out = {}
     with torch.no_grad():
         for x in batches:
-            cache = model(x, use_cache=True).cache
+            res = model(x, use_cache=True)
+            cache = getattr(res, "cache", None) or res.past_key_values  # transformers 5.24's name, or earlier
             for i, layer in enumerate(cache.layers):
                 k, v = (t.abs().amax(dim=(0, 2, 3)) for t in (layer.keys, layer.values))
                 prev = out.get(names[i])
@@ -85,8 +88,10 @@ def test_quantize_model_gives_attention_layers_kv_cache_scales(kind):
         attn = model.get_submodule(name)
         buffers = dict(attn.named_buffers(recurse=False))
         assert set(buffers) == {"k_scale", "v_scale"}
-        assert torch.equal(attn.k_scale, inference.kv_scales_from_amax(k)) and attn.k_scale.dtype == torch.float32
-        assert torch.equal(attn.v_scale, inference.kv_scales_from_amax(v))
+        # [n_kv_heads, 1, 1]: the shape compressed-tensors' attention broadcasts over K/V
+        assert torch.equal(attn.k_scale, inference.kv_scales_from_amax(k).reshape(-1, 1, 1))
+        assert torch.equal(attn.v_scale, inference.kv_scales_from_amax(v).reshape(-1, 1, 1))
+        assert attn.k_scale.dtype == torch.float32
     assert model.fp8_quantization["kv_cache_scheme"]["strategy"] == "attn_head"
     assert isinstance(model.model.layers[0].self_attn.q_proj, inference.FP8InferenceLinear)
 
@@ -98,19 +103,20 @@ def test_transformers_loads_the_directory_with_fp8exts_logits(kind, tmp_path):
     x = ids(seed=3)
     with torch.no_grad():
         want = model(x).logits
+    as_transformers = ct_reference.logits_as_transformers_computes(model, x)  # K/V rounded where it rounds them
     out = inference.save_quantized(model, tmp_path / kind)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["quantization_config"]["kv_cache_scheme"]["strategy"] == "attn_head"
     loaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     scales = {f"model.layers.{i}.self_attn.{s}" for i in range(2) for s in ("k_scale", "v_scale")}
     assert not info["missing_keys"] and not info["mismatched_keys"] and not info["error_msgs"]
-    if is_cached_attention_module(loaded.model.layers[0].self_attn):
+    if is_cached_attention_module(loaded.model.layers[0].self_attn):  # it places the scales and rounds K/V
         assert not info["unexpected_keys"]
     else:  # compressed-tensors looks for `past_key_values` in attention's forward; transformers 5 calls it `cache`
         assert set(info["unexpected_keys"]) == scales, "only the KV-cache scales, which it does not place"
     with torch.no_grad():
         got = loaded.eval()(x).logits
-    rel = ((got - want).norm() / want.norm()).item()
+    rel = ((got - as_transformers).norm() / as_transformers.norm()).item()
     print(f"{kind}: transformers vs fp8ext logits, relative L2 {rel:.2e}")
     assert rel < 1e-5, f"{kind}: transformers' logits differ from fp8ext's by {rel:.2e} (relative L2)"
     back = inference.load_quantized(out, hf.from_config, device="cpu")
@@ -130,7 +136,7 @@ def test_transformers_generate_runs_on_the_quantized_model(kind):
     with torch.no_grad():  # greedy: each new token is the argmax of a full forward over what came before
         for t in range(6, 11):
             assert out[0, t] == model(out[:, :t]).logits[0, -1].argmax()
-    fp8 = model.generate(prompt, max_new_tokens=5, do_sample=False, cache=hf.fp8_kv_cache(model))
+    fp8 = model.generate(prompt, max_new_tokens=5, do_sample=False, **{hf.cache_argument(model): hf.fp8_kv_cache(model)})
     assert fp8.shape == (1, 11)
     assert reference.generate(prompt, max_new_tokens=5, do_sample=False).shape == (1, 11)
 
@@ -141,7 +147,7 @@ def test_fp8_kv_cache_rounds_k_and_v_to_e4m3_with_the_calibrated_scales():
     cache = hf.fp8_kv_cache(model, scales="calibrated")
     assert cache.scale_source == "calibrated"
     with torch.no_grad():
-        model(ids(1, 8), cache=cache, use_cache=True)
+        model(ids(1, 8), use_cache=True, **{hf.cache_argument(model): cache})
     attn = model.model.layers[0].self_attn
     codes = cache.layers[0].keys / attn.k_scale.view(1, -1, 1, 1)
     assert torch.allclose(codes, codes.to(torch.float8_e4m3fn).float(), rtol=1e-6, atol=0), \

@@ -182,8 +182,9 @@ def _check_kv(h: Header, record: Dict[str, Any]) -> None:
                 if dtype not in _SCALE_DTYPES or len(shape) > 3 or len(_squeezed(shape)) > 1:
                     raise _fail(h.path, f"{key} is {dtype} {list(shape)}; KV-cache scales are F32, BF16 or F16 "
                                         f"[n_kv_heads], [n_kv_heads, 1, 1], [1] or []")
-            elif dtype != "F32" or len(shape) != 1:
-                raise _fail(h.path, f"{key} is {dtype} {list(shape)}; KV-cache scales are F32 [n_kv_heads]")
+            elif dtype != "F32" or not (len(shape) == 1 or (len(shape) == 3 and list(shape[1:]) == [1, 1])):
+                raise _fail(h.path, f"{key} is {dtype} {list(shape)}; KV-cache scales are F32 [n_kv_heads] or "
+                                    f"[n_kv_heads, 1, 1]")
             if h.tensors.get(other, (None, None))[1] != shape:
                 raise _fail(h.path, f"{key} is {list(shape)} but {other} is "
                                     f"{list(h.tensors[other][1]) if other in h.tensors else 'absent'}")
@@ -426,8 +427,9 @@ def _check_kv_place(h: Header, model: nn.Module, key: str, shape, foreign: bool 
         if heads is not None and _squeezed(shape) not in ([], [heads]):
             raise _fail(h.path, f"{key} is {list(shape)}; {mod_name} has {heads} KV heads: one scale each "
                                 f"([{heads}] or [{heads}, 1, 1]) or one for all ([1] or [])")
-    elif heads is not None and list(shape) != [heads]:
-        raise _fail(h.path, f"{key} is {list(shape)}; {mod_name} has {heads} KV heads, one scale each")
+    elif heads is not None and list(shape) not in ([heads], [heads, 1, 1]):
+        raise _fail(h.path, f"{key} is {list(shape)}; {mod_name} has {heads} KV heads, one scale each ([{heads}] or "
+                            f"[{heads}, 1, 1])")
 
 
 def kv_heads(model: nn.Module, attention: nn.Module):

@@ -115,7 +115,9 @@ def _loss(logits: torch.Tensor, y: torch.Tensor) -> float:
 
 def _decode_loss(model, x: torch.Tensor, y: torch.Tensor, cache) -> float:
     """Loss of `y` read one token per step through `cache` (transformers' own, or fp8_kv_cache)."""
-    steps = [model(x[:, t:t + 1], cache=cache, use_cache=True).logits for t in range(x.shape[1])]
+    from .hf import cache_argument
+    kw = {cache_argument(model): cache, "use_cache": True}  # "cache" in transformers 5.24, earlier past_key_values
+    steps = [model(x[:, t:t + 1], **kw).logits for t in range(x.shape[1])]
     return _loss(torch.cat(steps, dim=1), y)
 
 

@@ -335,17 +335,23 @@ def _default_factory(cfg: Dict[str, Any], d: pathlib.Path) -> Callable[[dict], n
 def _conform_scales(model: nn.Module, layers: Dict[str, Any], state: Dict[str, torch.Tensor]) -> None:
     """The file's scales in float32 and in the shapes the model keeps (checked to fit by check_against_model):
     weight_scale / input_scale reshaped to the FP8 layer's buffers ([] -> [1], [out] -> [out, 1]); KV-cache
-    scales 1-d, one per KV head (a single per-tensor scale repeated over the heads). A no-op for fp8ext's files."""
+    scales one per KV head (a single per-tensor scale repeated over the heads): [n_kv_heads, 1, 1] on a
+    transformers model's attention, [n_kv_heads] on fp8ext's."""
     for name in layers:
         mod = model.get_submodule(name)
         for leaf in LAYER_SCALES:
             key = f"{name}.{leaf}"
             if key in state and getattr(mod, leaf, None) is not None:
                 state[key] = state[key].to(torch.float32).reshape(getattr(mod, leaf).shape)
+    from .hf import attention_modules
+    hf_attention = attention_modules(model)
     for key in [k for k in state if k.rpartition(".")[2] in KV_SCALES]:
         s = state[key].to(torch.float32).reshape(-1)
-        heads = kv_heads(model, model.get_submodule(key.rpartition(".")[0]))
-        state[key] = s.expand(heads).contiguous() if s.numel() == 1 and heads else s
+        mod_name = key.rpartition(".")[0]
+        heads = kv_heads(model, model.get_submodule(mod_name))
+        s = s.expand(heads).contiguous() if s.numel() == 1 and heads else s
+        # transformers attention keeps [n_kv_heads, 1, 1] (compressed-tensors' shape), fp8ext's [n_kv_heads]
+        state[key] = s.reshape(-1, 1, 1) if mod_name in hf_attention else s
 
 
 def _model_config(cfg: Dict[str, Any]) -> Dict[str, Any]:

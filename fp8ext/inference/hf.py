@@ -10,16 +10,17 @@
 transformers' attention modules (the ones with a `layer_idx` and k/v projections) call
 `cache.update(key_states, value_states, layer_idx)` right after RoPE; calibrate wraps the cache each of them is
 given (None too) in a recorder that takes the per-KV-head max|K| and max|V| there, so any forward works.
-quantize_model gives these modules `k_scale` / `v_scale` buffers, [n_kv_heads] float32, dequantizing (amax / 448),
-saved as `model.layers.N.self_attn.k_scale` as in compressed-tensors checkpoints. They stay 1-D, the shape
-fp8ext's loader checks; compressed-tensors' own attn_head parameters are [n_kv_heads, 1, 1], but with
-transformers 5 (whose attention takes `cache`, not `past_key_values`) compressed-tensors 0.20 does not place them
-and from_pretrained reports these keys as unexpected, computing without KV rounding. A skeleton given to
-load_quantized needs add_kv_scale_buffers (from_config, the factory here, adds them).
+quantize_model gives these modules `k_scale` / `v_scale` buffers, [n_kv_heads, 1, 1] float32, dequantizing
+(amax / 448), saved as `model.layers.N.self_attn.k_scale`: compressed-tensors' attn_head shape, which its attention
+broadcasts over K/V and llmcompressor writes. Where the attention's forward takes `past_key_values` (transformers
+5.17, for one), compressed-tensors places them and from_pretrained's model rounds K/V to E4M3 with them, as
+fp8_kv_cache does; where it takes `cache` (transformers 5.24), compressed-tensors 0.20 does not, from_pretrained
+reports these keys as unexpected and computes without KV rounding. A skeleton given to load_quantized needs
+add_kv_scale_buffers (from_config, the factory here, adds them).
 
 fp8_kv_cache(model) is a transformers Cache that rounds K and V to E4M3 with those scales (or, without calibrated
-scales, scales from the prefill): the numbers an FP8 KV cache gives, for model.generate(ids, cache=...) or a
-decode loss.
+scales, scales from the prefill): the numbers an FP8 KV cache gives, for model.generate(ids, ...) or a
+decode loss, passed by the keyword cache_argument(model) gives.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from torch import nn
 from ..formats import E4M3
 
 __all__ = ["is_transformers_model", "attention_modules", "record_kv", "add_kv_scale_buffers", "from_config",
-           "fp8_kv_cache"]
+           "fp8_kv_cache", "cache_argument"]
 
 _CACHE_ARGS = ("cache", "past_key_values", "past_key_value")  # the cache keyword, newest name first
 
@@ -73,6 +74,12 @@ class _Recorder:
         if self._inner is None:
             raise AttributeError(name)
         return getattr(self._inner, name)
+
+
+def cache_argument(model: nn.Module) -> str:
+    """The keyword by which a transformers model's forward (and generate) takes a KV cache: "cache" where its
+    forward names it so (transformers 5.24), else "past_key_values" (transformers 5.17 and earlier)."""
+    return _cache_arg(model) or "past_key_values"
 
 
 def _cache_arg(module: nn.Module) -> Optional[str]:
@@ -140,7 +147,7 @@ def _rebuild_computed_buffers(model: nn.Module) -> None:
 
 
 def _e4m3_round(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [b, n_kv, s, hd] rounded to E4M3 with per-head dequantizing scales [n_kv] (saturating), back in x's dtype:
+    """x [b, n_kv, s, hd] rounded to E4M3 with per-head dequantizing scales (n_kv of them; saturating), back in x's dtype:
     fp8(x / scale) * scale, the division in float32."""
     s = scale.to(device=x.device, dtype=torch.float32).reshape(1, -1, 1, 1)
     q = (x.float() / s).clamp(-E4M3.max, E4M3.max).to(torch.float8_e4m3fn)
@@ -158,8 +165,8 @@ def _kv_scales(model: nn.Module):
 
 def fp8_kv_cache(model: nn.Module, *, scales: str = "auto", margin: float = 1.0):
     """A transformers cache (a DynamicCache) whose K and V are rounded to E4M3, per KV head, before they are
-    stored: the numbers of an FP8 KV cache, for `model.generate(ids, cache=fp8_kv_cache(model))` or a
-    step-by-step decode. Scales: the model's calibrated `k_scale` / `v_scale` (set by quantize_model;
+    stored: the numbers of an FP8 KV cache, for `model.generate(ids, **{cache_argument(model): fp8_kv_cache(model)})`
+    or a step-by-step decode. Scales: the model's calibrated `k_scale` / `v_scale` (set by quantize_model;
     scales="auto" or "calibrated"), or max|K| and max|V| of each head over the first update (the prefill) times
     2^margin / 448 (scales="prefill", or "auto" without calibrated ones); the cache's `scale_source` says which.
     The values are kept in the model's dtype, as DynamicCache holds them (what transformers does for a

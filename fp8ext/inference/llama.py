@@ -12,7 +12,7 @@ Only the names and the fusing differ:
     blocks.N.attn_norm.weight          model.layers.N.input_layernorm.weight
     blocks.N.attn.qkv_proj.*           model.layers.N.self_attn.{q,k,v}_proj.*   rows [h*hd | kv*hd | kv*hd]
     blocks.N.attn.o_proj.*             model.layers.N.self_attn.o_proj.*
-    blocks.N.attn.{k,v}_scale          model.layers.N.self_attn.{k,v}_scale      FP8 KV cache, [n_kv_heads]
+    blocks.N.attn.{k,v}_scale          model.layers.N.self_attn.{k,v}_scale      FP8 KV cache, [n_kv_heads, 1, 1]
     blocks.N.ffn_norm.weight           model.layers.N.post_attention_layernorm.weight
     blocks.N.ffn.w13.*                 model.layers.N.mlp.{gate,up}_proj.*       rows [d_ff | d_ff]
     blocks.N.ffn.w2.*                  model.layers.N.mlp.down_proj.*
@@ -132,6 +132,8 @@ def to_llama(state: Dict[str, torch.Tensor], cfg: TransformerConfig,
                 continue
             raise ValueError(f"save_quantized: {key} has no Llama counterpart")
         names, rows = mods[module], _part_rows(cfg, module)
+        if leaf in _KV:  # per-KV-head scales as compressed-tensors' attention and llmcompressor shape them
+            t = t.reshape(-1, 1, 1)
         parts = [t] if rows is None else _split(t, leaf, rows, schemes.get(module), key)
         out.update({f"{name}.{leaf}": p for name, p in zip(names, parts)})
     return out
@@ -150,6 +152,8 @@ def from_llama(state: Dict[str, torch.Tensor], cfg: TransformerConfig, schemes: 
             if not all(k in state for k in keys):
                 continue
             parts = [state.pop(k) for k in keys]
+            if leaf in _KV:  # [n_kv, 1, 1] in the file, [n_kv] in fp8ext's attention
+                parts = [p.reshape(-1) for p in parts]
             if rows is None:
                 out[f"{module}.{leaf}"] = parts[0]
             elif leaf == "input_scale" or (leaf == "weight_scale" and schemes.get(module) == "tensor"):
@@ -351,7 +355,7 @@ def load(model_dir: pathlib.Path, config: Dict[str, Any],
                         cfg, schemes)
     for i in range(cfg.n_layers):
         if f"model.layers.{i}.self_attn.k_scale" in header.tensors:
-            expected.update({f"model.layers.{i}.self_attn.{s}": torch.empty(cfg.n_kv_heads, device="meta")
+            expected.update({f"model.layers.{i}.self_attn.{s}": torch.empty(cfg.n_kv_heads, 1, 1, device="meta")
                              for s in _KV})
     exact = {k for n in layers for m in mods[n] for k in expected if k.startswith(m + ".")}
     _check_tensors(header.path, header.tensors, expected, exact)

@@ -170,6 +170,7 @@ def set_kv_cache_scales(model: nn.Module, kv_calibration: Optional[Dict[str, Dic
     if not kv_calib:
         raise ValueError(f"{fn}: no calibrated K/V amaxes: run fp8ext.inference.calibrate(model, batches) first")
     attns = _kv_attention_modules(model)
+    hf_attention = hf.attention_modules(model)
     missing = [n for n in attns if n not in kv_calib]
     if missing or not attns:
         raise ValueError(f"{fn}: no calibrated K/V amax for the attention layers {missing or '(none)'}; "
@@ -182,8 +183,11 @@ def set_kv_cache_scales(model: nn.Module, kv_calibration: Optional[Dict[str, Dic
         if ka.numel() != heads or va.numel() != heads:
             raise ValueError(f"{fn}: kv_calibration[{n!r}] holds {ka.numel()} / {va.numel()} amaxes for "
                              f"{heads} KV heads")
-        m.register_buffer("k_scale", kv_scales_from_amax(ka).to(device))  # a new buffer on a transformers module
-        m.register_buffer("v_scale", kv_scales_from_amax(va).to(device))
+        # a transformers module's buffers are [n_kv_heads, 1, 1], the shape compressed-tensors' attention
+        # broadcasts over K/V [batch, n_kv_heads, seq, head_dim] (and llmcompressor writes); fp8ext's are 1-d
+        shape = (-1, 1, 1) if n in hf_attention else (-1,)
+        m.register_buffer("k_scale", kv_scales_from_amax(ka).reshape(shape).to(device))
+        m.register_buffer("v_scale", kv_scales_from_amax(va).reshape(shape).to(device))
         out[n] = {"k_amax": ka.tolist(), "v_amax": va.tolist()}
     return out
 
