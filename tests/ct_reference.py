@@ -35,3 +35,26 @@ def logits_as_transformers_computes(model, ids):
         if rounds_kv(model) and carries else {}
     with torch.no_grad():
         return model(ids, **kw).logits.float()
+
+
+def per_group(x: torch.Tensor, fmt=None, block=(1, 128)):
+    """1 x 128 groups of E4M3 as compressed-tensors computes them (scale = amax / 448 per group, q = x / scale), in
+    fp8ext's quantize_blockwise signature and scale layout ([rows, groups], rows fastest); 128 x 128 blocks (the
+    weights) go to fp8ext's own quantize_blockwise."""
+    from fp8ext import ops
+    if tuple(block) != (1, 128):
+        return ops.quantize_blockwise(x, fmt, block=block)
+    rows, cols = x.shape
+    g = x.float().reshape(rows, cols // 128, 128)
+    s = g.abs().amax(dim=2, keepdim=True) / E4M3_MAX
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    q = (g / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).reshape(rows, cols)
+    return q, s.reshape(rows, -1).t().contiguous().t()
+
+
+def use_compressed_tensors_arithmetic(monkeypatch) -> None:
+    """fp8ext's dynamic activation quantizers (per token, per 1 x 128 group) computed as compressed-tensors
+    computes them, so that fp8ext and transformers' compressed-tensors layers give the same logits bit for bit."""
+    from fp8ext.inference import layers
+    monkeypatch.setattr(layers, "quantize_rowwise", per_token)
+    monkeypatch.setattr(layers, "quantize_blockwise", per_group)

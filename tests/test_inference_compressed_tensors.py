@@ -192,7 +192,7 @@ def relative_l2(got, want):
 @pytest.mark.parametrize("factory", [None, plain_factory, hf.from_config], ids=["no-factory", "plain", "hf"])
 def test_another_tools_checkpoint_gives_transformers_logits(checkpoint, factory, monkeypatch):
     d, want, kw = checkpoint
-    monkeypatch.setattr(inference.layers, "quantize_rowwise", ct_reference.per_token)
+    ct_reference.use_compressed_tensors_arithmetic(monkeypatch)
     model = inference.load_quantized(d, factory, device="cpu")
     assert sum(isinstance(m, inference.FP8InferenceLinear) for m in model.modules()) == 7 * N_LAYERS
     with torch.no_grad():
@@ -237,7 +237,7 @@ def test_scales_are_float32_in_fp8exts_shapes_and_kv_scales_one_per_head(checkpo
 
 def test_a_skeleton_module_loads_too(checkpoint, monkeypatch):
     d, want, kw = checkpoint
-    monkeypatch.setattr(inference.layers, "quantize_rowwise", ct_reference.per_token)
+    ct_reference.use_compressed_tensors_arithmetic(monkeypatch)
     model = inference.load_quantized(d, tiny_llama(tie=kw.get("tie", False)), device="cpu")
     with torch.no_grad():
         assert relative_l2(ct_reference.logits_as_transformers_computes(model, IDS), want) < 1e-5

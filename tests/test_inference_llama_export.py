@@ -66,7 +66,7 @@ def transformers_logits(out):
 @pytest.fixture
 def ct_arithmetic(monkeypatch):
     """fp8ext's per-token quantization computed as compressed-tensors computes it (see EXACT)."""
-    monkeypatch.setattr(inference.layers, "quantize_rowwise", ct_reference.per_token)
+    ct_reference.use_compressed_tensors_arithmetic(monkeypatch)
 
 
 @pytest.mark.parametrize("weights, activations", SCHEMES)

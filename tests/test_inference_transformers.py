@@ -55,7 +55,7 @@ def test_transformers_loads_the_quantized_llama_with_fp8exts_logits(weights, act
     # per-token activation scales computed as compressed-tensors does (amax / 448; fp8ext's kernel takes
     # 1 / (448 / amax), which can differ in the last bit): the comparison is then exact; the next test bounds
     # what fp8ext's own kernel gives
-    monkeypatch.setattr(inference.layers, "quantize_rowwise", ct_reference.per_token)
+    ct_reference.use_compressed_tensors_arithmetic(monkeypatch)
     model, _, ids, out = quantized(weights, activations, torch.float32, tmp_path / "fp8")
     want = ct_reference.logits_as_transformers_computes(model, ids)
     hf, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
