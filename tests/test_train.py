@@ -189,6 +189,12 @@ def test_compare_prints_losses_and_speed_ratio_and_plots(tmp_path, capsys):
     assert r["step_a"] == r["step_b"] == 6 and r["val_loss_a"] > 0 and r["speed_ratio"] > 0
 
 
+def test_compare_names_each_run_by_its_precision_once():
+    from fp8ext.train.compare import _label
+    assert _label("runs/quickstart/fp8", {"precision": "fp8"}) == "fp8"  # not "fp8 (fp8)"
+    assert _label("runs/baseline", {"precision": "bf16"}) == "bf16 (baseline)"
+
+
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_two_processes_over_gloo_hold_the_same_fp8_scales(tmp_path, mode):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -23,7 +23,9 @@ def _run(run_dir: str):
 
 
 def _label(run_dir: str, info: dict) -> str:
-    return f"{info.get('precision', '?')} ({pathlib.Path(run_dir).name})"
+    """The run's precision, and its folder's name where that says something else ("fp8", "fp8 (run-2)")."""
+    precision, name = info.get("precision", "?"), pathlib.Path(run_dir).name
+    return precision if name == precision else f"{precision} ({name})"
 
 
 def compare(dir_a: str, dir_b: str, plot: Optional[str] = None) -> dict:
