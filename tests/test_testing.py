@@ -81,6 +81,37 @@ def test_fp8_equal_report_lists_codes_values_and_inputs():
     assert text.count("\n  index") == 8 and "... and 4 more" in text
 
 
+def round_half_up(x: torch.Tensor, fmt) -> torch.Tensor:
+    """A cast with the classic tie bug: ties go to the larger magnitude instead of to even."""
+    mag = x.abs().double()
+    vals = torch.from_numpy(reference.finite_positive(fmt.name))
+    lo = vals[(torch.searchsorted(vals, mag, right=True) - 1).clamp(0, vals.numel() - 2)]
+    hi = vals[(torch.searchsorted(vals, mag, right=True)).clamp(max=vals.numel() - 1)]
+    v = torch.where(mag - lo >= hi - mag, hi, lo).clamp(max=fmt.max) * torch.sign(x.double())
+    return fp8ext.quantize(v.float(), fmt)  # exact: v is an FP8 value
+
+
+def test_fp8_equal_report_marks_ties_that_close_fp8_lets_through():
+    fmt = fp8ext.E4M3
+    x = edge_groups(fmt, torch.float32)["midpoints"]  # the 126 ties inside the range; 63 have an even lower side
+    got = round_half_up(x, fmt)
+    assert_close_fp8(got, x.double(), max_ulps=0.5)  # a tie is 0.5 ulp from both neighbours: passes
+    with pytest.raises(AssertionError) as info:
+        assert_fp8_equal(got, fp8ext.quantize(x, fmt), input=x)
+    text = str(info.value)
+    assert text.startswith("assert_fp8_equal(): 63 of 126 E4M3 codes differ (NaN codes equal any NaN); 63 of them "
+                           "at ties (inputs midway between two E4M3 values): check the rounding of ties"), text
+    assert "input 0.0009765625, a tie between 0.0 and 0.001953125" in text, text
+    assert text.count(", a tie between") == 8, "every reported row is marked"
+
+
+def test_fp8_equal_report_marks_no_tie_where_the_input_is_none():
+    x = torch.tensor([1.05])  # not a tie
+    with pytest.raises(AssertionError) as info:
+        assert_fp8_equal(fp8(fp8ext.E4M3, [0x39]), fp8ext.quantize(x, fp8ext.E4M3), input=x)
+    assert "tie" not in str(info.value)
+
+
 def test_fp8_equal_shapes_formats_and_wrong_calls():
     q = fp8(fp8ext.E4M3, [1, 2, 3, 4])
     with pytest.raises(AssertionError, match=r"shapes differ: actual has shape \[4\] but expected has shape \[2, 2\]"):
@@ -194,6 +225,17 @@ def test_close_fp8_report_is_like_torch_testing():
                  "Greatest absolute difference: 0.25 at index (1,)", "  (1,): 0x3a (1.25), 1.0, 2"]:
         assert part in text, text
     assert_close_fp8(q, ref, max_ulps=2)
+
+
+def test_close_fp8_greatest_absolute_difference_points_at_a_mismatch():
+    """The element with the largest absolute difference may be inside the tolerance (a large value off by
+    less than half an ulp); the report's greatest absolute difference is over the mismatches only."""
+    q = fp8(fp8ext.E4M3, [0x7C, 0x38])  # 384.0 (0.3 ulp from 393.6, |diff| 9.6), 1.0 (1 ulp from 1.125)
+    ref = torch.tensor([393.6, 1.125], dtype=torch.float64)
+    with pytest.raises(AssertionError) as info:
+        assert_close_fp8(q, ref)
+    text = str(info.value)
+    assert "Mismatched elements: 1 / 2" in text and "Greatest absolute difference: 0.125 at index (1,)" in text, text
 
 
 def test_close_fp8_saturation_nan_and_wrong_calls():

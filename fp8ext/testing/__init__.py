@@ -17,6 +17,20 @@ What is here:
 - edge_values(fmt, dtype) (and edge_groups): the inputs an FP8 cast gets wrong.
 - fp8ext.testing.strategies: the same cases as hypothesis strategies (needs hypothesis; imported on use).
 
+Which helper catches which bug (tests/test_testing_worked_example.py plants each one):
+- ties (round half up or away from zero instead of to nearest even): only assert_fp8_equal against
+  fp8ext.quantize; pass input= and the report marks each tie ("input 1.0625, a tie between 1.0 and 1.125").
+  assert_close_fp8(max_ulps=0.5) cannot: a tie is 0.5 ulp from both neighbours.
+- saturation (NaN or Inf past fmt.max where the cast should clamp to +-fmt.max): assert_close_fp8(...,
+  saturate=True) (NaN/Inf is inf ulps from fmt.max) and assert_fp8_equal; edge_values holds the inputs
+  around the overflow threshold.
+- subnormals (flushed to zero, or rounded on the normal grid): assert_close_fp8 (a flushed min_subnormal is
+  1 ulp away) and assert_fp8_equal; edge_values holds every subnormal and the ties between them.
+- NaN codes (0x7F where 0xFF was expected): assert_fp8_equal(strict_nan=True) only; by default any NaN code
+  equals any other, and assert_close_fp8 compares values.
+- accumulation (a GEMM summed in too few bits: bfloat16, a truncating accumulator, K skipped):
+  assert_gemm_close, whose bound models the accumulator of the tensors' device.
+
 Conventions: FP8 tensors are torch.float8_e4m3fn / float8_e5m2 tensors, or uint8 codes with fmt=; fmt is
 fp8ext.E4M3 / fp8ext.E5M2 or any spelling fp8ext.quantize takes. Tensors may live on any device; the
 comparisons copy what they report to the CPU. A failed comparison raises AssertionError (with msg= in front);

@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 
 from ._values import (FP8_DTYPES, as_tensor, check_shapes, code_text, codes_of, fail, index_of, pick_format,
-                      spacing, value_table, values_of)
+                      spacing, tie_text, value_table, values_of)
 
 __all__ = ["assert_fp8_equal", "ulp_distance", "assert_close_fp8"]
 
@@ -23,8 +23,11 @@ def assert_fp8_equal(actual: Any, expected: Any, *, fmt: Any = None, input: Any 
     any other NaN code of the format (E4M3 0x7F/0xFF, E5M2 0x7D-0x7F/0xFD-0xFF) unless strict_nan=True,
     where every byte must agree. input: the values that were cast (same number of elements), shown beside
     each mismatch. The message gives the number of mismatches and the first `max_report` of them as
-    index: got code (value), expected code (value), input value.
+    index: got code (value), expected code (value), input value, and marks an input midway between two
+    neighbouring FP8 values (at scale 1) as a tie ("input 1.0625, a tie between 1.0 and 1.125"): the case
+    that only a byte-exact comparison catches (assert_close_fp8 accepts either neighbour of a tie).
     """
+    __tracebackhide__ = True
     fn = "assert_fp8_equal"
     a, e = as_tensor(actual, fn, "actual"), as_tensor(expected, fn, "expected")
     if a.dtype in FP8_DTYPES and e.dtype in FP8_DTYPES and a.dtype != e.dtype:
@@ -45,11 +48,17 @@ def assert_fp8_equal(actual: Any, expected: Any, *, fmt: Any = None, input: Any 
     lines = []
     for i in bad[:max_report].tolist():
         row = f"  index {index_of(i, a.shape)}: got {code_text(int(ga[i]), f)}, expected {code_text(int(ge[i]), f)}"
-        lines.append(row + (f", input {x[i].item()!r}" if x is not None else ""))
+        lines.append(row + (f", input {x[i].item()!r}{tie_text(x[i].item(), f)}" if x is not None else ""))
     if bad.numel() > max_report:
         lines.append(f"  ... and {bad.numel() - max_report} more")
     nan_rule = "every byte compared" if strict_nan else "NaN codes equal any NaN"
-    fail(fn, msg, f"{bad.numel()} of {ga.numel()} {f.name} codes differ ({nan_rule})", lines)
+    headline = f"{bad.numel()} of {ga.numel()} {f.name} codes differ ({nan_rule})"
+    if x is not None:
+        ties = sum(bool(tie_text(v, f)) for v in x[bad].double().tolist())
+        if ties:
+            headline += (f"; {ties} of them at ties (inputs midway between two {f.name} values): check the "
+                         "rounding of ties (to nearest even)")
+    fail(fn, msg, headline, lines)
 
 
 def ulp_distance(a: Any, b: Any, fmt: Any = None) -> torch.Tensor:
@@ -82,10 +91,13 @@ def assert_close_fp8(actual: Any, reference: Any, fmt: Any = None, *, max_ulps: 
     (see ulp_distance); AssertionError with a report like torch.testing's otherwise.
 
     actual: FP8 values (a float8 tensor, uint8 codes with fmt, or real values); reference: real values of
-    the same shape (float64 recommended). max_ulps=0.5 asks for correct rounding (ties either way).
+    the same shape (float64 recommended). max_ulps=0.5 asks for correct rounding, ties either way: a tie is
+    0.5 ulp from both neighbours, so a cast that rounds ties up (or away from zero) passes. Use
+    assert_fp8_equal against fp8ext.quantize to pin the rounding of ties.
     saturate=True clamps the reference to +-fmt.max first (Inf included), the rule of a saturating cast.
     equal_nan=False makes NaN in both a mismatch.
     """
+    __tracebackhide__ = True
     fn = "assert_close_fp8"
     ta, tr = as_tensor(actual, fn, "actual"), as_tensor(reference, fn, "reference")
     f = pick_format(fn, fmt, ("actual", ta), ("reference", tr))
@@ -102,13 +114,14 @@ def assert_close_fp8(actual: Any, reference: Any, fmt: Any = None, *, max_ulps: 
     if bad.numel() == 0:
         return
     worst = int(d.argmax())
-    diff = torch.where(d == 0, 0.0, (va - vr).abs()).nan_to_num(nan=float("inf"))  # matching NaN/Inf count 0
-    worst_abs = int(diff.argmax())
+    diff = (va[bad] - vr[bad]).abs().nan_to_num(nan=float("inf"))  # over the mismatches only
+    worst_abs = int(bad[int(diff.argmax())])
     n = va.numel()
     lines = [f"Mismatched elements: {bad.numel()} / {n} ({100.0 * bad.numel() / n:.1f}%)",
              f"Greatest ulp distance: {d[worst].item():.4g} at index {index_of(worst, ta.shape)} "
              f"(up to {max_ulps} allowed)",
-             f"Greatest absolute difference: {diff[worst_abs].item():.6g} at index {index_of(worst_abs, ta.shape)}",
+             f"Greatest absolute difference: {diff.max().item():.6g} at index {index_of(worst_abs, ta.shape)} "
+             "(of the mismatches)",
              "First mismatches (index: actual, reference, ulps):"]
     codes = codes_of(ta, fn, "actual") if ta.dtype in (*FP8_DTYPES, torch.uint8) else None
     for i in bad[:max_report].tolist():

@@ -45,6 +45,29 @@ def step_above_max(fmt: FP8Format) -> float:
     return fmt.max + 2.0 ** (top_exponent(fmt) - fmt.mant_bits)
 
 
+@lru_cache(maxsize=None)
+def midpoints(fmt: FP8Format) -> torch.Tensor:
+    """The positive ties of a cast at scale 1, float64, increasing: the midpoint of each pair of neighbouring
+    values from (0, min_subnormal) to (fmt.max, step_above_max), the last one the overflow threshold."""
+    grid = torch.cat([finite_magnitudes(fmt), torch.tensor([step_above_max(fmt)], dtype=torch.float64)])
+    return (grid[:-1] + grid[1:]) / 2
+
+
+def tie_text(v: float, fmt: FP8Format) -> str:
+    """', a tie between 1.0 and 1.125' when |v| is midway between two neighbouring FP8 values (or between
+    fmt.max and the overflow), '' otherwise."""
+    mids = midpoints(fmt)
+    i = int(torch.searchsorted(mids, torch.tensor([abs(v)], dtype=torch.float64)))
+    if not math.isfinite(v) or i >= mids.numel() or mids[i].item() != abs(v):
+        return ""
+    grid = finite_magnitudes(fmt)
+    lo = grid[i].item()
+    hi = grid[i + 1].item() if i + 1 < grid.numel() else step_above_max(fmt)
+    sign = "-" if v < 0 else ""
+    beyond = " (past fmt.max: the overflow threshold)" if i + 1 >= grid.numel() else ""
+    return f", a tie between {sign}{lo!r} and {sign}{hi!r}{beyond}"
+
+
 def spacing(x: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
     """The format's spacing (one ulp) at each value of a float64 tensor: 2**(e - mant_bits) for |x| in
     [2**e, 2**(e+1)); min_subnormal below min_normal (zero included); the top binade's spacing at and above
