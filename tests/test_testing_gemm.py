@@ -13,7 +13,9 @@ import torch
 import fp8ext
 import reference
 from conftest import requires_cuda
-from fp8ext.testing import assert_gemm_close, gemm_error_bound, gemm_reference
+from fp8ext.testing import (FAST_ACCUM_FACTOR, H100_ACCUM_BITS, accum_bits_for, assert_gemm_close, gemm_error_bound,
+                            gemm_reference)
+from fp8ext.testing import _gemm
 from inputs import gemm_operands
 
 E4, E5 = fp8ext.E4M3, fp8ext.E5M2
@@ -21,6 +23,7 @@ PAIRS = [(E4, E4), (E4, E5), (E5, E4)]
 KINDS = ["tensor", "row", "block", "block1x128"]
 OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 U32 = 2.0 ** -24
+H100 = dict(accum_bits=H100_ACCUM_BITS)  # Hopper's model, named: CPU tensors default to fp32 accumulation
 
 
 def operands(m, k, n, fa=E4, fb=E4, kind="tensor", device="cpu", seed=0):
@@ -97,11 +100,12 @@ def test_reference_is_the_float64_product_of_the_dequantized_operands(fa, fb, ki
                                                    (torch.bfloat16, 2.0 ** -8, 2.0 ** -134),
                                                    (torch.float16, 2.0 ** -11, 2.0 ** -25)])
 @pytest.mark.parametrize("model, g_acc, g_32", [
-    (dict(), gamma(4, 2.0 ** -12), gamma(2 + 4, U32)),                     # 128 of K per promotion: J 4, C 2
-    (dict(use_fast_accum=True), gamma(8, 2.0 ** -10), gamma(1 + 4, U32)),  # all 256 in the tensor core; u x 4
+    (H100, gamma(4, 2.0 ** -12), gamma(2 + 4, U32)),                        # 128 of K per promotion: J 4, C 2
+    (dict(H100, use_fast_accum=True), gamma(8, 2.0 ** -10), gamma(1 + 4, U32)),  # all 256 in the tensor core; u x 4
     (dict(accum_bits=10, mma_k=16, promote_interval=64), gamma(4, 2.0 ** -9), gamma(4 + 4, U32)),
     (dict(accum_bits=None), gamma(256, U32), gamma(4, U32)),               # fp32 accumulation
-], ids=["split", "fast", "custom", "fp32"])
+    (dict(), gamma(256, U32), gamma(4, U32)),                              # CPU tensors: fp32 by default
+], ids=["split", "fast", "custom", "fp32", "cpu-default"])
 def test_bound_is_the_documented_formula(out_dtype, u_out, eta, model, g_acc, g_32):
     """a8 = 1.0 and b8 = -1.0 everywhere, K = 256, scales 0.5 and 0.25: r = -32 + bias, S = 32."""
     a = fp8ext.quantize(torch.ones(2, 256), E4)
@@ -118,13 +122,14 @@ def test_bound_grows_with_k_fewer_bits_fast_accumulation_and_coarser_outputs():
     a, b, sa, sb = operands(8, 4096, 16)
 
     def bound(**kw):
-        return gemm_error_bound(a, b, sa, sb, **kw).max().item()
+        return gemm_error_bound(a, b, sa, sb, **{**H100, **kw}).max().item()
 
     assert bound(use_fast_accum=True) > 10 * bound() > 10 * bound(accum_bits=None)
     assert bound(accum_bits=10) > bound() > bound(accum_bits=16)
     assert bound(out_dtype=torch.bfloat16) > bound(out_dtype=torch.float16) > bound()
     a2, b2, sa2, sb2 = operands(8, 128, 16)
-    assert gemm_error_bound(a2, b2, sa2, sb2, use_fast_accum=True).gt(gemm_error_bound(a2, b2, sa2, sb2)).all(), \
+    assert gemm_error_bound(a2, b2, sa2, sb2, use_fast_accum=True, **H100).gt(
+        gemm_error_bound(a2, b2, sa2, sb2, **H100)).all(), \
         "K <= promote_interval: the same steps, fast accumulation's measured factor on top"
     with pytest.raises(ValueError, match=r"accum_bits=3: 128 steps with unit error 1 give no bound"):
         bound(accum_bits=3, use_fast_accum=True)
@@ -139,7 +144,7 @@ def test_cpu_emulation_is_inside_the_fp32_and_the_h100_bounds(fa, fb, kind, shap
     a, b, sa, sb = operands(*shape, fa, fb, kind)
     out = fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, out_dtype=torch.float32)
     assert_gemm_close(out, a, b, sa, sb, accum_bits=None)
-    assert_gemm_close(out, a, b, sa, sb)
+    assert_gemm_close(out, a, b, sa, sb, **H100)
 
 
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=str)
@@ -164,7 +169,7 @@ def test_an_emulated_hopper_accumulator_needs_the_h100_model(fast, data):
         x, w = x.abs(), w.abs()
     a, b = fp8ext.quantize(x, E4), fp8ext.quantize(w, E4)
     out = hopper_emulation(a, b, fast)
-    assert_gemm_close(out, a, b, 1.0, 1.0, use_fast_accum=fast)
+    assert_gemm_close(out, a, b, 1.0, 1.0, use_fast_accum=fast, **H100)
     if fast and data == "positive":
         assert "outside the error bound" in outside(out, a, b, 1.0, 1.0, accum_bits=None)
     if fast:
@@ -174,7 +179,7 @@ def test_an_emulated_hopper_accumulator_needs_the_h100_model(fast, data):
 
 
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=str)
-@pytest.mark.parametrize("model", [dict(), dict(use_fast_accum=True), dict(accum_bits=None)], ids=str)
+@pytest.mark.parametrize("model", [H100, dict(H100, use_fast_accum=True), dict(accum_bits=None), dict()], ids=str)
 def test_a_perturbed_output_is_outside_and_the_report_says_where(out_dtype, model):
     a, b, sa, sb = operands(40, 512, 48)
     out = fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, out_dtype=out_dtype)
@@ -191,11 +196,71 @@ def test_real_mistakes_are_outside():
                         out_dtype=torch.float32)  # the last 16 of K skipped
     outside(short, a, b, sa, sb)
     outside(out * (1 + 2e-3), a, b, sa, sb, accum_bits=None)  # a scale off by 0.2 %: outside the fp32 model
-    outside(out * (1 + 2e-2), a, b, sa, sb)  # by 2 %: outside the H100 model too
+    outside(out * (1 + 2e-2), a, b, sa, sb, **H100)  # by 2 %: outside the H100 model too
     outside(out.roll(1, dims=1), a, b, sa, sb)  # columns in the wrong place
     text = outside(torch.zeros_like(out), a, b, sa, sb)  # nothing computed: all but the smallest are outside
     n = int(re.search(r"(\d+) of 5120 outputs are outside", text).group(1))
     assert n > 4500 and f"... and {n - 8} more" in text and text.count("\n  (") == 8
+
+
+def test_a_bfloat16_matmul_is_outside_the_default_bound_on_cpu_tensors():
+    """The default model follows the device: CPU tensors are held to fp32 accumulation, so a GEMM that
+    accumulates in bfloat16 fails without naming accum_bits (it passed Hopper's wider bound before)."""
+    a, b, sa, sb = operands(32, 1024, 48)
+    good = fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, out_dtype=torch.float32)
+    wrong = ((a.float() * sa) .bfloat16() @ (b.float() * sb).bfloat16().t()).float()
+    assert_gemm_close(good, a, b, sa, sb)
+    text = outside(wrong, a, b, sa, sb)
+    assert "outside the error bound (out_dtype=torch.float32, use_fast_accum=False, accum_bits=None (fp32 " \
+           "accumulation, chosen for cpu tensors)" in text, text
+
+
+def test_the_accumulator_model_follows_the_device():
+    cpu = torch.zeros(1)
+    assert accum_bits_for(cpu, None, cpu) is None
+    with pytest.raises(ValueError, match=r"accum_bits_for\(\): cannot choose the accumulator model from tensors on "
+                                         r"\['meta'\]: pass accum_bits=None"):
+        accum_bits_for(torch.zeros(1, device="meta"))
+    a, b, sa, sb = operands(8, 256, 16)
+    with pytest.raises(ValueError, match=r'accum_bits must be an int, None or "device", got \'cuda\''):
+        gemm_error_bound(a, b, sa, sb, accum_bits="cuda")
+    assert torch.equal(gemm_error_bound(a, b, sa, sb), gemm_error_bound(a, b, sa, sb, accum_bits=None))
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_cuda_tensors_get_the_hopper_model_and_mixed_devices_must_name_it():
+    a, b, sa, sb = operands(8, 256, 16, device="cuda")
+    assert accum_bits_for(a, b) == H100_ACCUM_BITS
+    assert torch.equal(gemm_error_bound(a, b, sa, sb), gemm_error_bound(a, b, sa, sb, **H100))
+    out = fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"assert_gemm_close\(\): cannot choose the accumulator model from tensors "
+                                         r"on \['cpu', 'cuda'\]"):
+        assert_gemm_close(out.cpu(), a, b, sa, sb)
+
+
+@pytest.mark.parametrize("figure, digits, k, model", [
+    ("9.8e-4", 2, 4096, H100), ("0.143 at K = 4096", 3, 4096, dict(H100, use_fast_accum=True)),
+    ("0.0323 at\nK = 1024", 3, 1024, dict(H100, use_fast_accum=True)),
+    ("2.4e-4 at K = 4096", 2, 4096, dict(accum_bits=None)),
+], ids=["split", "fast-4096", "fast-1024", "fp32"])
+def test_the_docstring_figures_are_what_the_code_computes(figure, digits, k, model):
+    """The factor on S (gamma_J(u)) that fp8ext.testing._gemm's docstring quotes, rounded as it is quoted."""
+    assert figure in _gemm.__doc__, f"{figure!r} is not in fp8ext.testing._gemm's docstring"
+    g_acc, _ = _gemm._model(k, model.get("use_fast_accum", False), model["accum_bits"], 32, 128)
+    assert float(f"{g_acc:.{digits}g}") == float(figure.split()[0]), (figure, g_acc)
+    assert "FAST_ACCUM_FACTOR * 2**-12" in _gemm.__doc__ and FAST_ACCUM_FACTOR == 4.0
+
+
+def test_scaled_mm_row_wise_scale_shapes_are_accepted():
+    """torch._scaled_mm takes row-wise scales as scale_a [M, 1] and scale_b [1, N]: the same as [M] and [N]."""
+    a, b, sa, sb = operands(16, 256, 32, kind="row")
+    want = gemm_reference(a, b, sa, sb)
+    assert torch.equal(gemm_reference(a, b, sa.reshape(16, 1), sb.reshape(1, 32)), want)
+    assert torch.equal(gemm_error_bound(a, b, sa.reshape(16, 1), sb.reshape(1, 32)),
+                       gemm_error_bound(a, b, sa, sb))
+    out = fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, out_dtype=torch.float32)
+    assert_gemm_close(out, a, b, sa.reshape(16, 1), sb.reshape(1, 32))
 
 
 def test_non_finite_references_must_be_matched():
@@ -219,7 +284,8 @@ def test_wrong_calls_name_the_argument():
     with pytest.raises(ValueError, match=r"gemm_reference\(\): a8 is \[M, K\] = \[8, 256\] "
                                          r"and b8 is \[N, K\] = \[16, 128\]"):
         gemm_reference(a, b[:, :128], sa, sb)
-    with pytest.raises(ValueError, match=r"a_scale_inv has shape \[3\]; for a \[8, 256\] operand expected one element"):
+    with pytest.raises(ValueError, match=r"a_scale_inv has shape \[3\]; for a \[8, 256\] operand expected one element, "
+                                         r".* or torch._scaled_mm's row-wise \[8, 1\] \(scale_a\) or \[1, 8\]"):
         gemm_reference(a, b, torch.ones(3), sb)
     with pytest.raises(TypeError, match=r"b_scale_inv must be a float tensor or a number, got torch.int64"):
         gemm_reference(a, b, sa, torch.ones((), dtype=torch.int64))

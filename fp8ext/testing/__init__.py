@@ -13,7 +13,9 @@ What is here:
   the reference value.
 - gemm_reference, gemm_error_bound and assert_gemm_close: an FP8 GEMM's output against the float64 product
   of the same FP8 inputs, inside a bound derived for fp32 accumulation and for Hopper's reduced-precision
-  tensor-core accumulator, with and without fast accumulation (fp8ext.testing._gemm derives it).
+  tensor-core accumulator, with and without fast accumulation (fp8ext.testing._gemm derives it). The model
+  follows the tensors' device unless accum_bits= names it: fp32 for CPU tensors, Hopper's for CUDA ones
+  (accum_bits_for); H100_ACCUM_BITS, H100_MMA_K, PROMOTE_INTERVAL and FAST_ACCUM_FACTOR are its constants.
 - edge_values(fmt, dtype) (and edge_groups): the inputs an FP8 cast gets wrong.
 - fp8ext.testing.strategies: the same cases as hypothesis strategies (needs hypothesis; imported on use).
 
@@ -45,8 +47,8 @@ from typing import Any
 
 from ._compare import assert_close_fp8, assert_fp8_equal, ulp_distance
 from ._edges import edge_groups, edge_values
-from ._gemm import (H100_ACCUM_BITS, H100_MMA_K, PROMOTE_INTERVAL, assert_gemm_close, gemm_error_bound,
-                    gemm_reference)
+from ._gemm import (FAST_ACCUM_FACTOR, H100_ACCUM_BITS, H100_MMA_K, PROMOTE_INTERVAL, accum_bits_for,
+                    assert_gemm_close, gemm_error_bound, gemm_reference)
 
 __all__ = [
     "assert_fp8_equal",
@@ -58,6 +60,8 @@ __all__ = [
     "H100_ACCUM_BITS",
     "H100_MMA_K",
     "PROMOTE_INTERVAL",
+    "FAST_ACCUM_FACTOR",
+    "accum_bits_for",
     "edge_values",
     "edge_groups",
     "strategies",

@@ -37,23 +37,30 @@ adds u_out (|r| + E_acc) + eta. So, elementwise,
     u = 2**(1 - accum_bits),  J = ceil(min(P, K) / mma_k),  C = ceil(K / P),  P = K if fast else promote_interval.
 
 accum_bits=None models plain fp32 accumulation, every addition rounded to nearest (the CPU emulation's
-float32 matmul): u = u32, J = K, C = 0. For the H100 defaults the factor on S is gamma_4(2**-12) ~ 9.8e-4
-without fast accumulation (any K), gamma_{K/32}(2**-12) with it (0.032 at K = 4096). The bound is a worst
+float32 matmul): u = u32, J = K, C = 0. The default, accum_bits="device", takes the model from the device of
+a8, b8 (and out): CPU tensors get fp32 accumulation (accum_bits=None), CUDA tensors Hopper's
+(H100_ACCUM_BITS); tensors on different devices, or on another device, must name accum_bits. With Hopper's
+model the factor on S is gamma_4(2**-12) ~ 9.8e-4 without fast accumulation (any K), and
+gamma_{K/32}(FAST_ACCUM_FACTOR * 2**-12) = gamma_{K/32}(2**-10) with it (0.143 at K = 4096, 0.0323 at
+K = 1024; FAST_ACCUM_FACTOR is measured, see below). With fp32 accumulation it is gamma_K(2**-24)
+(2.4e-4 at K = 4096). tests/test_testing_gemm.py checks these figures against the code. The bound is a worst
 case over the signs of the x_k: an output whose terms cancel is typically far inside it. NaN or Inf in r
 (from NaN, Inf in the inputs) must appear unchanged in out. FP8 outputs (out_scale) are not modelled.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Tuple, Union
 
 import torch
 
 from ..formats import format_of_dtype
 from ._values import check_shapes, fail, index_of, value_table
 
-__all__ = ["gemm_reference", "gemm_error_bound", "assert_gemm_close", "H100_ACCUM_BITS", "H100_MMA_K",
-           "PROMOTE_INTERVAL", "FAST_ACCUM_FACTOR"]
+__all__ = ["gemm_reference", "gemm_error_bound", "assert_gemm_close", "accum_bits_for", "H100_ACCUM_BITS",
+           "H100_MMA_K", "PROMOTE_INTERVAL", "FAST_ACCUM_FACTOR"]
+
+AccumBits = Union[int, None, str]
 
 H100_ACCUM_BITS = 13  # fraction bits of Hopper's FP8 tensor-core accumulator (e8m13)
 H100_MMA_K = 32  # products per FP8 wgmma instruction
@@ -62,6 +69,7 @@ PROMOTE_INTERVAL = 128  # products of K between promotions to fp32 without fast 
 # 13-bit model above on sums of same-sign terms (K = 1024 and 4096): each step loses more than the model's
 # two truncations. The fast-accumulation bound is therefore widened by this factor (u -> 4 u).
 FAST_ACCUM_FACTOR = 4.0
+DEVICE = "device"  # accum_bits's default: the accumulator of the tensors' device (see the docstring)
 _U32 = 2.0 ** -24
 _OUT = {torch.float32: (2.0 ** -24, 2.0 ** -150), torch.bfloat16: (2.0 ** -8, 2.0 ** -134),
         torch.float16: (2.0 ** -11, 2.0 ** -25)}  # (u_out, eta)
@@ -78,7 +86,9 @@ def _fp8_operand(q: Any, fn: str, arg: str) -> torch.Tensor:
 def _expand_scale(s: Any, rows: int, k: int, device: torch.device, fn: str, arg: str) -> torch.Tensor:
     """A scale_inv as a float64 factor broadcastable to an operand [rows, k], by its shape as fp8ext.gemm
     reads it: one element (per tensor), [rows] (per row), [rows, ceil(k/128)] (1x128 blocks) or
-    [ceil(rows/128), ceil(k/128)] (128x128 blocks)."""
+    [ceil(rows/128), ceil(k/128)] (128x128 blocks); also torch._scaled_mm's row-wise shapes, [rows, 1]
+    (scale_a [M, 1]) and [1, rows] (scale_b [1, N]). A [1, rows] that is also the 128x128 block shape is
+    read as blocks, as fp8ext.gemm reads it: pass such a row-wise scale as [rows]."""
     if isinstance(s, (int, float)) and not isinstance(s, bool):
         return torch.tensor(float(s), dtype=torch.float64, device=device)
     if not isinstance(s, torch.Tensor) or not s.is_floating_point():
@@ -94,8 +104,11 @@ def _expand_scale(s: Any, rows: int, k: int, device: torch.device, fn: str, arg:
         return s.repeat_interleave(128, 1)[:, :k]
     if s.dim() == 2 and s.shape[1] == kb and s.shape[0] == rb:
         return s.repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :k]
+    if s.dim() == 2 and tuple(s.shape) in ((rows, 1), (1, rows)):  # torch._scaled_mm's row-wise scales
+        return s.reshape(rows, 1)
     raise ValueError(f"{fn}(): {arg} has shape {list(s.shape)}; for a [{rows}, {k}] operand expected one "
-                     f"element, [{rows}] (per row), [{rows}, {kb}] (1x128 blocks) or [{rb}, {kb}] (128x128 blocks)")
+                     f"element, [{rows}] (per row), [{rows}, {kb}] (1x128 blocks), [{rb}, {kb}] (128x128 blocks), "
+                     f"or torch._scaled_mm's row-wise [{rows}, 1] (scale_a) or [1, {rows}] (scale_b)")
 
 
 def _products(a8, b8, a_scale_inv, b_scale_inv, bias, fn: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -116,6 +129,28 @@ def _products(a8, b8, a_scale_inv, b_scale_inv, bias, fn: str) -> Tuple[torch.Te
     return r + beta, s, beta.abs()
 
 
+def accum_bits_for(*tensors: Optional[torch.Tensor], fn: str = "accum_bits_for") -> Optional[int]:
+    """The accumulator model accum_bits="device" picks for tensors (None entries skipped): None (fp32
+    accumulation, the CPU emulation) when all are on the CPU, H100_ACCUM_BITS when all are on CUDA devices.
+    A ValueError asks for accum_bits when they are on different device types or on another device."""
+    types = {t.device.type for t in tensors if isinstance(t, torch.Tensor)}
+    if types == {"cpu"}:
+        return None
+    if types == {"cuda"}:
+        return H100_ACCUM_BITS
+    raise ValueError(f"{fn}(): cannot choose the accumulator model from tensors on {sorted(types)}: pass "
+                     f"accum_bits=None (fp32 accumulation, as on the CPU) or accum_bits={H100_ACCUM_BITS} "
+                     "(Hopper's FP8 tensor cores)")
+
+
+def _resolve_accum_bits(accum_bits: AccumBits, fn: str, *tensors: Optional[torch.Tensor]) -> Optional[int]:
+    if isinstance(accum_bits, str):
+        if accum_bits != DEVICE:
+            raise ValueError(f'{fn}(): accum_bits must be an int, None or "device", got {accum_bits!r}')
+        return accum_bits_for(*tensors, fn=fn)
+    return accum_bits
+
+
 def _gamma(n: int, u: float, what: str) -> float:
     if n * u >= 1:
         raise ValueError(f"gemm_error_bound(): {what}: {n} steps with unit error {u:.3g} give no bound (n u >= 1)")
@@ -125,11 +160,11 @@ def _gamma(n: int, u: float, what: str) -> float:
 def _model(k: int, use_fast_accum: bool, accum_bits: Optional[int], mma_k: int, promote_interval: int
            ) -> Tuple[float, float]:
     """(gamma_J(u), gamma_{C+4}(u32)) of the module docstring's bound for reductions of length k."""
-    if accum_bits is None:
-        return _gamma(k, _U32, "fp32 accumulation"), _gamma(4, _U32, "fp32 steps")
-    if mma_k < 1 or promote_interval < 1 or accum_bits < 1:
+    if mma_k < 1 or promote_interval < 1 or (accum_bits is not None and accum_bits < 1):
         raise ValueError(f"gemm_error_bound(): accum_bits, mma_k and promote_interval must be positive, got "
                          f"{accum_bits}, {mma_k}, {promote_interval}")
+    if accum_bits is None:
+        return _gamma(k, _U32, "fp32 accumulation"), _gamma(4, _U32, "fp32 steps")
     p = k if use_fast_accum else min(promote_interval, k)
     steps, chunks = -(-p // mma_k), -(-k // p)
     u = 2.0 ** (1 - accum_bits) * (FAST_ACCUM_FACTOR if use_fast_accum else 1.0)
@@ -157,7 +192,7 @@ def gemm_reference(a8: torch.Tensor, b8: torch.Tensor, a_scale_inv: Any, b_scale
 
 def gemm_error_bound(a8: torch.Tensor, b8: torch.Tensor, a_scale_inv: Any, b_scale_inv: Any, *,
                      out_dtype: torch.dtype = torch.float32, bias: Optional[torch.Tensor] = None,
-                     use_fast_accum: bool = False, accum_bits: Optional[int] = H100_ACCUM_BITS,
+                     use_fast_accum: bool = False, accum_bits: AccumBits = DEVICE,
                      mma_k: int = H100_MMA_K, promote_interval: int = PROMOTE_INTERVAL) -> torch.Tensor:
     """float64 [M, N] bounds on |out - gemm_reference(...)| for out = fp8ext.gemm(a8, b8, ...) with these
     arguments, K = a8.shape[1]:
@@ -167,25 +202,33 @@ def gemm_error_bound(a8: torch.Tensor, b8: torch.Tensor, a_scale_inv: Any, b_sca
 
     S = sum_k |a_k||b_k| with the scales, u = 2**(1 - accum_bits), J = ceil(min(P, K) / mma_k),
     C = ceil(K / P), P = K with use_fast_accum else promote_interval; u_out and eta by out_dtype.
-    The model and the derivation are in fp8ext.testing._gemm's docstring. The defaults model an H100/H200
-    (cuBLASLt, either accumulation mode); accum_bits=None models plain fp32 accumulation (the CPU emulation).
+    The model and the derivation are in fp8ext.testing._gemm's docstring. accum_bits="device" (the default)
+    models the accumulator of a8's and b8's device: plain fp32 accumulation on the CPU (accum_bits=None, the
+    CPU emulation), an H100/H200 on CUDA (H100_ACCUM_BITS; cuBLASLt, either accumulation mode); tensors on
+    different devices must name it.
     """
-    r, s, bias_abs = _products(a8, b8, a_scale_inv, b_scale_inv, bias, "gemm_error_bound")
-    return _bound(r, s, bias_abs, a8.shape[1], out_dtype, use_fast_accum, accum_bits, mma_k, promote_interval)
+    fn = "gemm_error_bound"
+    bits = _resolve_accum_bits(accum_bits, fn, a8, b8)
+    r, s, bias_abs = _products(a8, b8, a_scale_inv, b_scale_inv, bias, fn)
+    return _bound(r, s, bias_abs, a8.shape[1], out_dtype, use_fast_accum, bits, mma_k, promote_interval)
 
 
 def assert_gemm_close(out: torch.Tensor, a8: torch.Tensor, b8: torch.Tensor, a_scale_inv: Any, b_scale_inv: Any, *,
                       bias: Optional[torch.Tensor] = None, use_fast_accum: bool = False,
-                      accum_bits: Optional[int] = H100_ACCUM_BITS, mma_k: int = H100_MMA_K,
+                      accum_bits: AccumBits = DEVICE, mma_k: int = H100_MMA_K,
                       promote_interval: int = PROMOTE_INTERVAL, max_report: int = 8, msg: Optional[str] = None) -> None:
     """Every element of a GEMM output within gemm_error_bound of the float64 reference; AssertionError
     listing the elements outside it otherwise. out: float32, bfloat16 or float16 [M, N] (its dtype is the
     out_dtype of the bound); the other arguments as fp8ext.gemm took them, plus the model's parameters (see
-    gemm_error_bound). Non-finite reference values must appear unchanged in out."""
+    gemm_error_bound; accum_bits="device" takes the model from the device of out, a8 and b8: fp32
+    accumulation on the CPU, Hopper's on CUDA). Non-finite reference values must appear unchanged in out."""
+    __tracebackhide__ = True
     fn = "assert_gemm_close"
     if not isinstance(out, torch.Tensor) or out.dtype not in _OUT:
         got = out.dtype if isinstance(out, torch.Tensor) else type(out).__name__
         raise TypeError(f"{fn}(): out must be a float32, bfloat16 or float16 tensor, got {got}")
+    by_device = accum_bits == DEVICE
+    accum_bits = _resolve_accum_bits(accum_bits, fn, out, a8, b8)
     r, s, bias_abs = _products(a8, b8, a_scale_inv, b_scale_inv, bias, fn)
     check_shapes(fn, [("out", out.shape), ("the product [M, N]", r.shape)])
     bound = _bound(r, s, bias_abs, a8.shape[1], out.dtype, use_fast_accum, accum_bits, mma_k, promote_interval)
@@ -199,8 +242,10 @@ def assert_gemm_close(out: torch.Tensor, a8: torch.Tensor, b8: torch.Tensor, a_s
     err, bound, o, r, s = (t.reshape(-1).cpu() for t in (err, bound, o, r, s))
     ratio = torch.where(torch.isnan(err), float("inf"), err / bound)
     worst = int(ratio.argmax())
-    model = (f"out_dtype={out.dtype}, use_fast_accum={use_fast_accum}, accum_bits={accum_bits}, mma_k={mma_k}, "
-             f"promote_interval={promote_interval}, K={a8.shape[1]}")
+    chosen = (f" (fp32 accumulation, chosen for {a8.device.type} tensors)" if accum_bits is None else
+              f" (Hopper's accumulator, chosen for {a8.device.type} tensors)") if by_device else ""
+    model = (f"out_dtype={out.dtype}, use_fast_accum={use_fast_accum}, accum_bits={accum_bits}{chosen}, "
+             f"mma_k={mma_k}, promote_interval={promote_interval}, K={a8.shape[1]}")
     lines = [f"Greatest |error| / bound: {ratio[worst].item():.4g} at index {index_of(worst, out.shape)}",
              "First outside (index: out, float64 reference, |error|, bound, sum |a||b|):"]
     for i in bad[:max_report].tolist():
