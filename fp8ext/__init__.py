@@ -19,14 +19,10 @@ from . import _library  # noqa: F401  (registers torch.ops.fp8ext.*)
 from . import recipe  # noqa: F401  (fp8ext.recipe, as transformer_engine.common.recipe)
 from ._gemm import gemm, gemm_cache_info, set_gemm_autotune
 from .context import autocast, fp8_autocast, get_fp8_recipe, get_scaling_manager, is_fp8_enabled
-from .convert import FP8ConversionWarning, convert_to_fp8, prepare_fp8
-from .graphs import make_graphed_callables
 from .debug import debug_checks_enabled, set_debug_checks
 from .profiling import profiling_enabled, set_profiling
 from .formats import E2M1, E2M3, E3M2, E4M3, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0, FP8Format, Format, SmallFormat
-from .linear import FP8Linear, Linear
 from .normalization import LayerNorm, RMSNorm
-from .layernorm_modules import LayerNormLinear, LayerNormMLP
 from .mx import dequantize_mx, dequantize_nvfp4, quantize_mx, quantize_nvfp4
 from .weight_only import WEIGHT_ONLY_FORMATS, WeightOnlyLinear
 from .packing import pack_fp4, pack_fp6, unpack_fp4, unpack_fp6
@@ -36,6 +32,28 @@ from .recipe import CurrentScaling, DelayedScaling, Float8CurrentScaling
 from .scaling import FP8ScalingManager
 
 __version__ = "0.1.0"
+
+# Imported on first use (PEP 562): the FP8 linear modules and what builds on them import torch._dynamo (through
+# torch.compiler.disable), about a second, which `import fp8ext.testing` and the ops alone do not need.
+_LAZY = {
+    "FP8Linear": ".linear", "Linear": ".linear",
+    "FP8ConversionWarning": ".convert", "convert_to_fp8": ".convert", "prepare_fp8": ".convert",
+    "make_graphed_callables": ".graphs",
+    "LayerNormLinear": ".layernorm_modules", "LayerNormMLP": ".layernorm_modules",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
 
 __all__ = [
     "E4M3",

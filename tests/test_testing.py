@@ -4,12 +4,14 @@ bound is in test_testing_gemm.py, the hypothesis strategies in test_testing_stra
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 import fp8ext
+import fp8ext.testing
 import reference
 from fp8ext.testing import assert_close_fp8, assert_fp8_equal, edge_groups, edge_values, ulp_distance
 
@@ -330,6 +332,27 @@ def test_testing_needs_only_torch_and_numpy_and_is_not_imported_by_fp8ext():
     code = ("import sys, fp8ext; assert 'fp8ext.testing' not in sys.modules; import fp8ext.testing; "
             "bad = [m for m in ('hypothesis', 'ml_dtypes', 'pytest') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_importing_testing_is_light():
+    """import fp8ext.testing loads fp8ext's ops, not its linear modules, torch._dynamo or tqdm (beyond what
+    `import torch` loads itself: torch 2.13's torch.hub imports tqdm)."""
+    show = "import sys; {}; print(' '.join(sorted(sys.modules)))"
+    torch_only = set(subprocess.run([sys.executable, "-c", show.format("import torch")], check=True,
+                                    capture_output=True, text=True).stdout.split())
+    loaded = set(subprocess.run([sys.executable, "-c", show.format("import fp8ext.testing")], check=True,
+                                capture_output=True, text=True).stdout.split())
+    heavy = {"torch._dynamo", "tqdm", "fp8ext.linear"} & (loaded - torch_only)
+    assert not heavy, f"import fp8ext.testing imported {sorted(heavy)}"
+    assert "fp8ext.ops" in loaded and "fp8ext.testing._gemm" in loaded
+
+
+def test_the_testing_extra_names_what_it_needs():
+    tomllib = pytest.importorskip("tomllib")
+    with open(Path(__file__).parent.parent / "pyproject.toml", "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    assert extras["testing"] == ["numpy", "hypothesis"]
+    assert 'fp8ext[testing]' in fp8ext.testing.__doc__
 
 
 def test_strategies_say_what_they_need_where_hypothesis_is_missing():
