@@ -347,6 +347,24 @@ def test_importing_testing_is_light():
     assert "fp8ext.ops" in loaded and "fp8ext.testing._gemm" in loaded
 
 
+def test_failure_tracebacks_end_in_the_test_not_in_fp8ext_testing(tmp_path):
+    """The helpers set __tracebackhide__: pytest's report shows the caller's line and the message only."""
+    (tmp_path / "test_user.py").write_text(
+        "import torch, fp8ext\n"
+        "from fp8ext.testing import assert_close_fp8, assert_fp8_equal, assert_gemm_close\n"
+        "q = fp8ext.quantize(torch.tensor([1.0, 2.0]), fp8ext.E4M3)\n"
+        "def test_equal():\n    assert_fp8_equal(q, q.view(torch.uint8).flip(0).view(q.dtype))\n"
+        "def test_close():\n    assert_close_fp8(q, torch.tensor([1.0, 2.5]))\n"
+        "def test_shapes():\n    assert_close_fp8(q, torch.zeros(3))\n"
+        "def test_gemm():\n    a = fp8ext.quantize(torch.ones(2, 16), fp8ext.E4M3)\n"
+        "    assert_gemm_close(torch.zeros(2, 2), a, a, 1.0, 1.0)\n")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=long",
+                          str(tmp_path / "test_user.py")], capture_output=True, text=True, cwd=tmp_path)
+    assert "4 failed" in run.stdout, run.stdout
+    assert "fp8ext/testing/" not in run.stdout and "def fail(" not in run.stdout, run.stdout
+    assert ">       assert_close_fp8(q, torch.tensor([1.0, 2.5]))" in run.stdout, run.stdout
+
+
 def test_the_testing_extra_names_what_it_needs():
     tomllib = pytest.importorskip("tomllib")
     with open(Path(__file__).parent.parent / "pyproject.toml", "rb") as f:

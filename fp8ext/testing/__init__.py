@@ -36,7 +36,8 @@ Which helper catches which bug (tests/test_testing_worked_example.py plants each
 Conventions: FP8 tensors are torch.float8_e4m3fn / float8_e5m2 tensors, or uint8 codes with fmt=; fmt is
 fp8ext.E4M3 / fp8ext.E5M2 or any spelling fp8ext.quantize takes. Tensors may live on any device; the
 comparisons copy what they report to the CPU. A failed comparison raises AssertionError (with msg= in front);
-a wrong call (bad type, conflicting fmt) raises TypeError or ValueError naming the argument.
+a wrong call (bad type, conflicting fmt) raises TypeError or ValueError naming the argument. The assertions
+set __tracebackhide__, so pytest's traceback of a failure ends at the test's own line.
 Depends on torch and numpy only; `pip install "fp8ext[testing]"` adds hypothesis for fp8ext.testing.strategies.
 Importing it is light: it loads fp8ext's ops and formats (fp8ext imports its linear modules, and with them
 torch._dynamo, on first use), about 0.05 s beyond torch.

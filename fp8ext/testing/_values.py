@@ -139,6 +139,7 @@ def code_text(code: int, fmt: FP8Format) -> str:
 
 def check_shapes(fn: str, shapes: Iterable[Tuple[str, Sequence[int]]]) -> None:
     """AssertionError when the named tensors' shapes differ (a test failure, as in torch.testing)."""
+    __tracebackhide__ = True  # pytest shows the test's line, not this one
     shapes = list(shapes)
     if any(tuple(s) != tuple(shapes[0][1]) for _, s in shapes[1:]):
         described = " but ".join(f"{arg} has shape {list(s)}" for arg, s in shapes)
@@ -147,5 +148,6 @@ def check_shapes(fn: str, shapes: Iterable[Tuple[str, Sequence[int]]]) -> None:
 
 def fail(fn: str, msg: Optional[str], headline: str, lines: Sequence[str]) -> None:
     """Raise the AssertionError of a comparison: the caller's msg first, then the headline and details."""
+    __tracebackhide__ = True
     head = f"{msg}: " if msg else ""
     raise AssertionError(f"{head}{fn}(): {headline}\n" + "\n".join(lines))
