@@ -2,6 +2,7 @@
 (tests/reference.py) and ml_dtypes where it is installed, and shown to fail when they should. The GEMM
 bound is in test_testing_gemm.py, the hypothesis strategies in test_testing_strategies.py."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -358,8 +359,10 @@ def test_failure_tracebacks_end_in_the_test_not_in_fp8ext_testing(tmp_path):
         "def test_shapes():\n    assert_close_fp8(q, torch.zeros(3))\n"
         "def test_gemm():\n    a = fp8ext.quantize(torch.ones(2, 16), fp8ext.E4M3)\n"
         "    assert_gemm_close(torch.zeros(2, 2), a, a, 1.0, 1.0)\n")
+    root = str(Path(fp8ext.__file__).parent.parent)  # this fp8ext, whatever the cwd
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=long",
-                          str(tmp_path / "test_user.py")], capture_output=True, text=True, cwd=tmp_path)
+                          str(tmp_path / "test_user.py")], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert "4 failed" in run.stdout, run.stdout
     assert "fp8ext/testing/" not in run.stdout and "def fail(" not in run.stdout, run.stdout
     assert ">       assert_close_fp8(q, torch.tensor([1.0, 2.5]))" in run.stdout, run.stdout
