@@ -318,10 +318,12 @@ def test_fp8ext_casts_every_edge_value_as_the_reference_does(fmt, dtype, saturat
 
 
 def test_edge_values_refuse_what_they_cannot_make():
-    with pytest.raises(TypeError, match=r"edge_groups\(\): dtype must be one of .* got torch.int32"):
+    with pytest.raises(TypeError, match=r"^edge_values\(\): dtype must be one of .* got torch.int32"):
         edge_values(fp8ext.E4M3, torch.int32)
-    with pytest.raises(TypeError, match=r"edge_groups\(\): fmt must be fp8ext.E4M3 or fp8ext.E5M2"):
+    with pytest.raises(TypeError, match=r"^edge_values\(\): fmt must be fp8ext.E4M3 or fp8ext.E5M2"):
         edge_values("fp8", torch.float32)
+    with pytest.raises(TypeError, match=r"^edge_groups\(\): dtype must be one of .* got torch.int32"):
+        edge_groups(fp8ext.E4M3, torch.int32)
     with pytest.raises(ValueError, match="Format.HYBRID names a recipe"):
         edge_values(fp8ext.Format.HYBRID)
     assert edge_values(fp8ext.Format.E5M2, torch.float64, device="cpu").dtype == torch.float64

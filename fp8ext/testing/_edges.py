@@ -40,7 +40,11 @@ def _exact(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def edge_groups(fmt: Any, dtype: torch.dtype = torch.float32) -> Dict[str, torch.Tensor]:
     """The edge cases of edge_values as positive magnitudes, by name (see this module's docstring): a dict
     of 1-D CPU tensors of `dtype`, each sorted."""
-    fn = "edge_groups"
+    return _groups(fmt, dtype, "edge_groups")
+
+
+def _groups(fmt: Any, dtype: torch.dtype, fn: str) -> Dict[str, torch.Tensor]:
+    """edge_groups, with errors naming `fn` (the public function the user called)."""
     f = resolve_format(fmt, fn)
     dtype = _check_dtype(dtype, fn)
     vals = finite_magnitudes(f)
@@ -76,7 +80,7 @@ def edge_values(fmt: Any, dtype: torch.dtype = torch.float32, *, device: Optiona
     dtype's tiniest values. dtype: float32, bfloat16, float16 or float64. For a scaled cast, divide by the
     scale in float64 and keep the values the dtype holds exactly.
     """
-    groups = edge_groups(fmt, dtype)
+    groups = _groups(fmt, dtype, "edge_values")
     pos = torch.unique(torch.cat(list(groups.values())).double())  # sorted
     specials = torch.tensor([float("inf"), float("-inf"), float("nan")], dtype=torch.float64)
     signed_zeros = torch.tensor([-0.0, 0.0], dtype=torch.float64)
