@@ -23,7 +23,7 @@ quick = settings(max_examples=50, deadline=None, database=None)  # no example da
 
 
 KEYS = [(f, d) for f in FORMATS for d in DTYPES]
-EDGES = {key: fst.edge_values(*key) for key in KEYS}
+EDGES = {key: fst.edge_value(*key) for key in KEYS}
 CASES = {key: set(edge_values(*key).double().tolist()) for key in KEYS}
 VALUES = {key: fst.values(*key) for key in KEYS}
 FINITE = {key: fst.values(*key, allow_nan=False, allow_infinity=False) for key in KEYS}
@@ -62,6 +62,32 @@ def test_codes_and_fp8_tensors(fmt, data):
 @given(x=fst.tensors(fp8ext.E4M3, torch.bfloat16, min_size=3, max_size=7, allow_nan=False))
 def test_tensors_have_the_dtype_size_and_flags(x):
     assert x.dtype == torch.bfloat16 and 3 <= x.numel() <= 7 and not x.isnan().any()
+
+
+@quick
+@given(data=st.data())
+def test_edge_values_draws_tensors_of_edge_cases_like_the_function(data):
+    """fst.edge_values draws tensors (as fp8ext.testing.edge_values returns one); fst.edge_value one float."""
+    key = (fp8ext.E4M3, torch.bfloat16)
+    x = data.draw(fst.edge_values(*key, shape=(2, 3)))
+    assert isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 and x.shape == (2, 3)
+    assert all(math.isnan(v) or v in CASES[key] for v in x.double().reshape(-1).tolist())
+    y = data.draw(fst.edge_values(*key, min_size=1, max_size=4))
+    assert y.dim() == 1 and 1 <= y.numel() <= 4
+
+
+@quick
+@given(x=fst.tensors(fp8ext.E5M2, torch.float16, shape=(3, 4)), q=fst.fp8_tensors(fp8ext.E4M3, shape=5),
+       e=fst.tensors(fp8ext.E4M3, shape=(0, 2)))
+def test_tensors_take_a_shape(x, q, e):
+    assert x.shape == (3, 4) and x.dtype == torch.float16
+    assert q.shape == (5,) and q.dtype == torch.float8_e4m3fn
+    assert e.shape == (0, 2)
+
+
+def test_a_bad_shape_names_the_strategy():
+    with pytest.raises(ValueError, match=r"tensors\(\): shape must be an int or a tuple of ints >= 0, got \(2, -1\)"):
+        fst.tensors(fp8ext.E4M3, shape=(2, -1))
 
 
 def test_the_cases_appear():

@@ -1,18 +1,24 @@
 """Hypothesis strategies for FP8 tests: the edge cases of fp8ext.testing.edge_values, FP8 codes, and
 inputs mixing the edge cases with arbitrary values of an input dtype. Needs `hypothesis`
-(`pip install hypothesis`); fp8ext.testing imports this module only when it is asked for.
+(`pip install "fp8ext[testing]"` or `pip install hypothesis`); fp8ext.testing imports this module only when
+it is asked for.
 
     from hypothesis import given
     from fp8ext.testing import strategies as fst
 
-    @given(fst.tensors(fp8ext.E4M3, torch.bfloat16))
+    @given(fst.tensors(fp8ext.E4M3, torch.bfloat16, shape=(4, 8)))
     def test_cast(x): ...
+
+Names follow what they draw: the plural ones (edge_values, tensors, fp8_tensors) draw CPU tensors, as
+fp8ext.testing.edge_values returns one; the singular ones draw one Python number (edge_value, a float;
+values, a float; codes, an int). A shape= (an int or a tuple) gives tensors of exactly that shape; without
+it they are 1-D with min_size to max_size elements.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -25,12 +31,35 @@ from ..formats import resolve_format
 from ._edges import EDGE_DTYPES, edge_values as _edge_values
 from ._values import value_table
 
-__all__ = ["edge_values", "values", "codes", "tensors", "fp8_tensors"]
+__all__ = ["edge_value", "edge_values", "values", "codes", "tensors", "fp8_tensors"]
+
+Shape = Union[int, Sequence[int]]
 
 
-def edge_values(fmt: Any, dtype: torch.dtype = torch.float32) -> st.SearchStrategy[float]:
+def _lists_as_tensors(elements: st.SearchStrategy, to_tensor, shape: Optional[Shape], min_size: int,
+                      max_size: int, fn: str) -> st.SearchStrategy[torch.Tensor]:
+    """Tensors of `shape` (exactly) or 1-D of min_size..max_size elements, each drawn from `elements`."""
+    if shape is None:
+        return st.lists(elements, min_size=min_size, max_size=max_size).map(to_tensor)
+    dims = (shape,) if isinstance(shape, int) else tuple(shape)
+    if not all(isinstance(d, int) and d >= 0 for d in dims):
+        raise ValueError(f"{fn}(): shape must be an int or a tuple of ints >= 0, got {shape!r}")
+    n = math.prod(dims)
+    return st.lists(elements, min_size=n, max_size=n).map(lambda v: to_tensor(v).reshape(dims))
+
+
+def edge_value(fmt: Any, dtype: torch.dtype = torch.float32) -> st.SearchStrategy[float]:
     """One of fp8ext.testing.edge_values(fmt, dtype), as a Python float (NaN included)."""
     return st.sampled_from(_edge_values(fmt, dtype).tolist())
+
+
+def edge_values(fmt: Any, dtype: torch.dtype = torch.float32, *, shape: Optional[Shape] = None, min_size: int = 1,
+                max_size: int = 64) -> st.SearchStrategy[torch.Tensor]:
+    """A CPU tensor of `dtype` whose elements are all edge cases, drawn from edge_value(fmt, dtype): like
+    fp8ext.testing.edge_values (which returns every case once, 1-D) but in any number, order and shape.
+    (Before, this strategy drew a single float: that is edge_value now.)"""
+    return _lists_as_tensors(edge_value(fmt, dtype), lambda v: torch.tensor(v, dtype=dtype), shape, min_size,
+                             max_size, "edge_values")
 
 
 def values(fmt: Any, dtype: torch.dtype = torch.float32, *, allow_nan: bool = True,
@@ -60,16 +89,18 @@ def codes(fmt: Any, *, allow_nan: bool = True) -> st.SearchStrategy[int]:
     return st.sampled_from([c for c in range(256) if allow_nan or not bool(nan[c])])
 
 
-def tensors(fmt: Any, dtype: torch.dtype = torch.float32, *, min_size: int = 1, max_size: int = 64,
-            allow_nan: bool = True, allow_infinity: bool = True) -> st.SearchStrategy[torch.Tensor]:
-    """A 1-D CPU tensor of `dtype` whose elements are drawn from values(fmt, dtype, ...)."""
+def tensors(fmt: Any, dtype: torch.dtype = torch.float32, *, shape: Optional[Shape] = None, min_size: int = 1,
+            max_size: int = 64, allow_nan: bool = True, allow_infinity: bool = True) -> st.SearchStrategy[torch.Tensor]:
+    """A CPU tensor of `dtype` whose elements are drawn from values(fmt, dtype, ...): of `shape` where given,
+    else 1-D with min_size to max_size elements."""
     elements = values(fmt, dtype, allow_nan=allow_nan, allow_infinity=allow_infinity)
-    return st.lists(elements, min_size=min_size, max_size=max_size).map(lambda v: torch.tensor(v, dtype=dtype))
+    return _lists_as_tensors(elements, lambda v: torch.tensor(v, dtype=dtype), shape, min_size, max_size, "tensors")
 
 
-def fp8_tensors(fmt: Any, *, min_size: int = 1, max_size: int = 64, allow_nan: bool = True
-                ) -> st.SearchStrategy[torch.Tensor]:
-    """A 1-D CPU tensor of the format's float8 dtype holding codes drawn from codes(fmt, ...)."""
+def fp8_tensors(fmt: Any, *, shape: Optional[Shape] = None, min_size: int = 1, max_size: int = 64,
+                allow_nan: bool = True) -> st.SearchStrategy[torch.Tensor]:
+    """A CPU tensor of the format's float8 dtype holding codes drawn from codes(fmt, ...): of `shape` where
+    given, else 1-D with min_size to max_size elements."""
     f = resolve_format(fmt, "fp8_tensors")
-    return st.lists(codes(f, allow_nan=allow_nan), min_size=min_size, max_size=max_size).map(
-        lambda c: torch.tensor(c, dtype=torch.uint8).view(f.torch_dtype))
+    return _lists_as_tensors(codes(f, allow_nan=allow_nan), lambda c: torch.tensor(c, dtype=torch.uint8).view(
+        f.torch_dtype), shape, min_size, max_size, "fp8_tensors")
