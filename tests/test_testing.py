@@ -341,9 +341,11 @@ def test_importing_testing_is_light():
     """import fp8ext.testing loads fp8ext's ops, not its linear modules, torch._dynamo or tqdm (beyond what
     `import torch` loads itself: torch 2.13's torch.hub imports tqdm)."""
     show = "import sys; {}; print(' '.join(sorted(sys.modules)))"
-    torch_only = set(subprocess.run([sys.executable, "-c", show.format("import torch")], check=True,
+    root = str(Path(fp8ext.__file__).parent.parent)  # this fp8ext, whatever the cwd
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    torch_only = set(subprocess.run([sys.executable, "-c", show.format("import torch")], check=True, env=env,
                                     capture_output=True, text=True).stdout.split())
-    loaded = set(subprocess.run([sys.executable, "-c", show.format("import fp8ext.testing")], check=True,
+    loaded = set(subprocess.run([sys.executable, "-c", show.format("import fp8ext.testing")], check=True, env=env,
                                 capture_output=True, text=True).stdout.split())
     heavy = {"torch._dynamo", "tqdm", "fp8ext.linear"} & (loaded - torch_only)
     assert not heavy, f"import fp8ext.testing imported {sorted(heavy)}"

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import torch
 
-from ._values import (FP8_DTYPES, as_tensor, check_shapes, code_text, codes_of, fail, index_of, pick_format,
+from ._values import (FP8_DTYPES, as_tensor, check_shapes, code_text, codes_of, fail, index_of, is_tie, pick_format,
                       spacing, tie_text, value_table, values_of)
 
 __all__ = ["assert_fp8_equal", "ulp_distance", "assert_close_fp8"]
@@ -54,7 +54,7 @@ def assert_fp8_equal(actual: Any, expected: Any, *, fmt: Any = None, input: Any 
     nan_rule = "every byte compared" if strict_nan else "NaN codes equal any NaN"
     headline = f"{bad.numel()} of {ga.numel()} {f.name} codes differ ({nan_rule})"
     if x is not None:
-        ties = sum(bool(tie_text(v, f)) for v in x[bad].double().tolist())
+        ties = int(is_tie(x[bad], f).sum())
         if ties:
             headline += (f"; {ties} of them at ties (inputs midway between two {f.name} values): check the "
                          "rounding of ties (to nearest even)")

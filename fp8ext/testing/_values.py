@@ -53,6 +53,11 @@ def midpoints(fmt: FP8Format) -> torch.Tensor:
     return (grid[:-1] + grid[1:]) / 2
 
 
+def is_tie(x: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
+    """Whether each value of a CPU tensor is a tie of the format (see midpoints), elementwise."""
+    return torch.isin(x.double().abs(), midpoints(fmt))
+
+
 def tie_text(v: float, fmt: FP8Format) -> str:
     """', a tie between 1.0 and 1.125' when |v| is midway between two neighbouring FP8 values (or between
     fmt.max and the overflow), '' otherwise."""
