@@ -217,11 +217,12 @@ def test_two_processes_over_gloo_hold_the_same_fp8_scales(tmp_path, mode):
 
 
 PROBE = """
-import os, sys
+import json, os, sys
 from fp8ext.train import cli
 code = cli.main(sys.argv[1:])
 names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
-print("threads after train:", sorted(names), flush=True)
+with open(os.path.join(os.path.dirname(__file__), f"threads.{os.environ['RANK']}.json"), "w") as f:
+    json.dump(sorted(names), f)  # a file per rank: the two ranks' prints interleave on one pipe
 sys.exit(code)
 """
 
@@ -238,9 +239,8 @@ def test_fsdp_over_gloo_leaves_no_process_group_threads_behind(tmp_path):
            "--max_steps", "2", "--eval_every", "2", "--use_fp8", "--fsdp", "--out_dir", str(tmp_path / "run")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("threads after train:")]
-    assert len(lines) == 2, proc.stdout
-    assert not any("gloo" in line for line in lines), lines
+    threads = {rank: json.loads((tmp_path / f"threads.{rank}.json").read_text()) for rank in (0, 1)}
+    assert not any("gloo" in name for names in threads.values() for name in names), threads
 
 
 TWO_GPUS = fp8ext.cuda_available() and torch.cuda.device_count() >= 2
