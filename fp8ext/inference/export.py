@@ -242,7 +242,7 @@ def load_quantized(model_dir: Union[str, pathlib.Path],
 
     A directory holding fp8ext's Transformer as a Llama checkpoint (config.json's fp8ext_model_config) loads
     back into fp8ext's Transformer (fp8ext.inference.llama); there `model_or_factory` may be None."""
-    st = _safetensors()
+    _safetensors()  # a clear ImportError before anything is read
     d = pathlib.Path(model_dir)
     if not (d / "config.json").is_file():
         raise FileNotFoundError(f"load_quantized: {d / 'config.json'} is missing")
@@ -278,11 +278,7 @@ def load_quantized(model_dir: Union[str, pathlib.Path],
             lin.in_features, lin.out_features, bias=lin.bias is not None, weights=spec["weights"],
             activations=spec["activations"], device="meta", out_dtype=OUT_DTYPES[spec.get("out_dtype", "bfloat16")]))
     check_against_model(header, model, record)
-    state = {}
-    for path in sorted(set(header.files.values())):
-        state.update(st.load_file(str(path), device=str(device)))
-    # safetensors aligns tensors in the file to 8 bytes; cuBLASLt wants 16-byte aligned operands
-    state = {k: v if v.data_ptr() % 16 == 0 else v.clone() for k, v in state.items()}
+    state = aligned(read_tensors(header, device))
     _conform_scales(model, layers, state)
     for alias, target in tied.items():
         state[alias] = state[target]
@@ -314,6 +310,22 @@ def load_quantized(model_dir: Union[str, pathlib.Path],
                               "input_amax": {n: s["input_amax"] for n, s in layers.items() if s["input_amax"]},
                               "kv_cache_scheme": qc.get("kv_cache_scheme"), "kv_amax": record.get("kv_cache", {})}
     return model.eval()
+
+
+def read_tensors(header, device) -> Dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint `header` describes (its file or its shards), read onto `device`."""
+    st = _safetensors()
+    state: Dict[str, torch.Tensor] = {}
+    for path in sorted(set(header.files.values())):
+        state.update(st.load_file(str(path), device=str(device)))
+    return state
+
+
+def aligned(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The tensors contiguous and 16-byte aligned, as cuBLASLt wants its operands (safetensors aligns tensors in a
+    file to 8 bytes only); copies only those that are not."""
+    return {k: v if v.data_ptr() % 16 == 0 and v.is_contiguous() else v.contiguous().clone()
+            for k, v in state.items()}
 
 
 def _default_factory(cfg: Dict[str, Any], d: pathlib.Path) -> Callable[[dict], nn.Module]:

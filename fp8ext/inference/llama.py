@@ -303,7 +303,7 @@ def load(model_dir: pathlib.Path, config: Dict[str, Any],
     (called with fp8ext_model_config), or by default Transformer(TransformerConfig(**fp8ext_model_config))) with
     the checkpoint's FP8 layers, fused layers fused again."""
     from . import export
-    st = export._safetensors()
+    export._safetensors()  # a clear ImportError before anything is read
     d = pathlib.Path(model_dir)
     qc = config.get("quantization_config")
     qc = qc if isinstance(qc, dict) else {}
@@ -359,13 +359,7 @@ def load(model_dir: pathlib.Path, config: Dict[str, Any],
                              for s in _KV})
     exact = {k for n in layers for m in mods[n] for k in expected if k.startswith(m + ".")}
     _check_tensors(header.path, header.tensors, expected, exact)
-    llama_state = {}
-    for path in sorted(set(header.files.values())):
-        llama_state.update(st.load_file(str(path), device=str(device)))
-    state = from_llama(llama_state, cfg, schemes, header.path)
-    # safetensors aligns tensors in the file to 8 bytes; cuBLASLt wants 16-byte aligned operands
-    state = {k: v if v.data_ptr() % 16 == 0 and v.is_contiguous() else v.contiguous().clone()
-             for k, v in state.items()}
+    state = export.aligned(from_llama(export.read_tensors(header, device), cfg, schemes, header.path))
     if tied:
         state["lm_head.weight"] = state["embed.weight"]
     for key in [k for k in state if k.endswith(_KV)]:
