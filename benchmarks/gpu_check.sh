@@ -5,7 +5,7 @@
 #
 #   bash benchmarks/gpu_check.sh                 # build + tests + all benchmarks
 #   bash benchmarks/gpu_check.sh tests quantize  # pick steps: build is implied; tests, quantize, ...
-#   bash benchmarks/gpu_check.sh notebooks       # execute notebooks/*.ipynb; the executed copies go to $OUT
+#   bash benchmarks/gpu_check.sh notebooks       # execute notebooks/*.ipynb; the executed, stamped copies go to $OUT
 #   bash benchmarks/gpu_check.sh sanitize        # compute-sanitizer memcheck and racecheck over the kernel tests
 # The lent machine has no Jupyter: for `notebooks`, carry wheels of nbclient, nbformat and ipykernel with their
 # dependencies in .whl/ (pip download ... -d .whl; see the device tool's notes); they are installed from there.
@@ -42,19 +42,8 @@ for step in $steps; do
             $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/nbsite .whl/*.whl > "$OUT/nb_install.log" 2>&1 || { tail "$OUT/nb_install.log"; status=1; }
             export PYTHONPATH=/tmp/nbsite${PYTHONPATH:+:$PYTHONPATH}
         fi
-        for nb in notebooks/*.ipynb; do
-            start=$(date +%s)
-            if $PY - "$nb" "$OUT/$(basename "$nb")" <<'PYEOF'
-import sys, nbformat
-from nbclient import NotebookClient
-nb = nbformat.read(sys.argv[1], as_version=4)
-try:
-    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": "notebooks"}}).execute()
-finally:
-    nbformat.write(nb, sys.argv[2])
-PYEOF
-            then echo "$nb: ran in $(( $(date +%s) - start )) s"; else echo "$nb: FAILED"; status=1; fi
-        done ;;
+        # each code cell is stamped with its source's hash (tests/test_notebooks.py checks the committed stamps)
+        $PY benchmarks/run_notebooks.py "$OUT" || status=1 ;;
     sanitize)
         # Every kernel's GPU tests under compute-sanitizer: memcheck (out-of-bounds and misaligned accesses, leaks
         # of device memory) over the kernel test files, racecheck (shared-memory hazards) over the kernels that use

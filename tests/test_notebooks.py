@@ -1,5 +1,6 @@
 """The teaching notebooks run top to bottom, headless, on this machine (small sizes on a CPU, the lab's sizes
-on a GPU), and the committed files carry the outputs of a clean run."""
+on a GPU), and the committed files carry the outputs of a clean run on a Hopper GPU, made by the code they hold."""
+import hashlib
 import json
 import pathlib
 
@@ -46,3 +47,26 @@ def test_committed_notebook_holds_a_clean_run_under_2_mb(path):
     counts = [c["execution_count"] for c in code]
     assert counts == list(range(1, len(code) + 1)), f"{path.name}: committed from one clean top-to-bottom run"
     assert not [o for c in code for o in c["outputs"] if o["output_type"] == "error"], "no error outputs"
+
+
+def _stamp(cell):
+    return cell.get("metadata", {}).get("fp8ext", {}).get("source_sha256")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_committed_outputs_come_from_the_code_beside_them(path):
+    # benchmarks/run_notebooks.py stamps every code cell it executed with the SHA-256 of the source it ran
+    nb = json.loads(path.read_text())
+    stale = [i for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code"
+             and _stamp(c) != hashlib.sha256("".join(c["source"]).encode("utf-8")).hexdigest()]
+    assert not stale, (f"{path.name}: code cells {stale} differ from the code that produced their outputs (or carry "
+                       "no stamp). Re-run the notebook on a GPU machine with `bash benchmarks/gpu_check.sh notebooks` "
+                       "and commit the executed copy it writes.")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_committed_run_was_made_on_a_hopper_gpu(path):
+    run = json.loads(path.read_text())["metadata"].get("fp8ext", {})
+    assert run.get("fp8ext_cuda") and any(g in run.get("device", "") for g in ("H100", "H200")), (
+        f"{path.name}: the committed outputs should come from an H100 or H200 with fp8ext's CUDA kernels; "
+        f"the recorded run is {run or 'missing'}")
