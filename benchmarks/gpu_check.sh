@@ -43,7 +43,8 @@ for step in $steps; do
             export PYTHONPATH=/tmp/nbsite${PYTHONPATH:+:$PYTHONPATH}
         fi
         # each code cell is stamped with its source's hash (tests/test_notebooks.py checks the committed stamps)
-        $PY benchmarks/run_notebooks.py "$OUT" || status=1 ;;
+        # NOTEBOOKS="notebooks/a.ipynb ..." runs only those
+        $PY benchmarks/run_notebooks.py "$OUT" ${NOTEBOOKS:-} || status=1 ;;
     sanitize)
         # Every kernel's GPU tests under compute-sanitizer: memcheck (out-of-bounds and misaligned accesses, leaks
         # of device memory) over the kernel test files, racecheck (shared-memory hazards) over the kernels that use
