@@ -388,3 +388,12 @@ def test_strategies_say_what_they_need_where_hypothesis_is_missing():
     import fp8ext.testing
     with pytest.raises(AttributeError, match="has no attribute 'assert_equal'"):
         fp8ext.testing.assert_equal
+
+
+def test_quantize_refuses_float64_inputs_since_rounding_through_float32_can_change_the_result():
+    # the documented reason (edge_values' docstring): float64 -> float32 -> FP8 is not float64 -> FP8
+    with pytest.raises(TypeError, match="float64"):
+        fp8ext.quantize(torch.tensor([1.0], dtype=torch.float64), fp8ext.E4M3)
+    x = 1.0625 + 2.0 ** -40  # just above the tie between E4M3's 1.0 and 1.125: rounds to 1.125
+    via_float32 = torch.tensor([x], dtype=torch.float64).float()  # lands on the tie itself
+    assert fp8ext.dequantize(fp8ext.quantize(via_float32, fp8ext.E4M3)).item() == 1.0  # tie to even: 1.0

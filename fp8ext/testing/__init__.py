@@ -34,7 +34,8 @@ Which helper catches which bug (tests/test_testing_worked_example.py plants each
   assert_gemm_close, whose bound models the accumulator of the tensors' device.
 
 Conventions: FP8 tensors are torch.float8_e4m3fn / float8_e5m2 tensors, or uint8 codes with fmt=; fmt is
-fp8ext.E4M3 / fp8ext.E5M2 or any spelling fp8ext.quantize takes. Tensors may live on any device; the
+fp8ext.E4M3 / fp8ext.E5M2 or any spelling fp8ext.quantize takes; fp8ext.quantize takes float32, bfloat16 and
+float16, not float64 (edge_values says why and what to do). Tensors may live on any device; the
 comparisons copy what they report to the CPU. A failed comparison raises AssertionError (with msg= in front);
 a wrong call (bad type, conflicting fmt) raises TypeError or ValueError naming the argument. The assertions
 set __tracebackhide__, so pytest's traceback of a failure ends at the test's own line.

@@ -79,6 +79,12 @@ def edge_values(fmt: Any, dtype: torch.dtype = torch.float32, *, device: Optiona
     each; FP8's subnormals; the overflow threshold, the inputs just around it and values past it; the
     dtype's tiniest values. dtype: float32, bfloat16, float16 or float64. For a scaled cast, divide by the
     scale in float64 and keep the values the dtype holds exactly.
+
+    float64 edge values are for casts that take float64; fp8ext.quantize does not: it takes its kernels' input
+    dtypes (float32, bfloat16, float16), as Transformer Engine's casts do, and refuses float64 rather than
+    convert it, because rounding a float64 value to float32 first can move it onto an FP8 tie (double
+    rounding) and change the FP8 result. To compare your float64 cast with fp8ext.quantize, test on
+    edge_values(fmt, torch.float32) (or any float64 tensor whose values float32 holds: x.float() is then exact).
     """
     groups = _groups(fmt, dtype, "edge_values")
     pos = torch.unique(torch.cat(list(groups.values())).double())  # sorted
