@@ -177,7 +177,9 @@ static int module_exec(PyObject *module) {
     if (PyModule_AddFunctions(module, fp8ext_op_methods) < 0) return -1;
     if (PyModule_AddFunctions(module, fp8ext_scaling_methods) < 0) return -1;
     if (PyModule_AddFunctions(module, fp8ext_gemm_methods) < 0) return -1;
-    if (PyModule_AddFunctions(module, fp8ext_inference_methods) < 0) return -1;
+    if (PyModule_AddFunctions(module, fp8ext_attention_methods) < 0) return -1;
+    if (PyModule_AddFunctions(module, fp8ext_norm_methods) < 0) return -1;
+    if (PyModule_AddFunctions(module, fp8ext_weight_only_methods) < 0) return -1;
     if (PyModule_AddFunctions(module, fp8ext_linear_methods) < 0) return -1;
     if (PyModule_AddFunctions(module, fp8ext_mx_methods) < 0) return -1;
     if (PyModule_AddIntConstant(module, "E4M3", FP8EXT_E4M3) < 0) return -1;

@@ -33,17 +33,21 @@ int fp8ext_parse_args(PyObject *args, PyObject *kwargs, const char *format, char
 typedef void (*fp8ext_cpu_fn)(const void *args);
 typedef int (*fp8ext_cuda_fn)(const void *args, void *stream, int num_sms);
 
+/* The CPU function of a GPU-only operation (its binding refuses host memory before it gets here). */
+static inline void fp8ext_no_cpu(const void *args) { (void)args; }
+
 /* Runs `args` on the device of `where`: the CPU function with the GIL released, or the CUDA
  * launcher on `stream` with `where`'s device current. 0, or -1 with an exception set. */
 int fp8ext_run_op(PyObject *module, const fp8ext_view *where, Py_ssize_t stream, const char *fn, fp8ext_cpu_fn cpu,
                   fp8ext_cuda_fn cuda, const void *args);
 
-/* Method tables of py_ops.c, py_scaling.c, py_gemm.c, py_inference.c, py_linear.c and py_mx.c, joined into the module's
- * by module.c. */
+/* Method tables of the binding files (py_<what they bind>.c), joined into the module's by module.c. */
 extern PyMethodDef fp8ext_op_methods[];
 extern PyMethodDef fp8ext_scaling_methods[];
 extern PyMethodDef fp8ext_gemm_methods[];
-extern PyMethodDef fp8ext_inference_methods[];
+extern PyMethodDef fp8ext_attention_methods[];
+extern PyMethodDef fp8ext_norm_methods[];
+extern PyMethodDef fp8ext_weight_only_methods[];
 extern PyMethodDef fp8ext_linear_methods[];
 extern PyMethodDef fp8ext_mx_methods[];
 

@@ -381,3 +381,51 @@ int fp8ext_check_scale_values(const fp8ext_view *v, const char *fn, const char *
     }
     return 0;
 }
+
+/* Argument helpers shared by the bindings (tensor_view.h). */
+
+int fp8ext_value_error(const char *fn, const char *what) {
+    PyErr_Format(PyExc_ValueError, "%s(): %s", fn, what);
+    return -1;
+}
+
+int fp8ext_check_on_gpu(const fp8ext_view *v, const char *fn, const char *arg) {
+    if (v->device_type == 1) {
+        PyErr_Format(PyExc_ValueError, "%s(): %s is in host memory; this kernel runs on a GPU (the CPU reference is "
+                     "the Python function of the same name)", fn, arg);
+        return -1;
+    }
+    return 0;
+}
+
+int fp8ext_get_view(PyObject *o, int kind, const fp8ext_view *ref, const char *ref_arg, Py_ssize_t stream,
+                    const char *fn, const char *arg, fp8ext_view *v) {
+    if (fp8ext_view_get(o, stream, fn, arg, v) < 0) return -1;
+    if (kind >= 0 ? fp8ext_check_kind(v, kind, fn, arg) < 0 : fp8ext_check_float(v, fn, arg) < 0) return -1;
+    if (fp8ext_check_contiguous(v, fn, arg) < 0) return -1;
+    return ref ? fp8ext_check_same_device(v, ref, fn, arg, ref_arg) : 0;
+}
+
+int fp8ext_get_i64_dev(PyObject *o, const fp8ext_view *ref, const char *ref_arg, Py_ssize_t stream, const char *fn,
+                       const char *arg, fp8ext_view *v, const int64_t **ptr) {
+    *ptr = NULL;
+    if (o == NULL || o == Py_None) return 0;
+    if (fp8ext_view_get(o, stream, fn, arg, v) < 0) return -1;
+    if (v->code != 0 || v->bits != 64 || v->numel != 1) {
+        PyErr_Format(PyExc_TypeError, "%s(): %s must be one int64 element (torch.long), on the GPU", fn, arg);
+        return -1;
+    }
+    if (fp8ext_check_same_device(v, ref, fn, arg, ref_arg) < 0) return -1;
+    *ptr = (const int64_t *)v->data;
+    return 0;
+}
+
+int fp8ext_check_aligned16(const char *fn, int n, const fp8ext_view *const views[], const char *what) {
+    for (int i = 0; i < n; ++i)
+        if ((uintptr_t)views[i]->data % 16) {
+            PyErr_Format(PyExc_ValueError, "%s(): %s must start on a 16-byte boundary; pass freshly allocated "
+                         "tensors", fn, what);
+            return -1;
+        }
+    return 0;
+}

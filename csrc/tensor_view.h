@@ -15,6 +15,8 @@
 #include <Python.h>
 #include <stdint.h>
 
+#include "fp8ext_types.h"
+
 #define FP8EXT_MAX_NDIM 8
 
 /* What a view's element type is, as fp8ext sees it. */
@@ -78,5 +80,24 @@ int fp8ext_check_disjoint(const char *fn, int n_out, int n, const fp8ext_view *c
  * Python number scale follows), every element checked. A tensor on a GPU is not read: that would
  * synchronise the host with the device on every call. ValueError naming the argument and element. */
 int fp8ext_check_scale_values(const fp8ext_view *v, const char *fn, const char *arg);
+
+/* The FP8EXT_F32 / BF16 / F16 code of a float view (fp8ext_types.h). */
+static inline int fp8ext_view_dtype(const fp8ext_view *v) {
+    return v->kind == FP8EXT_KIND_BF16 ? FP8EXT_BF16 : v->kind == FP8EXT_KIND_F16 ? FP8EXT_F16 : FP8EXT_F32;
+}
+
+/* Argument helpers shared by the bindings, each raising with the function and argument named. */
+int fp8ext_value_error(const char *fn, const char *what); /* ValueError "fn(): what"; returns -1 */
+/* v is in GPU memory: the GPU-only kernels' bindings refuse host memory, pointing at the Python reference. */
+int fp8ext_check_on_gpu(const fp8ext_view *v, const char *fn, const char *arg);
+/* *v from o: contiguous, of `kind` (any float kind when kind < 0), on ref's device when ref is given. */
+int fp8ext_get_view(PyObject *o, int kind, const fp8ext_view *ref, const char *ref_arg, Py_ssize_t stream,
+                    const char *fn, const char *arg, fp8ext_view *v);
+/* An optional int64 scalar in device memory (a position or length the kernel reads, for CUDA graphs): None leaves
+ * *ptr NULL; otherwise one contiguous int64 element on ref's device. */
+int fp8ext_get_i64_dev(PyObject *o, const fp8ext_view *ref, const char *ref_arg, Py_ssize_t stream, const char *fn,
+                       const char *arg, fp8ext_view *v, const int64_t **ptr);
+/* Every one of views[0..n) starts on a 16-byte boundary (the kernels' vector loads); `what` names them. */
+int fp8ext_check_aligned16(const char *fn, int n, const fp8ext_view *const views[], const char *what);
 
 #endif /* FP8EXT_TENSOR_VIEW_H */
