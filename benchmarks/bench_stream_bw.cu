@@ -186,30 +186,20 @@ static void row(const char *pattern, int64_t bytes, int blocks, int64_t streamed
     if (got != want) ++failures;
 }
 
-template <int S>
-static void cpasync_row(int64_t bytes, int64_t slots, int blocks, int64_t per_block, const uint8_t *buf,
-                        const std::vector<uint32_t> &host, uint32_t *sink) {
-    const int smem = 4 * S * kStage;
-    CK(cudaFuncSetAttribute(cpasync_kernel<S, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    CK(cudaFuncSetAttribute(cpasync_kernel<S, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    char name[32];
-    snprintf(name, sizeof name, "cpasync S=%d", S);
-    row(name, bytes, blocks, blocks * per_block, host, sink,
-        [&] { cpasync_kernel<S, true><<<blocks, 128, smem>>>(buf, per_block, sink); },
-        [&](int i) { cpasync_kernel<S, false><<<blocks, 128, smem>>>(buf + (i % slots) * bytes, per_block, sink); });
-}
+// A pipelined kernel (cpasync_kernel or bulk_kernel) with S stages: its checking and its timed instantiation.
+using PipelineKernel = void (*)(const uint8_t *, int64_t, uint32_t *);
 
-template <int S>
-static void bulk_row(int64_t bytes, int64_t slots, int blocks, int64_t per_block, const uint8_t *buf,
-                     const std::vector<uint32_t> &host, uint32_t *sink) {
-    const int smem = 4 * S * kStage;
-    CK(cudaFuncSetAttribute(bulk_kernel<S, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    CK(cudaFuncSetAttribute(bulk_kernel<S, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+static void pipeline_row(const char *pattern, int stages, PipelineKernel check_kernel, PipelineKernel timed_kernel,
+                         int64_t bytes, int64_t slots, int blocks, int64_t per_block, const uint8_t *buf,
+                         const std::vector<uint32_t> &host, uint32_t *sink) {
+    const int smem = 4 * stages * kStage;
+    CK(cudaFuncSetAttribute(check_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    CK(cudaFuncSetAttribute(timed_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     char name[32];
-    snprintf(name, sizeof name, "bulk S=%d", S);
+    snprintf(name, sizeof name, "%s S=%d", pattern, stages);
     row(name, bytes, blocks, blocks * per_block, host, sink,
-        [&] { bulk_kernel<S, true><<<blocks, 128, smem>>>(buf, per_block, sink); },
-        [&](int i) { bulk_kernel<S, false><<<blocks, 128, smem>>>(buf + (i % slots) * bytes, per_block, sink); });
+        [&] { check_kernel<<<blocks, 128, smem>>>(buf, per_block, sink); },
+        [&](int i) { timed_kernel<<<blocks, 128, smem>>>(buf + (i % slots) * bytes, per_block, sink); });
 }
 
 int main() {
@@ -256,10 +246,14 @@ int main() {
         for (int64_t per_block : {bytes / 224, bytes / 256, bytes / 264, bytes / 528}) {
             per_block = per_block / (4 * kStage) * (4 * kStage);
             const int blocks = static_cast<int>(bytes / per_block);
-            cpasync_row<6>(bytes, slots, blocks, per_block, buf, host, sink);
-            cpasync_row<4>(bytes, slots, blocks, per_block, buf, host, sink);
-            bulk_row<6>(bytes, slots, blocks, per_block, buf, host, sink);
-            bulk_row<10>(bytes, slots, blocks, per_block, buf, host, sink);
+            pipeline_row("cpasync", 6, cpasync_kernel<6, true>, cpasync_kernel<6, false>, bytes, slots, blocks,
+                         per_block, buf, host, sink);
+            pipeline_row("cpasync", 4, cpasync_kernel<4, true>, cpasync_kernel<4, false>, bytes, slots, blocks,
+                         per_block, buf, host, sink);
+            pipeline_row("bulk", 6, bulk_kernel<6, true>, bulk_kernel<6, false>, bytes, slots, blocks, per_block,
+                         buf, host, sink);
+            pipeline_row("bulk", 10, bulk_kernel<10, true>, bulk_kernel<10, false>, bytes, slots, blocks, per_block,
+                         buf, host, sink);
         }
     }
     CK(cudaDeviceSynchronize());
