@@ -1,5 +1,5 @@
-"""Timing and reporting shared by the benchmarks (METHOD.md: CUDA events, warm-up, medians, random
-data, the comparison in the same run)."""
+"""Timing and reporting shared by the benchmarks (docs/benchmarks.md, "How they measure": CUDA events,
+warm-up, medians, random data, the comparison in the same run)."""
 
 from __future__ import annotations
 

@@ -3,11 +3,11 @@ side by side in one run.
 
     python benchmarks/bench_linear.py          # needs a CUDA GPU and fp8ext built with CUDA
 
-Step = forward + backward of y = x W^T for x [M, K] bf16, W [N, K] bf16 (no bias, as the anchors), with a
-random upstream gradient. Implementations:
+Step = forward + backward of y = x W^T for x [M, K] bf16, W [N, K] bf16 (no bias, as the issue's H100 anchor
+figures), with a random upstream gradient. Implementations:
   bf16           nn.Linear
   torch FP8      torch-only dynamic tensorwise FP8: three torch._scaled_mm with amax-scaled casts, the whole
-                 autograd function under torch.compile (the anchors' baseline, facts/h100_anchors.py)
+                 autograd function under torch.compile (the baseline those anchor figures were measured with)
   fp8ext         FP8Linear in fp8_autocast(DelayedScaling()), every step a full step: the scale update on
                  entry, the weight cast (the weight changes every step in training), x and dy cast_transposed
 Medians of CUDA-event timings, implementations interleaved over rounds: one step between synchronisations
@@ -40,7 +40,8 @@ def _to8(t, dt):
 
 
 class TorchFP8(torch.autograd.Function):
-    """The torch-only baseline of facts/h100_anchors.py."""
+    """The torch-only FP8 baseline: per-tensor scales from each tensor's amax, E4M3 x and W, E5M2 dy, three
+    torch._scaled_mm (fast accumulation in the forward)."""
 
     @staticmethod
     def forward(ctx, x, w):
@@ -123,7 +124,7 @@ def main():
     print(f"host time per step (4096,1024,1024, no sync): bf16 {host['bf16_us']:.0f} us, fp8ext "
           f"{host['fp8ext_us']:.0f} us ({host['fp8ext_us'] / host['bf16_us']:.2f}x bf16's)")
     lab = lab_mlp()
-    print("the seed lab's SimpleMLP (768-3072-768, batch 32, AdamW, loss.item() every step):")
+    print("the lab's SimpleMLP (768-3072-768, batch 32, AdamW, loss.item() every step):")
     print(table(lab, list(lab[0]), {"ms/step": "{:.3f}", "vs bf16 eager": "{:.3f}x", "vs bf16 graphed": "{:.3f}x"}))
     save("bench_linear.json", {"header": head, "steps": rows, "memory": mem_rows, "graphs": graphs, "host": host,
                                "lab_mlp": lab})
@@ -173,7 +174,7 @@ def host_times(recipe):
 
 
 def lab_mlp(steps=100):
-    """The seed lab's model: SimpleMLP 768-3072-768 (GELU, biases), batch 32, AdamW, MSE, loss.item() every step
+    """The lab's model (notebooks/lab_3_2_3_fp8_training_inference.ipynb): SimpleMLP 768-3072-768 (GELU, biases), batch 32, AdamW, MSE, loss.item() every step
     (so every step waits for the GPU), bf16 next to fp8ext (the lab's recipe: HYBRID, history 16, most_recent)
     with the lab's fp32 parameters and with bf16 ones; and forward+backward captured with make_graphed_callables
     (torch's for bf16, fp8ext's for FP8) where fp8ext has it."""

@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_check.sh tests quantize  # pick steps: build is implied; tests, quantize, ...
 #   bash benchmarks/gpu_check.sh notebooks       # execute notebooks/*.ipynb; the executed, stamped copies go to $OUT
 #   bash benchmarks/gpu_check.sh sanitize        # compute-sanitizer memcheck and racecheck over the kernel tests
+#   bash benchmarks/gpu_check.sh stream_bw       # the HBM streaming ceiling of the weight-only kernel (nvcc, sm_90)
 # The lent machine has no Jupyter: for `notebooks`, carry wheels of nbclient, nbformat and ipykernel with their
 # dependencies in .whl/ (pip download ... -d .whl; see the device tool's notes); they are installed from there.
 set -uo pipefail
@@ -85,6 +86,15 @@ ROWS
     validate)
         echo "== validate"
         $PY -m fp8ext.validate --report "$OUT/validate" | tee "$OUT/validate.log" || status=1 ;;
+    stream_bw)
+        # A standalone CUDA harness (no fp8ext inside): the HBM streaming ceiling of the weight-only decode kernel
+        echo "== bench_stream_bw"
+        bin=${TMPDIR:-/tmp}/bench_stream_bw
+        if nvcc -std=c++17 -arch=sm_90a -O3 -o "$bin" benchmarks/bench_stream_bw.cu > "$OUT/bench_stream_bw_build.log" 2>&1; then
+            "$bin" 2>&1 | tee "$OUT/bench_stream_bw.log" || status=1
+        else
+            tail -20 "$OUT/bench_stream_bw_build.log"; status=1
+        fi ;;
     quantize|gemm|linear|weight_only|decode_attention|block|fused_cast)
         echo "== bench_$step"
         $PY benchmarks/bench_$step.py 2>&1 | tee "$OUT/bench_$step.log" || status=1 ;;

@@ -6,7 +6,7 @@
  * It is plain C99 and is included both by the CPU reference (csrc/cpu_ops.c) and by the CUDA
  * kernels (csrc/kernels/), so the two cannot drift apart. It holds no loops over tensors.
  *
- * Conventions (see DESIGN.md):
+ * Conventions (docs/numerics.md states them for users):
  *   - q = fp8(x * scale): the product is rounded to float32 first, then to FP8.
  *   - Round to nearest, ties to even, on the 3 (E4M3) or 2 (E5M2) mantissa bits, with subnormals.
  *   - saturate != 0: results beyond the largest finite value, and +-Inf, become +-max

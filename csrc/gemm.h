@@ -2,8 +2,9 @@
  *
  * Row-major, F.linear convention: out[M, N] = (a[M, K] * sa) @ (b[N, K] * sb)^T (+ bias[N])
  * (+ out, with accumulate), a and b FP8. cuBLASLt is column-major and takes FP8 only as "TN" on
- * sm_90, which is exactly this product read column-major: cuBLAS A = b (transposed), cuBLAS B = a,
- * m = N, n = M, k = K, D = out with leading dimension N (facts/cublaslt_fp8.md, section 1.3).
+ * sm_90 (transa = CUBLAS_OP_T, transb = CUBLAS_OP_N: K contiguous in both operands), which is
+ * exactly this product read column-major: cuBLAS A = b (transposed), cuBLAS B = a, m = N, n = M,
+ * k = K, D = out with leading dimension N.
  * So b's scales go to cuBLAS's A scale pointer and a's to its B scale pointer.
  */
 #ifndef FP8EXT_GEMM_H

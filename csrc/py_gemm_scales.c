@@ -66,7 +66,8 @@ static int get_scale_mode(const fp8ext_view *s, int is_b, int64_t rows, int64_t 
                        is_b ? " or [ceil(N/128), ceil(K/128)] (128x128 blocks)" : "");
 }
 
-/* cuBLASLt's FP8 kernels on sm_90 pair the scale modes like this (facts/cublaslt_fp8.md; TE). */
+/* cuBLASLt's FP8 kernels on sm_90 pair the scale modes like this (what cuBLASLt 13.1 accepted on an H100:
+ * benchmarks/RESULTS.md, "FP8 GEMM"; Transformer Engine pairs them the same way). */
 static int check_mode_pair(int ma, int mb, int fast_accum) {
     const int a_block = ma >= FP8EXT_SCALE_BLOCK_1x128, b_block = mb >= FP8EXT_SCALE_BLOCK_1x128;
     if ((ma == FP8EXT_SCALE_ROW) != (mb == FP8EXT_SCALE_ROW) || (a_block != b_block))

@@ -13,7 +13,7 @@ def test_demo_runs_and_writes_its_plot(tmp_path, capsys):
 
 
 def test_lab_grid_is_not_fp8():
-    """The seed lab's simulation loses values that FP8 represents exactly (2^-6 is E4M3's min normal)."""
+    """The lab's simulation (notebooks/lab_3_2_3_fp8_training_inference.ipynb) loses values that FP8 represents exactly (2^-6 is E4M3's min normal)."""
     import torch
     v = torch.tensor([2.0**-6, 3.0 * 2**-9])
     assert fp8ext.demo.lab_simulate_fp8(v, fp8ext.E4M3).tolist() == [0.0, 0.0]

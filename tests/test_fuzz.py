@@ -4,7 +4,7 @@ empty / 1-D / 3-D / 0-d, transposed, strided, offset and huge zero-stride views,
 consumed DLPack capsules, NaN / Inf; buffers over another argument's memory). First each argument with each wrong
 value once (seeded), then FP8EXT_FUZZ_EXAMPLES random calls per op from hypothesis (derandomized).
 
-The contract (DESIGN.md, Conventions -> Errors): a call returns or raises TypeError or ValueError (NotImplementedError
+The contract (docs/numerics.md, Errors): a call returns or raises TypeError or ValueError (NotImplementedError
 for what fp8ext does not support; RuntimeError only for CUDA / cuBLAS failures, naming them); and a call whose written
 argument overlaps another one does not return. Anything else is a violation, a crash too. The calls run in a child
 process (this file as a script) whose address space is limited to what it holds after start-up plus 768 MiB, so an

@@ -4,9 +4,9 @@
 // the scale is one cached 4-byte load per thread, the amax one atomic per block.
 // Launch: one pass, no grid-stride loop. Each 256-thread block owns kUnroll * 256 consecutive
 // 16-byte input vectors; thread t loads vectors t, t + 256, ... (coalesced per warp), all before
-// converting, so 64 bytes per thread are in flight. Measured on an H100 (benchmarks/dev/
-// quantize_variants.cu, 2^28 bf16): 2.90 TB/s this way against 2.54 TB/s for a grid-stride loop
-// over 8 blocks per SM and 2.94 TB/s for cudaMemcpy. Inputs that are not 16-byte aligned, and the
+// converting, so 64 bytes per thread are in flight. Measured on an H100 (a launch-shape harness, 2^28
+// bf16; benchmarks/RESULTS.md, "How the quantize kernel got there"): 2.90 TB/s this way against 2.54 TB/s
+// for a grid-stride loop over 8 blocks per SM and 2.94 TB/s for cudaMemcpy. Inputs that are not 16-byte aligned, and the
 // last n % kVec elements, go through a one-element-per-thread kernel that computes the same bytes.
 // Rounding: the hardware's round-to-nearest-even conversion (common.cuh), or, with
 // stochastic rounding, fp8_quantize_sr with the counter-based bits fp8_sr_bits(key, index),
