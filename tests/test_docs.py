@@ -221,8 +221,11 @@ def _run_line(block: Block, line: str, state: dict, index: int) -> None:
     bindir = os.path.dirname(sys.executable)  # `python` is this interpreter
     env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
     state["done"].add(index)
+    # a reader runs the commands from the repository's root; here they run in a scratch directory, so a script of
+    # the repository they name (python benchmarks/x.py) is given by its full path
+    runnable = re.sub(r"(?<=\s)((?:benchmarks|tests)/[\w./-]+\.(?:py|sh))", lambda m: str(ROOT / m.group(1)), line)
     try:
-        r = subprocess.run(["bash", "-c", line], cwd=state["dir"], env=env, capture_output=True, text=True,
+        r = subprocess.run(["bash", "-c", runnable], cwd=state["dir"], env=env, capture_output=True, text=True,
                            timeout=COMMAND_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         state["failed"] = f"{block.where}: {line}"

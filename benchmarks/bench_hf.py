@@ -1,0 +1,197 @@
+"""Training speed and peak memory of a Hugging Face LlamaForCausalLM in bf16 and with fp8ext, eager and compiled,
+next to torchao's float8 training where torchao is installed; and fp8ext's own 1b preset through fp8ext.train.
+
+    python benchmarks/bench_hf.py                        # every variant: the ~1B config, 8 x 2048 tokens
+    python benchmarks/bench_hf.py --variants bf16-eager fp8ext-eager --steps 10
+    python benchmarks/bench_hf.py --preset 1b            # fp8ext.train --preset 1b: bf16 / FP8, eager / compiled
+    python benchmarks/bench_hf.py --tiny --device cpu    # a dry run of every code path (no speed claims)
+
+The model is built from a config, so nothing is downloaded (needs transformers: the "test" extra): hidden 2048,
+intermediate 8192, 16 layers, 16 heads, 8 KV heads, vocabulary 32000, bf16 parameters, fused AdamW, random
+tokens (the same in every variant). FP8 variants convert every linear layer of the blocks and leave lm_head in
+bf16: fp8ext with convert_to_fp8 under fp8_autocast (delayed scaling, or current scaling), compiled after
+prepare_fp8; torchao with convert_to_float8_training (tensorwise) and torch.compile. Each variant runs in its
+own process (its peak memory alone, no shared compilation cache); a variant that fails or does not fit prints
+its error and the others go on. Timing: CUDA events around each step after the warm-up steps (compilation
+happens there), median; tokens/s = tokens per step / median step time; peak = torch.cuda.max_memory_allocated
+over the whole run. Ratios are against bf16 eager and bf16 compiled of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+VARIANTS = ["bf16-eager", "bf16-compiled", "fp8ext-eager", "fp8ext-current-eager", "fp8ext-compiled",
+            "torchao-compiled"]
+FULL = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
+            num_key_value_heads=8, vocab_size=32000)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256)
+
+
+def build(args, variant: str):
+    """The model of `variant` and the context its steps run in: (model, step context factory)."""
+    import contextlib
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import fp8ext
+    sizes = TINY if args.tiny else FULL
+    cfg = LlamaConfig(**sizes, max_position_embeddings=args.seq_len, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(args.device, torch.bfloat16)
+    blocks_only = lambda layer, name: "lm_head" not in name  # noqa: E731  (lm_head stays bf16, as torchao's recipes)
+    context = contextlib.nullcontext
+    if variant.startswith("fp8ext"):
+        recipe = fp8ext.Float8CurrentScaling() if "current" in variant else fp8ext.DelayedScaling()
+        fp8ext.convert_to_fp8(model, filter_fn=blocks_only)
+        if "compiled" in variant:
+            fp8ext.prepare_fp8(model, recipe)
+        context = lambda: fp8ext.fp8_autocast(enabled=True, fp8_recipe=recipe)  # noqa: E731
+    elif variant.startswith("torchao"):
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"),
+                                   module_filter_fn=lambda m, name: blocks_only(m, name))
+    if variant.endswith("compiled"):
+        model = torch.compile(model)
+    return model, context
+
+
+def run_variant(args, variant: str) -> dict:
+    """Trains `variant` for warm-up + timed steps in this process; tokens/s and peak memory."""
+    import torch
+    cuda = args.device == "cuda"
+    model, context = build(args, variant)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
+    gen = torch.Generator(device=args.device).manual_seed(1)
+    vocab = (TINY if args.tiny else FULL)["vocab_size"]
+    tokens = torch.randint(0, vocab, (args.batch, args.seq_len), device=args.device, generator=gen)
+    times, losses = [], []
+    for step in range(args.warmup + args.steps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        with context():
+            loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            ms = (time.perf_counter() - t0) * 1e3
+        if step >= args.warmup:
+            times.append(ms)
+            losses.append(loss.item())
+    med = statistics.median(times)
+    return {"variant": variant, "tokens_per_s": args.batch * args.seq_len / (med / 1e3), "step_ms": med,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "last_loss": losses[-1]}
+
+
+def in_subprocess(args, variant: str) -> dict:
+    cmd = [sys.executable, __file__, "--child", variant, "--device", args.device, "--batch", str(args.batch),
+           "--seq_len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    cmd += ["--tiny"] if args.tiny else []
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    err = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    print(f"{variant}: failed (rc {proc.returncode}): {err}", file=sys.stderr)
+    return {"variant": variant, "error": err}
+
+
+def preset_runs(args) -> list:
+    """fp8ext.train --preset P in bf16 and FP8, eager and compiled: its own summary (tokens/s, peak memory)."""
+    rows = []
+    for compiled in (False, True):
+        for fp8 in (False, True):
+            name = f"fp8ext.train {args.preset} {'FP8' if fp8 else 'bf16'} {'compiled' if compiled else 'eager'}"
+            out = os.path.join(os.environ.get("OUT") or os.path.join(HERE, "out"), "bench_hf_runs",
+                               name.replace(" ", "_"))
+            cmd = [sys.executable, "-m", "fp8ext.train", "--no_progress", "--no_save", "--out_dir", out, "--preset",
+                   args.preset, "--batch_size", str(args.batch), "--seq_len", str(args.seq_len), "--max_steps",
+                   str(args.warmup + args.steps), "--eval_every", "1000000", "--eval_batches", "2",
+                   "--device", args.device]
+            cmd += (["--use_fp8"] if fp8 else []) + (["--compile"] if compiled else [])
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            try:
+                s = json.load(open(os.path.join(out, "run.json")))
+                rows.append({"variant": name, "tokens_per_s": s["tokens_per_s"], "peak_gib": s["peak_memory_gib"]})
+            except (OSError, ValueError, KeyError):
+                err = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                print(f"{name}: failed (rc {proc.returncode}): {err}", file=sys.stderr)
+                rows.append({"variant": name, "error": err})
+    return rows
+
+
+def report(rows: list, args) -> None:
+    from _harness import device_header, save, table
+    base = {r["variant"]: r.get("tokens_per_s") for r in rows}
+    eager = base.get("bf16-eager") or base.get(f"fp8ext.train {args.preset} bf16 eager")
+    comp = base.get("bf16-compiled") or base.get(f"fp8ext.train {args.preset} bf16 compiled")
+    for r in rows:
+        tps = r.get("tokens_per_s")
+        r["vs bf16 eager"] = f"{tps / eager:.3f}x" if tps and eager else "-"
+        r["vs bf16 compiled"] = f"{tps / comp:.3f}x" if tps and comp else "-"
+        r["tokens/s"] = f"{tps:,.0f}" if tps else r.get("error", "-")[:60]
+        r["peak GiB"] = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "-"
+    head = device_header() if args.device == "cuda" else {"device": "cpu"}
+    print(head)
+    print(f"{args.batch} x {args.seq_len} tokens per step, {args.steps} timed steps after {args.warmup} warm-up")
+    print(table(rows, ["variant", "tokens/s", "vs bf16 eager", "vs bf16 compiled", "peak GiB"]))
+    if args.device == "cuda":
+        save(f"bench_hf_{'preset_' + args.preset if args.preset else 'llama'}.json", {"header": head, "rows": rows})
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
+    ap.add_argument("--preset", default=None, help="instead: fp8ext.train's preset (e.g. 1b)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq_len", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--tiny", action="store_true", help="a small config (dry runs of the code paths)")
+    ap.add_argument("--timeout", type=int, default=600, help="seconds per variant")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:  # one variant, in this process
+        print("RESULT " + json.dumps(run_variant(args, args.child)))
+        return 0
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            print("bench_hf.py: no CUDA GPU here; use --device cpu --tiny for a dry run", file=sys.stderr)
+            return 2
+    if args.preset:
+        rows = preset_runs(args)
+    else:
+        variants = list(args.variants)
+        try:
+            import torchao  # noqa: F401
+        except ImportError:
+            if "torchao-compiled" in variants:
+                print("torchao is not installed: its variant is left out", file=sys.stderr)
+                variants.remove("torchao-compiled")
+        rows = [in_subprocess(args, v) for v in variants]
+    report(rows, args)
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
