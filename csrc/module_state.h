@@ -33,6 +33,15 @@ int fp8ext_parse_args(PyObject *args, PyObject *kwargs, const char *format, char
 typedef void (*fp8ext_cpu_fn)(const void *args);
 typedef int (*fp8ext_cuda_fn)(const void *args, void *stream, int num_sms);
 
+/* FP8EXT_CUDA_LAUNCHER(op) defines cuda_<op>: the launcher fp8ext_cuda_<op> in the fp8ext_cuda_fn form that
+ * fp8ext_run_op takes (a wrapper, not a cast of the function pointer), or NULL in a CPU-only build. */
+#ifdef FP8EXT_WITH_CUDA
+#define FP8EXT_CUDA_LAUNCHER(op) \
+    static int cuda_##op(const void *a, void *s, int n) { return fp8ext_cuda_##op(a, s, n); }
+#else
+#define FP8EXT_CUDA_LAUNCHER(op) static const fp8ext_cuda_fn cuda_##op = NULL;
+#endif
+
 /* The CPU function of a GPU-only operation (its binding refuses host memory before it gets here). */
 static inline void fp8ext_no_cpu(const void *args) { (void)args; }
 

@@ -9,15 +9,9 @@
 #include <math.h>
 #include <stdio.h>
 
-#ifdef FP8EXT_WITH_CUDA
-static int cuda_rope_qkv(const void *a, void *s, int n) { return fp8ext_cuda_rope_qkv(a, s, n); }
-static int cuda_kv_store(const void *a, void *s, int n) { return fp8ext_cuda_kv_store(a, s, n); }
-static int cuda_decode_attention(const void *a, void *s, int n) { return fp8ext_cuda_decode_attention(a, s, n); }
-#else
-#define cuda_rope_qkv NULL
-#define cuda_kv_store NULL
-#define cuda_decode_attention NULL
-#endif
+FP8EXT_CUDA_LAUNCHER(rope_qkv)
+FP8EXT_CUDA_LAUNCHER(kv_store)
+FP8EXT_CUDA_LAUNCHER(decode_attention)
 
 /* rope_qkv(qkv, cos, sin, q, k, v, n_heads, n_kv, start_pos, stream=0, backward=False): see fp8ext_rope_qkv_args;
  * with backward, q, k, v (the gradients) are read and qkv is written. */

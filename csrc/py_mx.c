@@ -5,13 +5,8 @@
 #include "fp8ext.h"
 #include "module_state.h"
 
-#ifdef FP8EXT_WITH_CUDA
-static int cuda_quantize_mx(const void *a, void *s, int n) { return fp8ext_cuda_quantize_mx(a, s, n); }
-static int cuda_quantize_nvfp4(const void *a, void *s, int n) { return fp8ext_cuda_quantize_nvfp4(a, s, n); }
-#else
-#define cuda_quantize_mx NULL
-#define cuda_quantize_nvfp4 NULL
-#endif
+FP8EXT_CUDA_LAUNCHER(quantize_mx)
+FP8EXT_CUDA_LAUNCHER(quantize_nvfp4)
 
 /* x: float32, bfloat16 or float16, contiguous, on a GPU, [..., K] with K a multiple of `block`. */
 static int get_x(PyObject *o, int64_t block, Py_ssize_t stream, const char *fn, fp8ext_view *x) {

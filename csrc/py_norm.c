@@ -6,17 +6,10 @@
 #include "norm.h"
 #include "module_state.h"
 
-#ifdef FP8EXT_WITH_CUDA
-static int cuda_fused_rows(const void *a, void *s, int n) { return fp8ext_cuda_fused_rows(a, s, n); }
-static int cuda_swiglu_backward(const void *a, void *s, int n) { return fp8ext_cuda_swiglu_backward(a, s, n); }
-static int cuda_rms_norm_fwd(const void *a, void *s, int n) { return fp8ext_cuda_rms_norm_fwd(a, s, n); }
-static int cuda_rms_norm_bwd(const void *a, void *s, int n) { return fp8ext_cuda_rms_norm_bwd(a, s, n); }
-#else
-#define cuda_fused_rows NULL
-#define cuda_swiglu_backward NULL
-#define cuda_rms_norm_fwd NULL
-#define cuda_rms_norm_bwd NULL
-#endif
+FP8EXT_CUDA_LAUNCHER(fused_rows)
+FP8EXT_CUDA_LAUNCHER(swiglu_backward)
+FP8EXT_CUDA_LAUNCHER(rms_norm_fwd)
+FP8EXT_CUDA_LAUNCHER(rms_norm_bwd)
 
 /* fused_rows(x, gamma, out, scale, scale_inv, eps, op, out_mode, stream=0): see fp8ext_fused_rows_args. */
 static PyObject *py_fused_rows(PyObject *module, PyObject *args, PyObject *kwargs) {

@@ -82,25 +82,12 @@ static void cpu_cast_transpose(const void *a) { fp8ext_cpu_cast_transpose(a); }
 static void cpu_cast_transpose_dbias(const void *a) { fp8ext_cpu_cast_transpose_dbias(a); }
 static void cpu_quantize_blocks(const void *a) { fp8ext_cpu_quantize_blocks(a); }
 
-#ifdef FP8EXT_WITH_CUDA
-static int cuda_quantize(const void *a, void *s, int n) { return fp8ext_cuda_quantize(a, s, n); }
-static int cuda_dequantize(const void *a, void *s, int n) { return fp8ext_cuda_dequantize(a, s, n); }
-static int cuda_amax(const void *a, void *s, int n) { return fp8ext_cuda_amax(a, s, n); }
-static int cuda_cast_transpose(const void *a, void *s, int n) { return fp8ext_cuda_cast_transpose(a, s, n); }
-static int cuda_cast_transpose_dbias(const void *a, void *s, int n) {
-    return fp8ext_cuda_cast_transpose_dbias(a, s, n);
-}
-static int cuda_quantize_blocks(const void *a, void *s, int n) { return fp8ext_cuda_quantize_blocks(a, s, n); }
-
-#else
-#define cuda_quantize NULL
-#define cuda_dequantize NULL
-#define cuda_amax NULL
-#define cuda_cast_transpose NULL
-#define cuda_cast_transpose_dbias NULL
-#define cuda_quantize_blocks NULL
-
-#endif
+FP8EXT_CUDA_LAUNCHER(quantize)
+FP8EXT_CUDA_LAUNCHER(dequantize)
+FP8EXT_CUDA_LAUNCHER(amax)
+FP8EXT_CUDA_LAUNCHER(cast_transpose)
+FP8EXT_CUDA_LAUNCHER(cast_transpose_dbias)
+FP8EXT_CUDA_LAUNCHER(quantize_blocks)
 
 /* quantize(x, out, fmt, scale, amax_out=None, saturate=True, stochastic=False, seed=0, stream=0,
  *          scale_inv_out=None) */

@@ -9,13 +9,8 @@
 
 static void cpu_scale_update(const void *a) { fp8ext_cpu_scale_update(a); }
 static void cpu_scale_from_amax(const void *a) { fp8ext_cpu_scale_from_amax(a); }
-#ifdef FP8EXT_WITH_CUDA
-static int cuda_scale_update(const void *a, void *s, int n) { return fp8ext_cuda_scale_update(a, s, n); }
-static int cuda_scale_from_amax(const void *a, void *s, int n) { return fp8ext_cuda_scale_from_amax(a, s, n); }
-#else
-#define cuda_scale_update NULL
-#define cuda_scale_from_amax NULL
-#endif
+FP8EXT_CUDA_LAUNCHER(scale_update)
+FP8EXT_CUDA_LAUNCHER(scale_from_amax)
 
 /* A float32 vector of n elements on ref's device (for the scaling state). */
 static int get_f32_vector(PyObject *o, int64_t n, const fp8ext_view *ref, Py_ssize_t stream, const char *fn,

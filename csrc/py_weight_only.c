@@ -6,11 +6,7 @@
 #include "weight_only.h"
 #include "module_state.h"
 
-#ifdef FP8EXT_WITH_CUDA
-static int cuda_weight_only(const void *a, void *s, int n) { return fp8ext_cuda_weight_only(a, s, n); }
-#else
-#define cuda_weight_only NULL
-#endif
+FP8EXT_CUDA_LAUNCHER(weight_only)
 
 /* Bytes per row of k values in a weight-only format. */
 static int64_t wo_row_bytes(int fmt, int64_t k) {
