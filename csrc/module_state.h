@@ -8,6 +8,7 @@
 #include "fp8_numerics.h" /* the format codes */
 
 #include "tensor_view.h"
+#include "fp8ext.h" /* the dtype codes */
 
 #ifdef FP8EXT_WITH_CUDA
 #include "cuda_runtime_state.h"
@@ -38,6 +39,11 @@ typedef int (*fp8ext_cuda_fn)(const void *args, void *stream, int num_sms);
 int fp8ext_run_op(PyObject *module, const fp8ext_view *where, Py_ssize_t stream, const char *fn, fp8ext_cpu_fn cpu,
                   fp8ext_cuda_fn cuda, const void *args);
 
+/* The fp8ext.h dtype code (FP8EXT_F32, _BF16, _F16) of a float view whose kind was checked; the bindings' one copy. */
+static inline int fp8ext_hp_dtype(const fp8ext_view *v) {
+    return v->kind == FP8EXT_KIND_BF16 ? FP8EXT_BF16 : v->kind == FP8EXT_KIND_F16 ? FP8EXT_F16 : FP8EXT_F32;
+}
+
 /* Method tables of py_ops.c, py_scaling.c, py_gemm.c, py_inference.c, py_linear.c and py_mx.c, joined into the module's
  * by module.c. */
 extern PyMethodDef fp8ext_op_methods[];
@@ -45,6 +51,8 @@ extern PyMethodDef fp8ext_scaling_methods[];
 extern PyMethodDef fp8ext_gemm_methods[];
 extern PyMethodDef fp8ext_inference_methods[];
 extern PyMethodDef fp8ext_linear_methods[];
+/* The saved-buffer layout of py_linear.c as module constants LINEAR_ALIGN, LINEAR_SINV_STRIDE, LINEAR_SINV_BYTES. */
+int fp8ext_linear_add_layout(PyObject *module);
 extern PyMethodDef fp8ext_mx_methods[];
 
 /* quantize and dequantize also take the small formats (FPX_E2M1 .. FPX_E5M2FNUZ, codes one per uint8

@@ -10,10 +10,6 @@
 #include <math.h>
 #include <stdio.h>
 
-static int hp_dtype(const fp8ext_view *v) {
-    return v->kind == FP8EXT_KIND_BF16 ? FP8EXT_BF16 : v->kind == FP8EXT_KIND_F16 ? FP8EXT_F16 : FP8EXT_F32;
-}
-
 static int value_error(const char *fn, const char *what) {
     PyErr_Format(PyExc_ValueError, "%s(): %s", fn, what);
     return -1;
@@ -151,7 +147,7 @@ static PyObject *py_decode_attention(PyObject *module, PyObject *args, PyObject 
             goto done;
         }
         const int64_t chunk = (length + splits - 1) / splits;
-        a.q_dtype = hp_dtype(&q);
+        a.q_dtype = fp8ext_hp_dtype(&q);
         const int scores_in_smem = !fp8ext_decode_attention_tensor_cores(&a);  /* head_dim is set above */
         if (a.batch > 65535 || a.n_kv > 65535 || chunk > INT_MAX) {
             PyErr_Format(PyExc_ValueError, "%s(): batch and n_kv_heads must be at most 65535 and length / splits at "
@@ -424,7 +420,7 @@ static PyObject *py_fused_rows(PyObject *module, PyObject *args, PyObject *kwarg
                               (const char *const[]){"out", "scale_inv", "x", "gamma", "scale"}) < 0)
         goto done;
     a.x = x.data;
-    a.x_dtype = hp_dtype(&x);
+    a.x_dtype = fp8ext_hp_dtype(&x);
     a.gamma = g.capsule ? g.data : NULL;
     a.eps = eps;
     a.out = out.data;
@@ -514,7 +510,7 @@ static PyObject *py_rope_qkv(PyObject *module, PyObject *args, PyObject *kwargs)
         goto done;
     a.qkv = x.data;
     a.backward = backward;
-    a.dtype = hp_dtype(&x);
+    a.dtype = fp8ext_hp_dtype(&x);
     a.cos = c.data;
     a.sin = sn.data;
     a.q = q.data;
@@ -563,7 +559,7 @@ static PyObject *py_swiglu_backward(PyObject *module, PyObject *args, PyObject *
     a.h = h.data;
     a.dy = dy.data;
     a.dh = dh.data;
-    a.dtype = hp_dtype(&h);
+    a.dtype = fp8ext_hp_dtype(&h);
     a.rows = h.shape[0];
     a.cols = dy.shape[1];
     if (fp8ext_run_op(module, &h, stream, fn, no_cpu, cuda_swiglu_backward, &a) < 0) goto done;
@@ -622,11 +618,11 @@ static PyObject *py_rms_norm_fwd(PyObject *module, PyObject *args, PyObject *kwa
                               (const char *const[]){"y", "rstd", "x", "gamma"}) < 0)
         goto done;
     a.x = x.data;
-    a.x_dtype = hp_dtype(&x);
+    a.x_dtype = fp8ext_hp_dtype(&x);
     a.gamma = g.data;
     a.eps = eps;
     a.y = want_y ? y.data : NULL;
-    a.y_dtype = want_y ? hp_dtype(&y) : a.x_dtype;
+    a.y_dtype = want_y ? fp8ext_hp_dtype(&y) : a.x_dtype;
     a.rstd = r.data;
     a.rows = x.shape[0];
     a.cols = x.shape[1];
@@ -675,9 +671,9 @@ static PyObject *py_rms_norm_bwd(PyObject *module, PyObject *args, PyObject *kwa
                               (const char *const[]){"dx", "partial", "dgamma", "x", "dy", "gamma", "rstd"}) < 0)
         goto done;
     a.x = x.data;
-    a.x_dtype = hp_dtype(&x);
+    a.x_dtype = fp8ext_hp_dtype(&x);
     a.dy = dy.data;
-    a.dy_dtype = hp_dtype(&dy);
+    a.dy_dtype = fp8ext_hp_dtype(&dy);
     a.gamma = g.data;
     a.rstd = r.data;
     a.dx = dx.data;
@@ -734,7 +730,7 @@ static PyObject *py_kv_store(PyObject *module, PyObject *args, PyObject *kwargs)
                               (const char *const[]){"cache", "x", "scale", "pos_dev"}) < 0)
         goto done;
     a.x = x.data;
-    a.x_dtype = hp_dtype(&x);
+    a.x_dtype = fp8ext_hp_dtype(&x);
     a.scale = sc.data;
     a.cache = c.data;
     a.pos = pos;

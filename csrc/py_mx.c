@@ -5,10 +5,6 @@
 #include "fp8ext.h"
 #include "module_state.h"
 
-static int hp_dtype(const fp8ext_view *v) {
-    return v->kind == FP8EXT_KIND_BF16 ? FP8EXT_BF16 : v->kind == FP8EXT_KIND_F16 ? FP8EXT_F16 : FP8EXT_F32;
-}
-
 #ifdef FP8EXT_WITH_CUDA
 static int cuda_quantize_mx(const void *a, void *s, int n) { return fp8ext_cuda_quantize_mx(a, s, n); }
 static int cuda_quantize_nvfp4(const void *a, void *s, int n) { return fp8ext_cuda_quantize_nvfp4(a, s, n); }
@@ -87,7 +83,7 @@ static PyObject *py_quantize_mx(PyObject *module, PyObject *args, PyObject *kwar
         fp8ext_check_disjoint(fn, 2, 3, (const fp8ext_view *const[]){&out, &sc, &x},
                               (const char *const[]){"out", "scales", "x"}) < 0)
         goto done;
-    a.x = x.data, a.x_dtype = hp_dtype(&x), a.n = x.numel, a.q = out.data, a.scales = sc.data;
+    a.x = x.data, a.x_dtype = fp8ext_hp_dtype(&x), a.n = x.numel, a.q = out.data, a.scales = sc.data;
     a.fmt = fmt, a.rceil = rceil;
     if (fp8ext_run_op(module, &x, stream, fn, no_cpu, cuda_quantize_mx, &a) < 0) goto done;
     ret = Py_NewRef(Py_None);
@@ -129,7 +125,7 @@ static PyObject *py_quantize_nvfp4(PyObject *module, PyObject *args, PyObject *k
         fp8ext_check_disjoint(fn, 4, 5, (const fp8ext_view *const[]){&out, &bs, &ts, &amax, &x},
                               (const char *const[]){"out", "block_scales", "tensor_scale", "amax", "x"}) < 0)
         goto done;
-    a.x = x.data, a.x_dtype = hp_dtype(&x), a.n = x.numel, a.q = out.data, a.block_scales = bs.data;
+    a.x = x.data, a.x_dtype = fp8ext_hp_dtype(&x), a.n = x.numel, a.q = out.data, a.block_scales = bs.data;
     a.tensor_scale = ts.data, a.amax = amax.data;
     if (fp8ext_run_op(module, &x, stream, fn, no_cpu, cuda_quantize_nvfp4, &a) < 0) goto done;
     ret = Py_NewRef(Py_None);

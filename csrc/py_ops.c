@@ -12,10 +12,6 @@
 #include "fp8ext.h"
 #include "module_state.h"
 
-static int hp_dtype(const fp8ext_view *v) {
-    return v->kind == FP8EXT_KIND_BF16 ? FP8EXT_BF16 : v->kind == FP8EXT_KIND_F16 ? FP8EXT_F16 : FP8EXT_F32;
-}
-
 /* An input: any float dtype we read, contiguous. */
 static int get_input(PyObject *o, Py_ssize_t stream, const char *fn, const char *arg, fp8ext_view *v) {
     if (fp8ext_view_get(o, stream, fn, arg, v) < 0) return -1;
@@ -135,7 +131,7 @@ static PyObject *py_quantize(PyObject *module, PyObject *args, PyObject *kwargs)
                        (const char *const[]){"scale_inv_out", "amax_out", "out", "x", "scale"}) < 0)
         goto done;
     a.x = x.data;
-    a.x_dtype = hp_dtype(&x);
+    a.x_dtype = fp8ext_hp_dtype(&x);
     a.n = x.numel;
     a.q = out.data;
     a.fmt = fmt;
@@ -176,7 +172,7 @@ static PyObject *py_dequantize(PyObject *module, PyObject *args, PyObject *kwarg
     a.fmt = fmt;
     a.n = q.numel;
     a.out = out.data;
-    a.out_dtype = hp_dtype(&out);
+    a.out_dtype = fp8ext_hp_dtype(&out);
     if (fp8ext_run_op(module, &q, stream, fn, cpu_dequantize, cuda_dequantize, &a) < 0) goto done;
     ret = Py_NewRef(Py_None);
 done:
@@ -202,7 +198,7 @@ static PyObject *py_amax(PyObject *module, PyObject *args, PyObject *kwargs) {
     }
     if (fp8ext_check_no_overlap(&out, &x, fn, "out", "x") < 0) goto done;
     a.x = x.data;
-    a.x_dtype = hp_dtype(&x);
+    a.x_dtype = fp8ext_hp_dtype(&x);
     a.n = x.numel;
     if (fp8ext_run_op(module, &x, stream, fn, cpu_amax, cuda_amax, &a) < 0) goto done;
     ret = Py_NewRef(Py_None);
@@ -239,7 +235,7 @@ static int get_cast_transpose(PyObject *x_o, PyObject *out_o, PyObject *outt_o, 
         get_amax(sinv_o, &v->x, "x", stream, fn, "scale_inv_out", &v->sinv, &a->scale_inv_out) < 0)
         return -1;
     a->x = v->x.data;
-    a->x_dtype = hp_dtype(&v->x);
+    a->x_dtype = fp8ext_hp_dtype(&v->x);
     a->rows = v->x.shape[0];
     a->cols = v->x.shape[1];
     a->q = v->out.data;
@@ -372,7 +368,7 @@ static PyObject *py_cast_transpose_fused(PyObject *module, PyObject *args, PyObj
                                                     "gamma", "dy"}) < 0)
         goto done;
     a.x = v.x.data;
-    a.x_dtype = hp_dtype(&v.x);
+    a.x_dtype = fp8ext_hp_dtype(&v.x);
     a.q = v.out.data;
     a.qt = v.outt.data;
     a.fmt = fmt;
@@ -431,7 +427,7 @@ static PyObject *py_cast_transpose_dbias(PyObject *module, PyObject *args, PyObj
                                                     "x", "scale"}) < 0)
         goto done;
     a.dbias = db.data;
-    a.dbias_dtype = hp_dtype(&db);
+    a.dbias_dtype = fp8ext_hp_dtype(&db);
     a.workspace = ws.data;
     if (fp8ext_run_op(module, &v.x, stream, fn, cpu_cast_transpose_dbias, cuda_cast_transpose_dbias, &a) < 0) goto done;
     ret = Py_NewRef(Py_None);
@@ -511,7 +507,7 @@ static PyObject *py_quantize_blocks(PyObject *module, PyObject *args, PyObject *
             goto done;
         }
     }
-    a.x = x.data, a.x_dtype = hp_dtype(&x), a.block_rows = br, a.block_cols = bc, a.q = out.data;
+    a.x = x.data, a.x_dtype = fp8ext_hp_dtype(&x), a.block_rows = br, a.block_cols = bc, a.q = out.data;
     a.scale_inv = sv.data, a.stride_r = sr, a.stride_c = sc, a.fmt = fmt;
     if (fp8ext_run_op(module, &x, stream, fn, cpu_quantize_blocks, cuda_quantize_blocks, &a) < 0) goto done;
     ret = Py_NewRef(Py_None);

@@ -22,6 +22,7 @@ from .formats import E4M3, E5M2, FP8Format
 from .ops import amax as _amax
 from .ops import dequantize, quantize
 from .profiling import profiled
+from .tensor import FP8Tensor
 
 __all__ = ["gemm", "set_gemm_autotune", "gemm_cache_info", "WORKSPACE_BYTES"]
 
@@ -69,7 +70,7 @@ def _fp8_format(t, arg: str) -> FP8Format:
 
 
 @profiled("fp8ext.gemm")
-def gemm(a: torch.Tensor, b: torch.Tensor, *, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
+def gemm(a, b, *, a_scale_inv: Optional[torch.Tensor] = None, b_scale_inv: Optional[torch.Tensor] = None,
          out_dtype: Optional[torch.dtype] = None, bias: Optional[torch.Tensor] = None, use_fast_accum: bool = False,
          out: Optional[torch.Tensor] = None, accumulate: bool = False, out_scale: Optional[torch.Tensor] = None,
          amax_out: Optional[torch.Tensor] = None, autotune: Optional[bool] = None) -> torch.Tensor:
@@ -89,7 +90,11 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, a_scale_inv: torch.Tensor, b_scale
     accumulate=True adds the product into `out` (beta = 1), e.g. an fp32 weight gradient. use_fast_accum
     trades accuracy for speed (Transformer Engine uses it in the forward pass only). autotune: see
     set_gemm_autotune. Returns out.
+    a and b may also be fp8ext.FP8Tensor operands: their data and scale_inv are used (a scale_inv argument given
+    as well must be None).
     """
+    a, a_scale_inv = _operand(a, a_scale_inv, "a")
+    b, b_scale_inv = _operand(b, b_scale_inv, "b")
     fa, fb = _fp8_format(a, "a"), _fp8_format(b, "b")
     for t, arg in ((a, "a"), (b, "b")):
         if t.device.type not in ("cpu", "cuda"):
@@ -114,6 +119,37 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, a_scale_inv: torch.Tensor, b_scale
     tune = _autotune if autotune is None else bool(autotune)
     return gemm_eager(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, use_fast_accum, out, accumulate, out_scale,
                       amax_out, tune)
+
+
+def _operand(t, scale_inv, arg: str):
+    """(FP8 data, scale_inv) of a gemm() operand: an FP8Tensor, or a float8 tensor with its scale_inv argument."""
+    if isinstance(t, FP8Tensor):
+        if scale_inv is not None:
+            raise TypeError(f"gemm(): {arg} is an FP8Tensor, which carries its scale_inv: leave {arg}_scale_inv unset")
+        return t.data, t.scale_inv
+    if scale_inv is None:
+        raise TypeError(f"gemm(): {arg}_scale_inv is required with a float8 tensor {arg} (or pass an FP8Tensor)")
+    return t, scale_inv
+
+
+def bias_epilogue(bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> bool:
+    """Whether cuBLASLt's FP8 bias epilogue takes `bias` for an out_dtype output: a bfloat16 bias (float16 for a
+    float16 output), never with a float32 output. Otherwise the caller adds the bias after the GEMM."""
+    return bias is not None and out_dtype != torch.float32 and bias.dtype == (
+        torch.float16 if out_dtype == torch.float16 else torch.bfloat16)
+
+
+def gemm_fp8(a: FP8Tensor, b: FP8Tensor, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
+             fast: bool = False, *, out: Optional[torch.Tensor] = None, accumulate: bool = False) -> torch.Tensor:
+    """a @ b^T of two FP8Tensors as gemm() computes it, without the public wrapper's argument checks (C checks
+    everything anyway): the library's own layers call this; under torch.compile it is the torch op."""
+    if torch.compiler.is_compiling():
+        if out is None:
+            return torch.ops.fp8ext.gemm(a.data, b.data, a.scale_inv, b.scale_inv, out_dtype, bias, fast, None, None,
+                                         False)[0]
+        return _gemm_compiled(a.data, b.data, None, None, a.scale_inv, b.scale_inv, out_dtype, bias, fast, out,
+                              accumulate, None, None)
+    return gemm_eager(a.data, b.data, a.scale_inv, b.scale_inv, out_dtype, bias, fast, out, accumulate, None, None)
 
 
 def gemm_eager(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, use_fast_accum, out, accumulate, out_scale, amax_out,
