@@ -17,7 +17,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from . import _C, debug
-from ._boundary import dl, dl_fp8, stream_of
+from ._boundary import dl, dl_fp8, raw_stream, stream_of
 from .formats import E4M3, E5M2, FP8Format
 from .ops import amax as _amax
 from .ops import dequantize, quantize
@@ -49,7 +49,7 @@ def gemm_cache_info() -> dict:
     return dict(_C.gemm_cache_info())
 
 
-def _workspace(device: torch.device, stream: int):
+def workspace(device: torch.device, stream: int):
     """A DLPack capsule of the workspace for (device, stream), made on first use. The capsule is kept and
     reused: fp8ext's C code borrows capsules and never consumes them."""
     key = (device.index, stream)
@@ -59,6 +59,15 @@ def _workspace(device: torch.device, stream: int):
             buf = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         ws = _workspaces[key] = (buf, _to_dl(buf))
     return ws[1]
+
+
+def pass_stream(device: torch.device):
+    """(stream, workspace capsule) of a call on `device`: the caller's current CUDA stream and its cuBLASLt
+    workspace, or (0, None) on the CPU."""
+    if device.type != "cuda":
+        return 0, None
+    stream = raw_stream(device.index)
+    return stream, workspace(device, stream)
 
 
 def _fp8_format(t, arg: str) -> FP8Format:
@@ -114,11 +123,12 @@ def gemm(a, b, *, a_scale_inv: Optional[torch.Tensor] = None, b_scale_inv: Optio
     if out_dtype not in _OUT_DTYPES:
         raise TypeError(f"gemm(): out_dtype must be one of {[str(d) for d in _OUT_DTYPES]}, got {out_dtype}")
     if torch.compiler.is_compiling():
-        return _gemm_compiled(a, b, fa, fb, a_scale_inv, b_scale_inv, out_dtype, bias, use_fast_accum, out,
-                              accumulate, out_scale, amax_out)
+        return _gemm_compiled(a, b, a_scale_inv, b_scale_inv, out_dtype=out_dtype, bias=bias,
+                              use_fast_accum=use_fast_accum, out=out, accumulate=accumulate, out_scale=out_scale,
+                              amax_out=amax_out)
     tune = _autotune if autotune is None else bool(autotune)
-    return gemm_eager(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, use_fast_accum, out, accumulate, out_scale,
-                      amax_out, tune)
+    return gemm_eager(a, b, a_scale_inv, b_scale_inv, out_dtype=out_dtype, bias=bias, use_fast_accum=use_fast_accum,
+                      out=out, accumulate=accumulate, out_scale=out_scale, amax_out=amax_out, tune=tune)
 
 
 def _operand(t, scale_inv, arg: str):
@@ -132,11 +142,16 @@ def _operand(t, scale_inv, arg: str):
     return t, scale_inv
 
 
+def epilogue_bias_dtype(out_dtype: torch.dtype) -> torch.dtype:
+    """The bias dtype cuBLASLt's FP8 bias epilogue takes for an out_dtype output: float16 for a float16 output,
+    bfloat16 otherwise."""
+    return torch.float16 if out_dtype == torch.float16 else torch.bfloat16
+
+
 def bias_epilogue(bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> bool:
-    """Whether cuBLASLt's FP8 bias epilogue takes `bias` for an out_dtype output: a bfloat16 bias (float16 for a
-    float16 output), never with a float32 output. Otherwise the caller adds the bias after the GEMM."""
-    return bias is not None and out_dtype != torch.float32 and bias.dtype == (
-        torch.float16 if out_dtype == torch.float16 else torch.bfloat16)
+    """Whether cuBLASLt's FP8 bias epilogue takes `bias` for an out_dtype output (epilogue_bias_dtype; never with a
+    float32 output). Otherwise the caller adds the bias after the GEMM."""
+    return bias is not None and out_dtype != torch.float32 and bias.dtype == epilogue_bias_dtype(out_dtype)
 
 
 def gemm_fp8(a: FP8Tensor, b: FP8Tensor, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
@@ -144,16 +159,15 @@ def gemm_fp8(a: FP8Tensor, b: FP8Tensor, out_dtype: torch.dtype, bias: Optional[
     """a @ b^T of two FP8Tensors as gemm() computes it, without the public wrapper's argument checks (C checks
     everything anyway): the library's own layers call this; under torch.compile it is the torch op."""
     if torch.compiler.is_compiling():
-        if out is None:
-            return torch.ops.fp8ext.gemm(a.data, b.data, a.scale_inv, b.scale_inv, out_dtype, bias, fast, None, None,
-                                         False)[0]
-        return _gemm_compiled(a.data, b.data, None, None, a.scale_inv, b.scale_inv, out_dtype, bias, fast, out,
-                              accumulate, None, None)
-    return gemm_eager(a.data, b.data, a.scale_inv, b.scale_inv, out_dtype, bias, fast, out, accumulate, None, None)
+        return _gemm_compiled(a.data, b.data, a.scale_inv, b.scale_inv, out_dtype=out_dtype, bias=bias,
+                              use_fast_accum=fast, out=out, accumulate=accumulate)
+    return gemm_eager(a.data, b.data, a.scale_inv, b.scale_inv, out_dtype=out_dtype, bias=bias, use_fast_accum=fast,
+                      out=out, accumulate=accumulate)
 
 
-def gemm_eager(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, use_fast_accum, out, accumulate, out_scale, amax_out,
-               tune: bool = False) -> torch.Tensor:
+def gemm_eager(a, b, a_scale_inv, b_scale_inv, *, out_dtype, bias=None, use_fast_accum=False, out=None,
+               accumulate=False, out_scale=None, amax_out=None, tune: bool = False) -> torch.Tensor:
+    """gemm() of float8 tensors without the public wrapper's checks (C checks everything), eagerly."""
     fa, fb, fo = _FP8[a.dtype], _FP8[b.dtype], _FP8.get(out_dtype)
     device = a.device
     if debug.enabled():
@@ -169,7 +183,7 @@ def gemm_eager(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, use_fast_accum, 
                        out_fmt=fo.code if fo else -1, bias=_dl_opt(bias, "bias"),
                        out_scale=_dl_opt(out_scale, "out_scale"), amax_out=_dl_opt(amax_out, "amax_out"),
                        accumulate=accumulate, fast_accum=use_fast_accum,
-                       workspace=_workspace(device, stream) if on_gpu else None, stream=stream, autotune=tune,
+                       workspace=workspace(device, stream) if on_gpu else None, stream=stream, autotune=tune,
                        tune_scratch=tune_scratch)
 
     modes = run()
@@ -228,8 +242,8 @@ def _emulate(a, b, sa, sb, modes, bias, out, accumulate, out_scale, amax_out, fo
     out.view(torch.uint8).copy_(quantize(d, fo, out_scale if out_scale is not None else 1.0).view(torch.uint8))
 
 
-def _gemm_compiled(a, b, fa, fb, a_scale_inv, b_scale_inv, out_dtype, bias, use_fast_accum, out, accumulate,
-                   out_scale, amax_out):
+def _gemm_compiled(a, b, a_scale_inv, b_scale_inv, *, out_dtype, bias=None, use_fast_accum=False, out=None,
+                   accumulate=False, out_scale=None, amax_out=None):
     """Under torch.compile: the functional torch op, then copies into the caller's out / amax_out."""
     res, new_amax = torch.ops.fp8ext.gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, use_fast_accum,
                                           out if accumulate else None, out_scale, amax_out is not None)

@@ -116,8 +116,9 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_i
           out_scale: Optional[torch.Tensor], want_amax: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     out = acc_in.clone() if acc_in is not None else None
     amax = torch.zeros((), dtype=torch.float32, device=a.device)
-    out = _gemm_mod.gemm_eager(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, use_fast_accum, out,
-                               acc_in is not None, out_scale, amax if want_amax else None)
+    out = _gemm_mod.gemm_eager(a, b, a_scale_inv, b_scale_inv, out_dtype=out_dtype, bias=bias,
+                               use_fast_accum=use_fast_accum, out=out, accumulate=acc_in is not None,
+                               out_scale=out_scale, amax_out=amax if want_amax else None)
     return out, amax
 
 

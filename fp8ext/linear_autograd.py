@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from . import _C, debug
-from ._boundary import _raw_stream, refuse_broadcast
-from ._gemm import _workspace, bias_epilogue
+from ._boundary import refuse_broadcast
+from ._gemm import bias_epilogue, pass_stream
 from ._gemm import gemm_fp8 as _gemm
 from .tensor import FP8Tensor
 
@@ -220,15 +220,6 @@ def _operand(buf: torch.Tensor, offset: int, rows: int, cols: int, fmt, saved: t
     return FP8Tensor(data, None, _saved_sinv(saved, i), fmt)
 
 
-def _pass_stream(device: torch.device):
-    """(stream, workspace capsule) of a pass on `device`: the caller's current CUDA stream and its cuBLASLt
-    workspace, or (0, None) on the CPU."""
-    if device.type != "cuda":
-        return 0, None
-    stream = _raw_stream(device.index)
-    return stream, _workspace(device, stream)
-
-
 class ONE_CALL:
     """FP8Linear's fast path (see above): each pass one fp8ext._C call."""
 
@@ -242,10 +233,10 @@ class ONE_CALL:
         saved = torch.empty(_SINV_BYTES + rmk + n * k, dtype=torch.uint8, device=dev)
         scratch = torch.empty(rmk + n * k, dtype=torch.uint8, device=dev)
         y = torch.empty((m, n), dtype=plan.out_dtype, device=dev)
-        stream, ws = _pass_stream(dev)
+        stream, ws = pass_stream(dev)
         b = bias if plan.fuse_bias else None
         fmt = plan.input.fmt
-        (xs, xa), (wsc, wa) = plan.input.slot_capsules(), plan.weight.slot_capsules()
+        (xs, xa), (wsc, wa) = plan.input.capsules, plan.weight.capsules  # current: FP8Linear checked
         if not _C.linear_fwd(_to_dl(x.view(m, k)), _to_dl(weight), _to_dl(saved), _to_dl(scratch), _to_dl(y), xs, xa,
                              wsc, wa, fmt.code, None if b is None else _to_dl(b), ws, stream):
             _gemm(_operand(scratch, 0, m, k, fmt, saved, 0), _operand(scratch, rmk, n, k, fmt, saved, 1),
@@ -279,7 +270,7 @@ class ONE_CALL:
         else:
             dw = torch.empty((n, k), dtype=plan.w_dtype, device=dev) if need_dw else None
         gs, ga = plan.grad.slot_capsules()
-        stream, ws = _pass_stream(dev)
+        stream, ws = pass_stream(dev)
         ffmt, bfmt = plan.input.fmt, plan.grad.fmt
         if not _C.linear_bwd(_to_dl(dy2), _to_dl(saved), _to_dl(scratch), m, k, n, ffmt.code, gs, ga, bfmt.code,
                              None if dx is None else _to_dl(dx), None if dw is None else _to_dl(dw),

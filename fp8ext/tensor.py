@@ -67,16 +67,19 @@ class Quantizer:
     the manager's buffers are reallocated, which `current()` tells.
     """
 
-    __slots__ = ("fmt", "margin", "scale", "amax", "_mgr", "_slot", "_generation", "_capsules")
+    __slots__ = ("fmt", "margin", "scale", "amax", "capsules", "_mgr", "_slot", "_generation")
 
     def __init__(self, fmt: FP8Format, margin: float, manager=None, slot: Optional[int] = None, *,
                  scale: Optional[torch.Tensor] = None, amax: Optional[torch.Tensor] = None):
-        self.fmt, self.margin, self._mgr, self._slot, self._capsules = fmt, float(margin), manager, slot, None
+        self.fmt, self.margin, self._mgr, self._slot = fmt, float(margin), manager, slot
         if manager is None:
             self.scale, self.amax, self._generation = scale, amax, None
         else:
             self._generation = manager.generation
             self.scale, _, self.amax = manager.views(slot)
+        # DLPack capsules of (scale, amax) for fp8ext._C's one-call paths, made once (C borrows a capsule and never
+        # consumes it); valid while current()
+        self.capsules = None if self.scale is None or self.amax is None else (_to_dl(self.scale), _to_dl(self.amax))
 
     @property
     def manager(self):
@@ -96,13 +99,10 @@ class Quantizer:
         return self.scale, self.amax
 
     def slot_capsules(self):
-        """DLPack capsules (scale, amax) of slot_views(), for fp8ext._C's one-call paths: made once and reused
-        while the views are current (C borrows a capsule and never consumes it)."""
-        if not self.current():
-            return tuple(_to_dl(t) for t in self.slot_views())
-        if self._capsules is None:
-            self._capsules = (_to_dl(self.scale), _to_dl(self.amax))
-        return self._capsules
+        """DLPack capsules (scale, amax) of slot_views(): `capsules`, or fresh ones when the views are stale."""
+        if self._mgr is None or self._mgr.generation == self._generation:
+            return self.capsules
+        return tuple(_to_dl(t) for t in self.slot_views())
 
     def _scale_for(self, t2d: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
         if scale is None:  # current scaling: from the tensor's own amax

@@ -13,7 +13,7 @@ import torch
 import fp8ext
 from fp8ext import _C
 from fp8ext._boundary import dl_fp8
-from fp8ext._gemm import _workspace
+from fp8ext._gemm import workspace
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from _harness import host_us  # noqa: E402
@@ -27,7 +27,7 @@ def main():
     dev = out.device
     stream = torch._C._cuda_getCurrentRawStream(0)
     caps = [dl_fp8(x8), dl_fp8(w8), torch._C._to_dlpack(one), torch._C._to_dlpack(one), torch._C._to_dlpack(out)]
-    ws = _workspace(dev, stream)
+    ws = workspace(dev, stream)
     rows = {
         "x.add_(1) (a trivial torch op)": lambda: out.add_(1),
         "torch.empty(64x64 bf16)": lambda: torch.empty((64, 64), dtype=torch.bfloat16, device=dev),
