@@ -46,9 +46,9 @@ def main() -> None:
 
         def separate():
             if op == "rmsnorm":
-                y = fused._rms_norm_train_gpu(x, g, 1e-5, torch.bfloat16)[0]
+                y = fused.rms_norm_train_gpu(x, g, 1e-5, torch.bfloat16)[0]
             else:
-                y = fused.swiglu(x) if op == "swiglu" else fused._swiglu_backward_gpu(x, dy)
+                y = fused.swiglu(x) if op == "swiglu" else fused.swiglu_backward_gpu(x, dy)
             return fp8ext.cast_transpose(y, f, scale.reshape(()), amax_out=amax)
 
         quantizer = Quantizer(f, 0.0, scale=scale, amax=amax)

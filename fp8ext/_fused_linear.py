@@ -55,11 +55,11 @@ def _cast_with_prologue(op, x2, g, eps, quantizer: Quantizer, dy=None):
     if not x2.is_cuda:  # the reference definitions, then the cast
         rstd = None
         if op == RMSNORM:
-            y, rstd = fused._rms_norm_train_reference(x2, g, eps, x2.dtype)
+            y, rstd = fused.rms_norm_train_reference(x2, g, eps, x2.dtype)
         elif op == SWIGLU:
-            y = fused._swiglu_reference(x2)
+            y = fused.swiglu_reference(x2)
         else:
-            y = fused._swiglu_backward_reference(x2, dy)
+            y = fused.swiglu_backward_reference(x2, dy)
         return quantizer.quantize(y), rstd
     dev, stream, fmt = x2.device, stream_of(x2.device), quantizer.fmt
     scale, amax_slot = quantizer.slot_views()
@@ -73,7 +73,7 @@ def _cast_with_prologue(op, x2, g, eps, quantizer: Quantizer, dy=None):
     _C.cast_transpose_fused(dl(x2), dl_fp8(x8), dl_fp8(x8t), fmt.code, dl(scale), op,
                             rstd=None if rstd is None else dl(rstd), gamma=None if g is None else dl(g),
                             amax_out=dl(amax_slot), stream=stream, scale_inv_out=dl(sinv),
-                            dy=None if dy is None else dl(fused._aligned(dy, x2.dtype)))
+                            dy=None if dy is None else dl(fused.contiguous_aligned(dy, x2.dtype)))
     return FP8Tensor(x8, x8t, sinv, fmt), rstd
 
 
@@ -88,8 +88,8 @@ class Prologue:
 
     def cast(self, x: torch.Tensor, gamma: Optional[torch.Tensor], quantizer: Quantizer):
         """(x8, kept): op(x) cast to FP8, and what backward() reads: (x2, gamma as float32, rstd)."""
-        x2 = fused._rows(x, x.shape[-1], self.fn, "input")
-        g = None if gamma is None else fused._aligned(gamma.detach(), torch.float32)
+        x2 = fused.kernel_rows(x, x.shape[-1], self.fn, "input")
+        g = None if gamma is None else fused.contiguous_aligned(gamma.detach(), torch.float32)
         x8, rstd = _cast_with_prologue(self.op, x2, g, self.eps, quantizer)
         return x8, (x2, g, rstd)
 
@@ -98,9 +98,9 @@ class Prologue:
         x2, g, rstd = kept
         if self.op == RMSNORM:
             if x2.is_cuda:
-                return fused._rms_norm_train_backward_gpu(x2, d_op, g, rstd)
-            return fused._rms_norm_train_backward_reference(x2, d_op, g, rstd)
-        dx = fused._swiglu_backward_gpu(x2, d_op) if x2.is_cuda else fused._swiglu_backward_reference(x2, d_op)
+                return fused.rms_norm_train_backward_gpu(x2, d_op, g, rstd)
+            return fused.rms_norm_train_backward_reference(x2, d_op, g, rstd)
+        dx = fused.swiglu_backward_gpu(x2, d_op) if x2.is_cuda else fused.swiglu_backward_reference(x2, d_op)
         return dx, None
 
 

@@ -16,8 +16,9 @@ Outside fp8_autocast the layer is exactly nn.Linear (F.linear in high precision)
 
 The scaling state (scales and amax slots in the recipe's FP8ScalingManager) is not saved for backward with
 save_for_backward: it is state that the manager updates in place between steps, not an input whose value
-autograd must freeze. Backward finds the gradient's slot through the context, and again in the manager when
-the manager's buffers grew after the forward.
+autograd must freeze. Backward finds the gradient's slot through its Quantizer (fp8ext/tensor.py), and again in
+the manager when the manager's buffers grew after the forward. This file holds the module (slots, the weight's
+cast, which path a call takes); the autograd Function and its plan are in fp8ext/linear_autograd.py.
 """
 
 from __future__ import annotations
