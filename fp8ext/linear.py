@@ -285,7 +285,7 @@ class FP8Linear(nn.Module):
         main_grad = self._main_grad() if self.fuse_wgrad_accumulation and torch.is_grad_enabled() else None
         if ctx is None or not (ctx.enabled or ctx.calibrating):
             if main_grad is not None:
-                plan = LinearPlan(HIGH_PRECISION, weight=self.weight, bias=bias, main_grad=main_grad)
+                plan = LinearPlan(HIGH_PRECISION, (None, None, None), self.weight, bias, main_grad=main_grad)
                 return self.returned(LinearFunction.apply(input, self.weight, bias, plan))
             return self.returned(F.linear(input, self.weight, bias))
         if input.dim() == 0 or input.numel() == 0 or input.is_meta or self.weight.is_meta:
@@ -333,7 +333,7 @@ class FP8Linear(nn.Module):
             self._debug_checks(input, quantizers)
         w8 = self._weight_fp8(quantizers[1], is_first_microbatch)
         main_grad = self._main_grad() if self.fuse_wgrad_accumulation and torch.is_grad_enabled() else None
-        return LinearPlan(COMPOSED, quantizers, weight=self.weight, bias=None if self.return_bias else self.bias,
+        return LinearPlan(COMPOSED, quantizers, self.weight, None if self.return_bias else self.bias,
                           out_dtype=activation_dtype(input), w8=w8, main_grad=main_grad, prologue=prologue)
 
     def _lean_forward(self, input, quantizers):
@@ -358,7 +358,7 @@ class FP8Linear(nn.Module):
         fuse_bias = bias_epilogue(bias, out_dtype) and bias.is_contiguous()
         main_grad = self._main_grad() if self.fuse_wgrad_accumulation and torch.is_grad_enabled() else None
         quantizers[0].manager.dirty = True
-        plan = LinearPlan(ONE_CALL, quantizers, weight=w, bias=bias, out_dtype=out_dtype, main_grad=main_grad,
+        plan = LinearPlan(ONE_CALL, quantizers, w, bias, out_dtype=out_dtype, main_grad=main_grad,
                           fuse_bias=fuse_bias)
         y = LinearFunction.apply(input, w, bias, plan)
         return (y, self.bias) if self.return_bias else y

@@ -41,8 +41,8 @@ class LinearPlan:
     __slots__ = ("backend", "input", "weight", "grad", "w8", "out_dtype", "main_grad", "weight_ref", "w_dtype",
                  "b_dtype", "prologue", "fuse_bias")
 
-    def __init__(self, backend, quantizers=(None, None, None), *, weight: torch.Tensor,
-                 bias: Optional[torch.Tensor], out_dtype: Optional[torch.dtype] = None, w8: Optional[FP8Tensor] = None,
+    def __init__(self, backend, quantizers, weight: torch.Tensor, bias: Optional[torch.Tensor], *,
+                 out_dtype: Optional[torch.dtype] = None, w8: Optional[FP8Tensor] = None,
                  main_grad: Optional[torch.Tensor] = None, prologue=None, fuse_bias: bool = False):
         self.backend = backend
         self.input, self.weight, self.grad = quantizers

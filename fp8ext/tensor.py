@@ -67,11 +67,11 @@ class Quantizer:
     the manager's buffers are reallocated, which `current()` tells.
     """
 
-    __slots__ = ("fmt", "margin", "scale", "amax", "capsules", "_mgr", "_slot", "_generation")
+    __slots__ = ("fmt", "margin", "scale", "amax", "capsules", "manager", "_slot", "_generation")
 
     def __init__(self, fmt: FP8Format, margin: float, manager=None, slot: Optional[int] = None, *,
                  scale: Optional[torch.Tensor] = None, amax: Optional[torch.Tensor] = None):
-        self.fmt, self.margin, self._mgr, self._slot = fmt, float(margin), manager, slot
+        self.fmt, self.margin, self.manager, self._slot = fmt, float(margin), manager, slot
         if manager is None:
             self.scale, self.amax, self._generation = scale, amax, None
         else:
@@ -81,26 +81,22 @@ class Quantizer:
         # consumes it); valid while current()
         self.capsules = None if self.scale is None or self.amax is None else (_to_dl(self.scale), _to_dl(self.amax))
 
-    @property
-    def manager(self):
-        return self._mgr
-
     def current(self) -> bool:
         """Whether the slot views are still the manager's (always, for current scaling)."""
-        return self._mgr is None or self._mgr.generation == self._generation
+        return self.manager is None or self.manager.generation == self._generation
 
     def slot_views(self):
         """(scale, amax) of the slot as a cast uses it now: the quantizer's views, or fresh ones when the manager's
         buffers were reallocated since they were taken (in eager mode; a compiled graph keeps what it traced). A
         layer's backward runs after its forward, and other layers may register in between."""
-        if self._mgr is not None and not torch.compiler.is_compiling() and not self.current():
-            scale, _, amax = self._mgr.views(self._slot)
+        if self.manager is not None and not torch.compiler.is_compiling() and not self.current():
+            scale, _, amax = self.manager.views(self._slot)
             return scale, amax
         return self.scale, self.amax
 
     def slot_capsules(self):
         """DLPack capsules (scale, amax) of slot_views(): `capsules`, or fresh ones when the views are stale."""
-        if self._mgr is None or self._mgr.generation == self._generation:
+        if self.manager is None or self.manager.generation == self._generation:
             return self.capsules
         return tuple(_to_dl(t) for t in self.slot_views())
 
@@ -133,5 +129,5 @@ class Quantizer:
         return FP8Tensor(q, qt, scale_inv, self.fmt), db
 
     def __repr__(self) -> str:
-        how = "current scaling" if self._mgr is None else f"slot {self._slot}"
+        how = "current scaling" if self.manager is None else f"slot {self._slot}"
         return f"Quantizer({self.fmt.name}, margin={self.margin}, {how})"
