@@ -16,6 +16,7 @@ import torch
 
 import fp8ext
 from fp8ext import _fused_linear as FL
+from fp8ext.tensor import Quantizer
 from fp8ext import fused
 from _harness import copy_tbps, device_header, rounds, save, table
 
@@ -45,13 +46,16 @@ def main() -> None:
 
         def separate():
             if op == "rmsnorm":
-                y = fused._rms_norm_train_gpu(x, g, 1e-5, torch.bfloat16)[0]
+                y = fused.rms_norm_train_gpu(x, g, 1e-5, torch.bfloat16)[0]
             else:
-                y = fused.swiglu(x) if op == "swiglu" else fused._swiglu_backward_gpu(x, dy)
+                y = fused.swiglu(x) if op == "swiglu" else fused.swiglu_backward_gpu(x, dy)
             return fp8ext.cast_transpose(y, f, scale.reshape(()), amax_out=amax)
 
+        quantizer = Quantizer(f, 0.0, scale=scale, amax=amax)
+
         def fused_cast():
-            return FL._cast_with_prologue(code, x, g if op == "rmsnorm" else None, 1e-5, f, scale, amax, 0.0, dy=dy)
+            x8, _ = FL._cast_with_prologue(code, x, g if op == "rmsnorm" else None, 1e-5, quantizer, dy=dy)
+            return x8.data, x8.data_t
 
         a, b = separate(), fused_cast()
         same = torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(

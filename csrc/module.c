@@ -181,6 +181,7 @@ static int module_exec(PyObject *module) {
     if (PyModule_AddFunctions(module, fp8ext_norm_methods) < 0) return -1;
     if (PyModule_AddFunctions(module, fp8ext_weight_only_methods) < 0) return -1;
     if (PyModule_AddFunctions(module, fp8ext_linear_methods) < 0) return -1;
+    if (fp8ext_linear_add_layout(module) < 0) return -1;
     if (PyModule_AddFunctions(module, fp8ext_mx_methods) < 0) return -1;
     if (PyModule_AddIntConstant(module, "E4M3", FP8EXT_E4M3) < 0) return -1;
     if (PyModule_AddIntConstant(module, "E5M2", FP8EXT_E5M2) < 0) return -1;

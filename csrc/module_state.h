@@ -58,6 +58,8 @@ extern PyMethodDef fp8ext_attention_methods[];
 extern PyMethodDef fp8ext_norm_methods[];
 extern PyMethodDef fp8ext_weight_only_methods[];
 extern PyMethodDef fp8ext_linear_methods[];
+/* The saved-buffer layout of py_linear.c as module constants LINEAR_ALIGN, LINEAR_SINV_STRIDE, LINEAR_SINV_BYTES. */
+int fp8ext_linear_add_layout(PyObject *module);
 extern PyMethodDef fp8ext_mx_methods[];
 
 /* quantize and dequantize also take the small formats (FPX_E2M1 .. FPX_E5M2FNUZ, codes one per uint8

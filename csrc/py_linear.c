@@ -25,15 +25,14 @@
 #include "module_state.h"
 #include "third_party/dlpack/dlpack.h"
 
+/* The saved buffer's layout, here only: fp8ext.linear reads these numbers from the module
+ * (fp8ext_linear_add_layout), so Python and C cannot drift. */
 #define LIN_ALIGN 256
-#define SINV_BYTES 768
-#define SINV(buf, i) ((float *)((buf) + 256 * (i))) /* scale_inv i of a saved buffer: 0 x, 1 W, 2 dy */
+#define SINV_STRIDE 256                      /* bytes between two scale_invs of the saved buffer */
+#define SINV_BYTES (3 * SINV_STRIDE)         /* the scale_invs of x, W and dy, then x8^T */
+#define SINV(buf, i) ((float *)((buf) + SINV_STRIDE * (i))) /* scale_inv i of a saved buffer: 0 x, 1 W, 2 dy */
 
 static int64_t round_up(int64_t n) { return (n + LIN_ALIGN - 1) / LIN_ALIGN * LIN_ALIGN; }
-
-static int hp_dtype(const fp8ext_view *v) {
-    return v->kind == FP8EXT_KIND_BF16 ? FP8EXT_BF16 : v->kind == FP8EXT_KIND_F16 ? FP8EXT_F16 : FP8EXT_F32;
-}
 
 /* A 2-D contiguous float tensor on ref's device (ref NULL: any device), of shape [rows, cols] when rows >= 0. */
 static int get_matrix(PyObject *o, const fp8ext_view *ref, int64_t rows, int64_t cols, Py_ssize_t stream,
@@ -246,9 +245,9 @@ static PyObject *py_linear_fwd(PyObject *module, PyObject *const *args, Py_ssize
         goto done;
     uint8_t *sv = saved.data, *sc = scratch.data;
     fp8ext_cast_transpose_args casts[2] = {
-        {.x = x.data, .x_dtype = hp_dtype(&x), .rows = m, .cols = k, .q = sc, .qt = sv + SINV_BYTES, .fmt = (int)fmt,
+        {.x = x.data, .x_dtype = fp8ext_view_dtype(&x), .rows = m, .cols = k, .q = sc, .qt = sv + SINV_BYTES, .fmt = (int)fmt,
          .scale_ptr = xs.data, .amax_out = xa.data, .scale_inv_out = SINV(sv, 0), .saturate = 1},
-        {.x = w.data, .x_dtype = hp_dtype(&w), .rows = n, .cols = k, .q = sc + rmk, .qt = sv + SINV_BYTES + rmk,
+        {.x = w.data, .x_dtype = fp8ext_view_dtype(&w), .rows = n, .cols = k, .q = sc + rmk, .qt = sv + SINV_BYTES + rmk,
          .fmt = (int)fmt, .scale_ptr = wsc.data, .amax_out = wa.data, .scale_inv_out = SINV(sv, 1), .saturate = 1},
     };
     fp8ext_gemm_args g;
@@ -321,7 +320,7 @@ static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize
                                                     "g_scale"}) < 0)
         goto done;
     uint8_t *sv = saved.data, *sc = scratch.data;
-    fp8ext_cast_transpose_args cast = {.x = dy.data, .x_dtype = hp_dtype(&dy), .rows = m, .cols = n, .q = sc,
+    fp8ext_cast_transpose_args cast = {.x = dy.data, .x_dtype = fp8ext_view_dtype(&dy), .rows = m, .cols = n, .q = sc,
                                        .qt = sc + rmn, .fmt = (int)bfmt, .scale_ptr = gs.data, .amax_out = ga.data,
                                        .scale_inv_out = SINV(sv, 2), .saturate = 1};
     const fp8ext_cast_transpose_dbias_args cast_db = {.ct = cast, .dbias = db.data, .dbias_dtype = FP8EXT_F32,
@@ -344,6 +343,14 @@ static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize
 done:
     FP8EXT_RELEASE_ALL(&dy, &saved, &scratch, &gs, &ga, &dx, &dw, &ws, &db);
     return ret;
+}
+
+int fp8ext_linear_add_layout(PyObject *module) {
+    if (PyModule_AddIntConstant(module, "LINEAR_ALIGN", LIN_ALIGN) < 0 ||
+        PyModule_AddIntConstant(module, "LINEAR_SINV_STRIDE", SINV_STRIDE) < 0 ||
+        PyModule_AddIntConstant(module, "LINEAR_SINV_BYTES", SINV_BYTES) < 0)
+        return -1;
+    return 0;
 }
 
 PyMethodDef fp8ext_linear_methods[] = {

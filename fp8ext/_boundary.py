@@ -13,7 +13,7 @@ from typing import Any, Optional, Tuple
 import torch
 
 _to_dlpack = torch._C._to_dlpack
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # (device index) -> the current stream as an int
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _FLOAT_MAX = sys.float_info.max
 
@@ -155,6 +155,6 @@ def stream_of(device: torch.device) -> int:
     """The caller's current CUDA stream on `device` as an integer (0 on the CPU)."""
     if device.type != "cuda":
         return 0
-    if _raw_stream is None:
+    if raw_stream is None:
         raise RuntimeError("this torch build has no CUDA support, but a CUDA tensor was given")
-    return _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
+    return raw_stream(device.index if device.index is not None else torch.cuda.current_device())

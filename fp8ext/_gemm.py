@@ -17,11 +17,12 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from . import _C, debug
-from ._boundary import dl, dl_fp8, stream_of
+from ._boundary import dl, dl_fp8, raw_stream, stream_of
 from .formats import E4M3, E5M2, FP8Format
 from .ops import amax as _amax
 from .ops import dequantize, quantize
 from .profiling import profiled
+from .tensor import FP8Tensor
 
 __all__ = ["gemm", "set_gemm_autotune", "gemm_cache_info", "WORKSPACE_BYTES"]
 
@@ -48,7 +49,7 @@ def gemm_cache_info() -> dict:
     return dict(_C.gemm_cache_info())
 
 
-def _workspace(device: torch.device, stream: int):
+def workspace(device: torch.device, stream: int):
     """A DLPack capsule of the workspace for (device, stream), made on first use. The capsule is kept and
     reused: fp8ext's C code borrows capsules and never consumes them."""
     key = (device.index, stream)
@@ -60,6 +61,15 @@ def _workspace(device: torch.device, stream: int):
     return ws[1]
 
 
+def pass_stream(device: torch.device):
+    """(stream, workspace capsule) of a call on `device`: the caller's current CUDA stream and its cuBLASLt
+    workspace, or (0, None) on the CPU."""
+    if device.type != "cuda":
+        return 0, None
+    stream = raw_stream(device.index)
+    return stream, workspace(device, stream)
+
+
 def _fp8_format(t, arg: str) -> FP8Format:
     f = _FP8.get(getattr(t, "dtype", None))
     if f is None or not isinstance(t, torch.Tensor):
@@ -69,7 +79,7 @@ def _fp8_format(t, arg: str) -> FP8Format:
 
 
 @profiled("fp8ext.gemm")
-def gemm(a: torch.Tensor, b: torch.Tensor, *, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
+def gemm(a, b, *, a_scale_inv: Optional[torch.Tensor] = None, b_scale_inv: Optional[torch.Tensor] = None,
          out_dtype: Optional[torch.dtype] = None, bias: Optional[torch.Tensor] = None, use_fast_accum: bool = False,
          out: Optional[torch.Tensor] = None, accumulate: bool = False, out_scale: Optional[torch.Tensor] = None,
          amax_out: Optional[torch.Tensor] = None, autotune: Optional[bool] = None) -> torch.Tensor:
@@ -89,7 +99,11 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, a_scale_inv: torch.Tensor, b_scale
     accumulate=True adds the product into `out` (beta = 1), e.g. an fp32 weight gradient. use_fast_accum
     trades accuracy for speed (Transformer Engine uses it in the forward pass only). autotune: see
     set_gemm_autotune. Returns out.
+    a and b may also be fp8ext.FP8Tensor operands: their data and scale_inv are used (a scale_inv argument given
+    as well must be None).
     """
+    a, a_scale_inv = _operand(a, a_scale_inv, "a")
+    b, b_scale_inv = _operand(b, b_scale_inv, "b")
     fa, fb = _fp8_format(a, "a"), _fp8_format(b, "b")
     for t, arg in ((a, "a"), (b, "b")):
         if t.device.type not in ("cpu", "cuda"):
@@ -109,15 +123,51 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, a_scale_inv: torch.Tensor, b_scale
     if out_dtype not in _OUT_DTYPES:
         raise TypeError(f"gemm(): out_dtype must be one of {[str(d) for d in _OUT_DTYPES]}, got {out_dtype}")
     if torch.compiler.is_compiling():
-        return _gemm_compiled(a, b, fa, fb, a_scale_inv, b_scale_inv, out_dtype, bias, use_fast_accum, out,
-                              accumulate, out_scale, amax_out)
+        return _gemm_compiled(a, b, a_scale_inv, b_scale_inv, out_dtype=out_dtype, bias=bias,
+                              use_fast_accum=use_fast_accum, out=out, accumulate=accumulate, out_scale=out_scale,
+                              amax_out=amax_out)
     tune = _autotune if autotune is None else bool(autotune)
-    return gemm_eager(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, use_fast_accum, out, accumulate, out_scale,
-                      amax_out, tune)
+    return gemm_eager(a, b, a_scale_inv, b_scale_inv, out_dtype=out_dtype, bias=bias, use_fast_accum=use_fast_accum,
+                      out=out, accumulate=accumulate, out_scale=out_scale, amax_out=amax_out, tune=tune)
 
 
-def gemm_eager(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, use_fast_accum, out, accumulate, out_scale, amax_out,
-               tune: bool = False) -> torch.Tensor:
+def _operand(t, scale_inv, arg: str):
+    """(FP8 data, scale_inv) of a gemm() operand: an FP8Tensor, or a float8 tensor with its scale_inv argument."""
+    if isinstance(t, FP8Tensor):
+        if scale_inv is not None:
+            raise TypeError(f"gemm(): {arg} is an FP8Tensor, which carries its scale_inv: leave {arg}_scale_inv unset")
+        return t.data, t.scale_inv
+    if scale_inv is None:
+        raise TypeError(f"gemm(): {arg}_scale_inv is required with a float8 tensor {arg} (or pass an FP8Tensor)")
+    return t, scale_inv
+
+
+def epilogue_bias_dtype(out_dtype: torch.dtype) -> torch.dtype:
+    """The bias dtype cuBLASLt's FP8 bias epilogue takes for an out_dtype output: float16 for a float16 output,
+    bfloat16 otherwise."""
+    return torch.float16 if out_dtype == torch.float16 else torch.bfloat16
+
+
+def bias_epilogue(bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> bool:
+    """Whether cuBLASLt's FP8 bias epilogue takes `bias` for an out_dtype output (epilogue_bias_dtype; never with a
+    float32 output). Otherwise the caller adds the bias after the GEMM."""
+    return bias is not None and out_dtype != torch.float32 and bias.dtype == epilogue_bias_dtype(out_dtype)
+
+
+def gemm_fp8(a: FP8Tensor, b: FP8Tensor, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
+             fast: bool = False, *, out: Optional[torch.Tensor] = None, accumulate: bool = False) -> torch.Tensor:
+    """a @ b^T of two FP8Tensors as gemm() computes it, without the public wrapper's argument checks (C checks
+    everything anyway): the library's own layers call this; under torch.compile it is the torch op."""
+    if torch.compiler.is_compiling():
+        return _gemm_compiled(a.data, b.data, a.scale_inv, b.scale_inv, out_dtype=out_dtype, bias=bias,
+                              use_fast_accum=fast, out=out, accumulate=accumulate)
+    return gemm_eager(a.data, b.data, a.scale_inv, b.scale_inv, out_dtype=out_dtype, bias=bias, use_fast_accum=fast,
+                      out=out, accumulate=accumulate)
+
+
+def gemm_eager(a, b, a_scale_inv, b_scale_inv, *, out_dtype, bias=None, use_fast_accum=False, out=None,
+               accumulate=False, out_scale=None, amax_out=None, tune: bool = False) -> torch.Tensor:
+    """gemm() of float8 tensors without the public wrapper's checks (C checks everything), eagerly."""
     fa, fb, fo = _FP8[a.dtype], _FP8[b.dtype], _FP8.get(out_dtype)
     device = a.device
     if debug.enabled():
@@ -133,7 +183,7 @@ def gemm_eager(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, use_fast_accum, 
                        out_fmt=fo.code if fo else -1, bias=_dl_opt(bias, "bias"),
                        out_scale=_dl_opt(out_scale, "out_scale"), amax_out=_dl_opt(amax_out, "amax_out"),
                        accumulate=accumulate, fast_accum=use_fast_accum,
-                       workspace=_workspace(device, stream) if on_gpu else None, stream=stream, autotune=tune,
+                       workspace=workspace(device, stream) if on_gpu else None, stream=stream, autotune=tune,
                        tune_scratch=tune_scratch)
 
     modes = run()
@@ -192,8 +242,8 @@ def _emulate(a, b, sa, sb, modes, bias, out, accumulate, out_scale, amax_out, fo
     out.view(torch.uint8).copy_(quantize(d, fo, out_scale if out_scale is not None else 1.0).view(torch.uint8))
 
 
-def _gemm_compiled(a, b, fa, fb, a_scale_inv, b_scale_inv, out_dtype, bias, use_fast_accum, out, accumulate,
-                   out_scale, amax_out):
+def _gemm_compiled(a, b, a_scale_inv, b_scale_inv, *, out_dtype, bias=None, use_fast_accum=False, out=None,
+                   accumulate=False, out_scale=None, amax_out=None):
     """Under torch.compile: the functional torch op, then copies into the caller's out / amax_out."""
     res, new_amax = torch.ops.fp8ext.gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, use_fast_accum,
                                           out if accumulate else None, out_scale, amax_out is not None)

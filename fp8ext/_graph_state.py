@@ -26,13 +26,7 @@ class UpdateGate:
 
     def run(self) -> None:
         """The update as eager fp8_autocast runs it (the same kernel), then the select. Captured into the graph."""
-        mgr = self.mgr
-        bufs = (mgr.amax_history, mgr.scale, mgr.scale_inv)
-        with torch.no_grad():
-            previous = [b.clone() for b in bufs]
-            mgr.update(self.group)
-            for b, p in zip(bufs, previous):
-                b.copy_(torch.where(self.flag, b, p))
+        self.mgr.gated_update(self.flag, self.group)
 
     def before_replay(self) -> None:
         """Host side of a replay of the graph holding the update: the flag follows `dirty`, and the bookkeeping
@@ -60,24 +54,10 @@ class ManagerState:
     what an eager first step registers them with."""
 
     def __init__(self, mgr: FP8ScalingManager):
-        self.mgr = mgr
-        self.names = set(mgr.names)
-        with torch.no_grad():
-            self.tensors = [t.clone() for t in (mgr.amax_history, mgr.scale, mgr.scale_inv)]
-        self.steps, self.dirty = mgr.steps, mgr.dirty
+        self.mgr, self.saved = mgr, mgr.snapshot()
 
     def restore(self) -> None:
-        mgr = self.mgr
-        with torch.no_grad():
-            for buf, saved in zip((mgr.amax_history, mgr.scale, mgr.scale_inv), self.tensors):
-                buf[: saved.shape[0]].copy_(saved)
-            for name in mgr.names:
-                if name not in self.names:
-                    slot = mgr.slot(name)
-                    mgr.amax_history[slot].zero_()
-                    mgr.scale[slot] = 1.0
-                    mgr.scale_inv[slot] = 1.0
-        mgr.steps, mgr.dirty = self.steps, self.dirty
+        self.mgr.restore(self.saved)
 
 
 class FP8Replay:

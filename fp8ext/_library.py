@@ -95,7 +95,7 @@ def _cast_transpose_dbias(x: torch.Tensor, fmt: int, scale: Optional[torch.Tenso
                           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     amax = _running_amax(x, amax_in)
     f = format_of_code(fmt)
-    q, qt = ops._fp8_empty(x.shape, f, x.device), ops._fp8_empty((x.shape[1], x.shape[0]), f, x.device)
+    q, qt = ops.fp8_empty(x.shape, f, x.device), ops.fp8_empty((x.shape[1], x.shape[0]), f, x.device)
     db = torch.empty((x.shape[1],), dtype=torch.float32 if dbias_float32 else x.dtype, device=x.device)
     ops.cast_transpose_dbias_eager(x, f, _scale(scale, scale_value), saturate, amax, out=(q, qt, db))
     return q, qt, db, amax
@@ -116,8 +116,9 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_i
           out_scale: Optional[torch.Tensor], want_amax: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     out = acc_in.clone() if acc_in is not None else None
     amax = torch.zeros((), dtype=torch.float32, device=a.device)
-    out = _gemm_mod.gemm_eager(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, use_fast_accum, out,
-                               acc_in is not None, out_scale, amax if want_amax else None)
+    out = _gemm_mod.gemm_eager(a, b, a_scale_inv, b_scale_inv, out_dtype=out_dtype, bias=bias,
+                               use_fast_accum=use_fast_accum, out=out, accumulate=acc_in is not None,
+                               out_scale=out_scale, amax_out=amax if want_amax else None)
     return out, amax
 
 
@@ -133,9 +134,9 @@ def _(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, use_fast_accum, acc_in, o
 @torch.library.custom_op("fp8ext::swiglu", mutates_args=())
 def _swiglu(h: torch.Tensor) -> torch.Tensor:
     if not h.is_cuda:
-        return _fused._swiglu_reference(h).contiguous()
-    h2 = _fused._rows(h, h.shape[-1], "swiglu", "h")
-    out, _ = _fused._run_rows(h2, None, 0.0, _fused._SWIGLU, _fused._OUT_HP, None, "swiglu")
+        return _fused.swiglu_reference(h).contiguous()
+    h2 = _fused.kernel_rows(h, h.shape[-1], "swiglu", "h")
+    out = _fused.swiglu_rows(h2)
     return out.reshape(*h.shape[:-1], h.shape[-1] // 2)
 
 
@@ -147,8 +148,8 @@ def _(h):
 @torch.library.custom_op("fp8ext::swiglu_backward", mutates_args=())
 def _swiglu_backward(h: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     if not h.is_cuda:
-        return _fused._swiglu_backward_reference(h, dy).contiguous()
-    return _fused._swiglu_backward_gpu(_fused._rows(h, h.shape[-1], "swiglu_backward", "h"), dy).reshape(h.shape)
+        return _fused.swiglu_backward_reference(h, dy).contiguous()
+    return _fused.swiglu_backward_gpu(_fused.kernel_rows(h, h.shape[-1], "swiglu_backward", "h"), dy).reshape(h.shape)
 
 
 @_swiglu_backward.register_fake
@@ -171,11 +172,11 @@ _swiglu.register_autograd(_swiglu_grad, setup_context=_swiglu_setup)
 @torch.library.custom_op("fp8ext::rms_norm_train", mutates_args=())
 def _rms_norm_train(x: torch.Tensor, gamma: torch.Tensor, eps: float, out_dtype: torch.dtype
                     ) -> Tuple[torch.Tensor, torch.Tensor]:
-    g = _fused._aligned(gamma, torch.float32)
+    g = _fused.contiguous_aligned(gamma, torch.float32)
     if not x.is_cuda:
-        y, rstd = _fused._rms_norm_train_reference(x, g, eps, out_dtype)
+        y, rstd = _fused.rms_norm_train_reference(x, g, eps, out_dtype)
         return y.contiguous(), rstd.contiguous()
-    y, rstd = _fused._rms_norm_train_gpu(_fused._rows(x, x.shape[-1], "rms_norm_train"), g, eps, out_dtype)
+    y, rstd = _fused.rms_norm_train_gpu(_fused.kernel_rows(x, x.shape[-1], "rms_norm_train"), g, eps, out_dtype)
     return y.reshape(x.shape), rstd
 
 
@@ -188,12 +189,12 @@ def _(x, gamma, eps, out_dtype):
 def _rms_norm_train_backward(x: torch.Tensor, dy: torch.Tensor, gamma: torch.Tensor, rstd: torch.Tensor
                              ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(dx in x's dtype, dgamma float32)."""
-    g = _fused._aligned(gamma, torch.float32)
+    g = _fused.contiguous_aligned(gamma, torch.float32)
     if not x.is_cuda:
-        dx, dgamma = _fused._rms_norm_train_backward_reference(x, dy, g, rstd)
+        dx, dgamma = _fused.rms_norm_train_backward_reference(x, dy, g, rstd)
         return dx.contiguous(), dgamma
-    x2 = _fused._rows(x, x.shape[-1], "rms_norm_train_backward")
-    dx, dgamma = _fused._rms_norm_train_backward_gpu(x2, dy, g, rstd)
+    x2 = _fused.kernel_rows(x, x.shape[-1], "rms_norm_train_backward")
+    dx, dgamma = _fused.rms_norm_train_backward_gpu(x2, dy, g, rstd)
     return dx.reshape(x.shape), dgamma
 
 

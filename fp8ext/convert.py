@@ -75,7 +75,5 @@ def prepare_fp8(module: nn.Module, fp8_recipe=None) -> nn.Module:
         # Registering may grow the manager's buffers, which makes the views the earlier layers took stale (a
         # compiled forward would re-register them: a graph break); a second pass takes them from the final buffers.
         for m in layers:
-            mgr, _, generation, _ = m._fp8_views[recipe]
-            if mgr.generation != generation:
-                m.init_fp8(recipe)
+            m.quantizers(recipe)
     return module

@@ -90,7 +90,7 @@ def _check(x: torch.Tensor, fn: str, arg: str = "x") -> None:
         raise ValueError(f"{fn}(): {arg} must have at least one dimension")
 
 
-def _rows(x: torch.Tensor, width: int, fn: str, arg: str = "x") -> torch.Tensor:
+def kernel_rows(x: torch.Tensor, width: int, fn: str, arg: str = "x") -> torch.Tensor:
     """x as contiguous, 16-byte aligned rows of `width` for the kernels: a strided x is copied, a broadcast view
     refused (naming fn and arg) before its copy or reshape materialises every element it describes."""
     refuse_broadcast(x, fn, arg)
@@ -121,7 +121,10 @@ def _scale(scale: torch.Tensor, x: torch.Tensor, fn: str) -> torch.Tensor:
     return scale.reshape(1)
 
 
-def _run_rows(x2, gamma, eps, op, mode, scale, fn):
+def run_rows(x2, gamma, eps, op, mode, scale, fn):
+    """(out, per-row scale_inv or None) of the row kernel (fp8ext._C.fused_rows): op _RMSNORM or _SWIGLU over x2
+    (from kernel_rows), written as `mode` says: x2's dtype (_OUT_HP), E4M3 with `scale` (_OUT_FP8) or E4M3 with
+    per-row scales (_OUT_FP8_ROWS)."""
     rows, cols = x2.shape[0], x2.shape[1] // (2 if op == _SWIGLU else 1)
     if mode == _OUT_HP:
         out = torch.empty(rows, cols, dtype=x2.dtype, device=x2.device)
@@ -134,18 +137,24 @@ def _run_rows(x2, gamma, eps, op, mode, scale, fn):
     return out, scale_inv
 
 
+def swiglu_rows(h2: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of h2 = [gate, up] ([rows, 2 cols], from kernel_rows) by the kernel, in h2's dtype."""
+    return run_rows(h2, None, 0.0, _SWIGLU, _OUT_HP, None, "swiglu")[0]
+
+
 def _rms_norm_reference(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
     return ((xf * rstd) * gamma.float()).to(x.dtype)
 
 
-def _swiglu_reference(h: torch.Tensor) -> torch.Tensor:
+def swiglu_reference(h: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of h = [gate, up] with torch ops (float32), in h's dtype: the kernel's definition."""
     g, u = h.float().chunk(2, dim=-1)
     return (g / (1.0 + torch.exp(-g)) * u).to(h.dtype)
 
 
-def _swiglu_backward_reference(h: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+def swiglu_backward_reference(h: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     """The backward kernel's definition (module docstring) with torch ops: dh = [d_gate, d_up] in h's dtype."""
     g, u = h.float().chunk(2, dim=-1)
     d = dy.float()
@@ -153,14 +162,14 @@ def _swiglu_backward_reference(h: torch.Tensor, dy: torch.Tensor) -> torch.Tenso
     return torch.cat([d * u * (sig * (1.0 + g * (1.0 - sig))), d * (g / (1.0 + torch.exp(-g)))], -1).to(h.dtype)
 
 
-def _rms_norm_train_reference(x: torch.Tensor, g32: torch.Tensor, eps: float, out_dtype: torch.dtype):
+def rms_norm_train_reference(x: torch.Tensor, g32: torch.Tensor, eps: float, out_dtype: torch.dtype):
     """(y, rstd [rows]) of rms_norm_train's definition with torch ops (float32)."""
     xf = x.float()
     rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
     return ((xf * rstd) * g32).to(out_dtype), rstd.reshape(-1)
 
 
-def _rms_norm_train_backward_reference(x, dy, g32, rstd):
+def rms_norm_train_backward_reference(x, dy, g32, rstd):
     """(dx in x's dtype, dgamma float32) of the backward kernel's definition with torch ops."""
     cols = x.shape[-1]
     xh = x.float().reshape(-1, cols) * rstd[:, None]
@@ -184,8 +193,8 @@ def rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
     if not available(x, x.shape[-1]):
         return _rms_norm_reference(x, gamma, eps)
     cols = x.shape[-1]
-    out, _ = _run_rows(_rows(x, cols, "rms_norm"), _gamma(gamma, cols, x, "rms_norm"), eps, _RMSNORM, _OUT_HP, None,
-                       "rms_norm")
+    out, _ = run_rows(kernel_rows(x, cols, "rms_norm"), _gamma(gamma, cols, x, "rms_norm"), eps, _RMSNORM, _OUT_HP,
+                      None, "rms_norm")
     return out.reshape(x.shape)
 
 
@@ -198,8 +207,8 @@ def _sms(device: torch.device) -> int:
     return _SMS[device.index]
 
 
-def _rms_norm_train_gpu(x2: torch.Tensor, g: torch.Tensor, eps: float, out_dtype: torch.dtype):
-    """(y [rows, cols] in out_dtype, rstd [rows]) by the forward kernel; x2 from _rows, g float32 and aligned."""
+def rms_norm_train_gpu(x2: torch.Tensor, g: torch.Tensor, eps: float, out_dtype: torch.dtype):
+    """(y [rows, cols] in out_dtype, rstd [rows]) by the forward kernel; x2 from kernel_rows, g float32 and aligned."""
     y = torch.empty(x2.shape, dtype=out_dtype, device=x2.device)
     rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x2.device)
     if x2.shape[0]:
@@ -207,12 +216,12 @@ def _rms_norm_train_gpu(x2: torch.Tensor, g: torch.Tensor, eps: float, out_dtype
     return y, rstd
 
 
-def _rms_norm_train_backward_gpu(x2: torch.Tensor, dy: torch.Tensor, g: torch.Tensor, rstd: torch.Tensor):
+def rms_norm_train_backward_gpu(x2: torch.Tensor, dy: torch.Tensor, g: torch.Tensor, rstd: torch.Tensor):
     """(dx [rows, cols] in x2's dtype, dgamma float32 [cols]) by the backward kernels."""
     rows, cols = x2.shape
     if rows == 0:
         return torch.zeros_like(x2), torch.zeros_like(g)
-    dy2 = _aligned(dy.reshape(rows, cols), dy.dtype)
+    dy2 = contiguous_aligned(dy.reshape(rows, cols), dy.dtype)
     dx = torch.empty_like(x2)
     blocks = min(rows, 4 * _sms(x2.device), 65535)
     partial = torch.empty(blocks, cols, dtype=torch.float32, device=x2.device)
@@ -224,9 +233,9 @@ def _rms_norm_train_backward_gpu(x2: torch.Tensor, dy: torch.Tensor, g: torch.Te
 class _RMSNormTrain(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gamma, eps, out_dtype):
-        x2 = _rows(x, x.shape[-1], "rms_norm_train")
-        g = _aligned(gamma.detach(), torch.float32)
-        y, rstd = _rms_norm_train_gpu(x2, g, eps, out_dtype)
+        x2 = kernel_rows(x, x.shape[-1], "rms_norm_train")
+        g = contiguous_aligned(gamma.detach(), torch.float32)
+        y, rstd = rms_norm_train_gpu(x2, g, eps, out_dtype)
         ctx.save_for_backward(x2, g, rstd)
         ctx.shape, ctx.gamma_dtype = x.shape, gamma.dtype
         return y.reshape(x.shape)
@@ -235,7 +244,7 @@ class _RMSNormTrain(torch.autograd.Function):
     @once_differentiable  # a second derivative raises instead of coming out silently wrong
     def backward(ctx, dy):
         x2, g, rstd = ctx.saved_tensors
-        dx, dgamma = _rms_norm_train_backward_gpu(x2, dy, g, rstd)
+        dx, dgamma = rms_norm_train_backward_gpu(x2, dy, g, rstd)
         return dx.reshape(ctx.shape), dgamma.to(ctx.gamma_dtype), None, None
 
 
@@ -272,7 +281,7 @@ def rms_norm_fp8(x: torch.Tensor, gamma: torch.Tensor, eps: float,
     if not available(x, x.shape[-1]):
         return _fp8_of(_rms_norm_reference(x, gamma, eps), scale)
     cols = x.shape[-1]
-    q, scale_inv = _run_rows(_rows(x, cols, "rms_norm_fp8"), _gamma(gamma, cols, x, "rms_norm_fp8"), eps, _RMSNORM,
+    q, scale_inv = run_rows(kernel_rows(x, cols, "rms_norm_fp8"), _gamma(gamma, cols, x, "rms_norm_fp8"), eps, _RMSNORM,
                              _OUT_FP8_ROWS if scale is None else _OUT_FP8, scale, "rms_norm_fp8")
     return q.reshape(x.shape), scale_inv
 
@@ -287,15 +296,15 @@ def _grad_wanted(*ts: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
 
 
-def _aligned(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def contiguous_aligned(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """t as a contiguous, 16-byte aligned tensor of dtype (the kernels read and write 16-byte vectors)."""
     t = t.to(dtype).contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-def _swiglu_backward_gpu(h2: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
-    """dh [rows, 2 * cols] by the backward kernel; h2 from _rows."""
-    dy2 = _aligned(dy.reshape(h2.shape[0], h2.shape[1] // 2), h2.dtype)
+def swiglu_backward_gpu(h2: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """dh [rows, 2 * cols] by the backward kernel; h2 from kernel_rows."""
+    dy2 = contiguous_aligned(dy.reshape(h2.shape[0], h2.shape[1] // 2), h2.dtype)
     dh = torch.empty_like(h2)
     _C.swiglu_backward(dl(h2), dl(dy2), dl(dh), stream_of(h2.device))
     return dh
@@ -304,8 +313,8 @@ def _swiglu_backward_gpu(h2: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h):
-        h2 = _rows(h, h.shape[-1], "swiglu", "h")
-        out, _ = _run_rows(h2, None, 0.0, _SWIGLU, _OUT_HP, None, "swiglu")
+        h2 = kernel_rows(h, h.shape[-1], "swiglu", "h")
+        out = swiglu_rows(h2)
         ctx.save_for_backward(h2)
         ctx.shape = h.shape
         return out.reshape(*h.shape[:-1], h.shape[-1] // 2)
@@ -314,7 +323,7 @@ class _SwiGLU(torch.autograd.Function):
     @once_differentiable  # a second derivative raises instead of coming out silently wrong
     def backward(ctx, dy):
         (h2,) = ctx.saved_tensors
-        return _swiglu_backward_gpu(h2, dy).reshape(ctx.shape)
+        return swiglu_backward_gpu(h2, dy).reshape(ctx.shape)
 
 
 def swiglu(h: torch.Tensor) -> torch.Tensor:
@@ -325,10 +334,10 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     if not available(h, shape[-1]) and train_available(h, shape[-1]):
         return torch.ops.fp8ext.swiglu(h)  # while torch.compile traces: the same kernels, as a torch op
     if not available(h, shape[-1]):
-        return _swiglu_reference(h)
+        return swiglu_reference(h)
     if _grad_wanted(h):
         return _SwiGLU.apply(h)
-    out, _ = _run_rows(_rows(h, h.shape[-1], "swiglu", "h"), None, 0.0, _SWIGLU, _OUT_HP, None, "swiglu")
+    out = swiglu_rows(kernel_rows(h, h.shape[-1], "swiglu", "h"))
     return out.reshape(shape)
 
 
@@ -339,8 +348,8 @@ def swiglu_fp8(h: torch.Tensor, scale: Optional[torch.Tensor] = None) -> Tuple[t
     if scale is not None:
         scale = _scale(scale, h, "swiglu_fp8")
     if not available(h, shape[-1]):
-        return _fp8_of(_swiglu_reference(h), scale)
-    q, scale_inv = _run_rows(_rows(h, h.shape[-1], "swiglu_fp8", "h"), None, 0.0, _SWIGLU,
+        return _fp8_of(swiglu_reference(h), scale)
+    q, scale_inv = run_rows(kernel_rows(h, h.shape[-1], "swiglu_fp8", "h"), None, 0.0, _SWIGLU,
                              _OUT_FP8_ROWS if scale is None else _OUT_FP8, scale, "swiglu_fp8")
     return q.reshape(shape), scale_inv
 
@@ -383,7 +392,7 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: i
 def _rope_qkv_gpu(qkv, cos, sin, n_heads, n_kv, start_pos):
     b, s, width = qkv.shape
     hd = width // (n_heads + 2 * n_kv)
-    x = _aligned(qkv, qkv.dtype)
+    x = contiguous_aligned(qkv, qkv.dtype)
     q = torch.empty(b, n_heads, s, hd, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(b, n_kv, s, hd, dtype=qkv.dtype, device=qkv.device)
     v = torch.empty(b, n_kv, s, hd, dtype=qkv.dtype, device=qkv.device)
@@ -407,7 +416,7 @@ class _RopeQKV(torch.autograd.Function):
         hd = width // (n_heads + 2 * n_kv)
         grads = []
         for g, heads in ((dq, n_heads), (dk, n_kv), (dv, n_kv)):
-            grads.append(cos.new_zeros(b, heads, s, hd, dtype=dtype) if g is None else _aligned(g, dtype))
+            grads.append(cos.new_zeros(b, heads, s, hd, dtype=dtype) if g is None else contiguous_aligned(g, dtype))
         dqkv = torch.empty(b, s, width, dtype=dtype, device=cos.device)
         _C.rope_qkv(dl(dqkv), dl(cos.contiguous()), dl(sin.contiguous()), *(dl(g) for g in grads), n_heads, n_kv,
                     start_pos, stream_of(cos.device), True)

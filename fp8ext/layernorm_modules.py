@@ -93,7 +93,7 @@ class _TENamedParameters(nn.Module):
         if self.return_layernorm_output or torch.compiler.is_compiling() or not isinstance(norm, RMSNorm) \
                 or not isinstance(inp, torch.Tensor) or len(norm.normalized_shape) != 1 or has_hooks(norm):
             return None
-        return norm._gamma(torch.float32)
+        return norm.gamma(torch.float32)
 
 
 class LayerNormLinear(_TENamedParameters):

@@ -54,7 +54,9 @@ import torch
 from . import _C
 from ._boundary import check_device, dl, dl_fp8, refuse_broadcast, stream_of
 from .formats import E2M1, E2M3, E3M2, E4M3, E5M2, E8M0
-from .ops import _fp8_empty, _to_dl, dequantize, quantize
+from .ops import dequantize, fp8_empty, quantize
+
+_to_dl = torch._C._to_dlpack  # fp8ext's own freshly allocated outputs: plain dtypes
 
 __all__ = ["quantize_mx", "dequantize_mx", "quantize_nvfp4", "dequantize_nvfp4", "MX_ELEMENT_FORMATS"]
 
@@ -167,7 +169,7 @@ def quantize_mx(x: torch.Tensor, elem=E4M3, block: int = 32, scale_rule: str = "
 
 def _quantize_mx_kernel(x: torch.Tensor, f, rceil: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     fp8 = f in (E4M3, E5M2)
-    elements = _fp8_empty(x.shape, f, x.device) if fp8 else torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    elements = fp8_empty(x.shape, f, x.device) if fp8 else torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     scales = torch.empty((*x.shape[:-1], x.shape[-1] // 32), dtype=torch.uint8, device=x.device)
     _C.quantize_mx(dl(x), dl_fp8(elements) if fp8 else _to_dl(elements), _to_dl(scales), f.code, rceil,
                    stream=stream_of(x.device))
@@ -238,7 +240,7 @@ def quantize_nvfp4(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.T
 
 def _quantize_nvfp4_kernel(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     elements = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
-    block_scales = _fp8_empty((*x.shape[:-1], x.shape[-1] // 16), E4M3, x.device)
+    block_scales = fp8_empty((*x.shape[:-1], x.shape[-1] // 16), E4M3, x.device)
     tensor_scale = torch.empty((), dtype=torch.float32, device=x.device)
     amax = torch.empty((), dtype=torch.float32, device=x.device)  # workspace, zeroed by the launcher
     _C.quantize_nvfp4(dl(x), _to_dl(elements), dl_fp8(block_scales), _to_dl(tensor_scale), _to_dl(amax),

@@ -115,7 +115,7 @@ class _Normalization(nn.Module):
                              f"{self.normalized_shape}")
         return torch.float64 if x.dtype == torch.float64 else torch.float32
 
-    def _gamma(self, dtype: torch.dtype) -> torch.Tensor:
+    def gamma(self, dtype: torch.dtype) -> torch.Tensor:
         """The scale applied after normalising: weight, or 1 + weight with zero_centered_gamma (added in
         `dtype`, so that a bfloat16 weight near 0 keeps its precision)."""
         w = self.weight.to(dtype)
@@ -153,8 +153,8 @@ class RMSNorm(_Normalization):
         if self._fused_ok(x):  # inference on a GPU: one pass (fp8ext.fused.rms_norm), same definition
             return _fused.rms_norm(x, self.fused_gamma(), self.eps)
         if self._fused_train_ok(x):  # training on a GPU: one kernel each way, the output in the autocast dtype
-            return _fused.rms_norm_train(x, self._gamma(torch.float32), self.eps, activation_dtype(x))
-        return F.rms_norm(x.to(ct), self.normalized_shape, self._gamma(ct), self.eps).to(activation_dtype(x))
+            return _fused.rms_norm_train(x, self.gamma(torch.float32), self.eps, activation_dtype(x))
+        return F.rms_norm(x.to(ct), self.normalized_shape, self.gamma(ct), self.eps).to(activation_dtype(x))
 
     def _fused_train_ok(self, x: torch.Tensor) -> bool:
         """Whether a forward with gradients can run fp8ext's training kernels (fp8ext.fused.rms_norm_train):
@@ -177,12 +177,12 @@ class RMSNorm(_Normalization):
         vk = _fused.version_key(w)
         if vk is None:  # an inference tensor: no version counter to key a cache on
             with torch.no_grad():
-                return self._gamma(torch.float32).detach().contiguous()
+                return self.gamma(torch.float32).detach().contiguous()
         key = (vk, w.device, w.dtype, self.zero_centered_gamma)
         cached = self.__dict__.get("_fused_gamma")
         if cached is None or cached[0] != key:
             with torch.no_grad():
-                cached = self.__dict__["_fused_gamma"] = (key, self._gamma(torch.float32).detach().contiguous())
+                cached = self.__dict__["_fused_gamma"] = (key, self.gamma(torch.float32).detach().contiguous())
         return cached[1]
 
 
@@ -205,5 +205,5 @@ class LayerNorm(_Normalization):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ct = self._compute_dtype(x)
-        return F.layer_norm(x.to(ct), self.normalized_shape, self._gamma(ct), self.bias.to(ct),
+        return F.layer_norm(x.to(ct), self.normalized_shape, self.gamma(ct), self.bias.to(ct),
                             self.eps).to(activation_dtype(x))

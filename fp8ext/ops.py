@@ -123,7 +123,7 @@ def quantize_eager(x: Any, f: FP8Format, scale: Any, saturate: bool, stochastic:
     shape, device = describe(x, "quantize")
     if debug.enabled():
         _debug_check("quantize", x, scale, "scale")
-    out = _fp8_empty(shape, f, device) if out is None else _check_out(out, shape, device, f.torch_dtype, "quantize")
+    out = fp8_empty(shape, f, device) if out is None else _check_out(out, shape, device, f.torch_dtype, "quantize")
     _C.quantize(dl(x), dl_fp8(out), f.code, scale_arg(scale, "quantize"),
                 amax_out=dl_opt(amax_out, "quantize", "amax_out"), saturate=saturate, stochastic=stochastic,
                 seed=seed, stream=stream_of(device), scale_inv_out=dl_opt(scale_inv_out, "quantize", "scale_inv_out"))
@@ -211,8 +211,8 @@ def cast_transpose_eager(x: Any, f: FP8Format, scale: Any, saturate: bool, amax_
     if debug.enabled():
         _debug_check("cast_transpose", x, scale, "scale")
     if out is None:
-        q = _fp8_empty(shape, f, device)
-        qt = _fp8_empty((shape[1], shape[0]), f, device)
+        q = fp8_empty(shape, f, device)
+        qt = fp8_empty((shape[1], shape[0]), f, device)
     else:
         q = _check_out(out[0], shape, device, f.torch_dtype, "cast_transpose", "out[0]")
         qt = _check_out(out[1], (shape[1], shape[0]), device, f.torch_dtype, "cast_transpose", "out[1]")
@@ -264,7 +264,7 @@ def cast_transpose_dbias_eager(x: Any, f: FP8Format, scale: Any, saturate: bool,
         _debug_check(fn, x, scale, "scale")
     rows, cols = shape
     if out is None:
-        q, qt = _fp8_empty(shape, f, device), _fp8_empty((cols, rows), f, device)
+        q, qt = fp8_empty(shape, f, device), fp8_empty((cols, rows), f, device)
         db = torch.empty((cols,), dtype=dtype, device=device)
     else:
         q = _check_out(out[0], shape, device, f.torch_dtype, fn, "out[0]")
@@ -295,7 +295,7 @@ def _debug_check(fn: str, x: Any, scale: Any, arg: str) -> None:
     debug.check_scale(scale, fn, arg)
 
 
-def _fp8_empty(shape, f: FP8Format, device) -> torch.Tensor:
+def fp8_empty(shape, f: FP8Format, device) -> torch.Tensor:
     """An uninitialised FP8 tensor: allocated in its float8 dtype where torch exports float8 over DLPack (no view
     needed to hand it to C), else as uint8 viewed as float8."""
     if FP8_DLPACK:

@@ -220,6 +220,39 @@ class FP8ScalingManager:
                                self._own_capsules())
             self.dirty = False
 
+    def gated_update(self, flag: torch.Tensor, group=None) -> None:
+        """update(group), kept only where the 0-d bool `flag` (on the manager's device) is set: what a CUDA graph
+        captures, so that each replay updates or not as the host sets the flag (fp8ext/_graph_state.py)."""
+        bufs = (self.amax_history, self.scale, self.scale_inv)
+        with torch.no_grad():
+            previous = [b.clone() for b in bufs]
+            self.update(group)
+            for b, p in zip(bufs, previous):
+                b.copy_(torch.where(flag, b, p))
+
+    def snapshot(self):
+        """The state restore() writes back: (live names, copies of the histories, scales and scale_invs, steps,
+        dirty). Graph capture saves it before its warm-up."""
+        names = set(self.names)
+        with torch.no_grad():
+            tensors = [t.clone() for t in (self.amax_history, self.scale, self.scale_inv)]
+        return names, tensors, self.steps, self.dirty
+
+    def restore(self, snapshot) -> None:
+        """Writes a snapshot() back into the same buffers; slots registered since it was taken get a fresh slot's
+        state (scale 1, an empty history), as an eager first step registers them."""
+        names, tensors, steps, dirty = snapshot
+        with torch.no_grad():
+            for buf, saved in zip((self.amax_history, self.scale, self.scale_inv), tensors):
+                buf[: saved.shape[0]].copy_(saved)
+            for name in self.names:
+                if name not in names:
+                    slot = self.slot(name)
+                    self.amax_history[slot].zero_()
+                    self.scale[slot] = 1.0
+                    self.scale_inv[slot] = 1.0
+        self.steps, self.dirty = steps, dirty
+
     def discard_recorded(self) -> None:
         """Forgets every amax recorded since the last update (this step's history entries go back to 0, as the
         update left them): fp8_autocast calls it when a step raises, so a failed step leaves no trace. No host

@@ -575,9 +575,9 @@ def test_compiled_training_runs_the_fused_kernels_with_eager_bytes(monkeypatch):
     """Under torch.compile (fullgraph) fp8ext.RMSNorm and fused.swiglu run the same kernels as in eager mode, as
     torch ops: forward outputs and every gradient equal the eager ones byte for byte."""
     calls = []
-    run_rows, bwd = fused._run_rows, fused._rms_norm_train_backward_gpu
-    monkeypatch.setattr(fused, "_run_rows", lambda *a: calls.append("swiglu") or run_rows(*a))
-    monkeypatch.setattr(fused, "_rms_norm_train_backward_gpu", lambda *a: calls.append("rms_bwd") or bwd(*a))
+    run_rows, bwd = fused.run_rows, fused.rms_norm_train_backward_gpu
+    monkeypatch.setattr(fused, "run_rows", lambda *a: calls.append("swiglu") or run_rows(*a))
+    monkeypatch.setattr(fused, "rms_norm_train_backward_gpu", lambda *a: calls.append("rms_bwd") or bwd(*a))
     torch.manual_seed(0)
     norm = fp8ext.RMSNorm(256, eps=1e-6, params_dtype=torch.bfloat16).cuda()
     with torch.no_grad():

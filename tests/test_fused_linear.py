@@ -32,14 +32,14 @@ class _ReferenceRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gamma):
         x2 = x.reshape(-1, x.shape[-1])
-        y, rstd = fused._rms_norm_train_reference(x2, gamma, EPS, x.dtype)
+        y, rstd = fused.rms_norm_train_reference(x2, gamma, EPS, x.dtype)
         ctx.save_for_backward(x2, gamma, rstd)
         return y.reshape(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
         x2, gamma, rstd = ctx.saved_tensors
-        dx, dgamma = fused._rms_norm_train_backward_reference(x2, dy, gamma, rstd)
+        dx, dgamma = fused.rms_norm_train_backward_reference(x2, dy, gamma, rstd)
         return dx.reshape(dy.shape), dgamma
 
 
@@ -47,12 +47,12 @@ class _ReferenceSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h):
         ctx.save_for_backward(h)
-        return fused._swiglu_reference(h)
+        return fused.swiglu_reference(h)
 
     @staticmethod
     def backward(ctx, dy):
         (h,) = ctx.saved_tensors
-        return fused._swiglu_backward_reference(h, dy)
+        return fused.swiglu_backward_reference(h, dy)
 
 
 def _separate(op, x, gamma, lin):
@@ -264,12 +264,12 @@ def test_fused_cast_kernel_is_the_steps_kernel_then_the_cast(op, dtype, rows, co
         fmt, dy = fp8ext.E5M2, (torch.randn(rows, cols // 2, device="cuda") * 3).to(dtype)
     q, qt, amax, sinv, rstd = _fused_cast(op, x2, g, scale, dy, fmt)
     if op == FL.RMSNORM:
-        y, rstd_ref = fused._rms_norm_train_gpu(x2, g, EPS, dtype)
+        y, rstd_ref = fused.rms_norm_train_gpu(x2, g, EPS, dtype)
         assert torch.equal(rstd, rstd_ref)
     elif op == FL.SWIGLU:
         y = fused.swiglu(x2)
     else:
-        y = fused._swiglu_backward_gpu(x2, dy)
+        y = fused.swiglu_backward_gpu(x2, dy)
     amax_ref = torch.zeros(1, device="cuda")
     q_ref, qt_ref = fp8ext.cast_transpose(y, fmt, scale.reshape(()), amax_out=amax_ref)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))

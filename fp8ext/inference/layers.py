@@ -24,7 +24,7 @@ from ..formats import E4M3
 from ..mx import refuse_non_finite
 from ..normalization import RMSNorm
 from ..ops import quantize, quantize_blockwise, quantize_rowwise, scale_from_amax, amax as _amax
-from .._gemm import gemm
+from .._gemm import epilogue_bias_dtype, gemm
 
 __all__ = ["FP8InferenceLinear", "FP8Activation", "FP8InputRMSNorm", "WEIGHT_SCHEMES", "ACTIVATION_SCHEMES"]
 
@@ -85,8 +85,7 @@ class FP8InferenceLinear(nn.Module):
         self.register_buffer("weight_scale", torch.ones(shape, dtype=torch.float32, device=device))
         self.register_buffer("input_scale", torch.ones(1, dtype=torch.float32, device=device)
                              if activations == "static" else None)
-        # cuBLASLt's bias epilogue takes float16 with a float16 output and bfloat16 otherwise
-        self.bias_dtype = torch.float16 if out_dtype == torch.float16 else torch.bfloat16
+        self.bias_dtype = epilogue_bias_dtype(out_dtype)  # what cuBLASLt's bias epilogue takes
         self.register_buffer("bias", torch.zeros(out_features, dtype=self.bias_dtype, device=device) if bias else None)
 
     @classmethod
