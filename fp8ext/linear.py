@@ -35,7 +35,6 @@ from torch import nn
 from . import _C, debug
 from ._boundary import stream_of
 from ._gemm import bias_epilogue
-from ._gemm import gemm_fp8 as _gemm  # noqa: F401  (tests replace it to see that a path runs no GEMM)
 from .context import activation_dtype, current_context, get_scaling_manager
 from .linear_autograd import COMPOSED, HIGH_PRECISION, ONE_CALL, LinearFunction, LinearPlan
 from .profiling import profiled
