@@ -4,7 +4,7 @@ activations with the cast of the next GEMM's input; and, in LayerNormMLP's backw
 of fc1's output gradient (TE's dswiglu + cast_transpose).
 
     forward   RMSNorm: rstd of every row (rms_norm_fwd without its output), then x8, x8^T = cast_transpose(RMSNorm(x)),
-              the norm computed inside the cast (csrc/fp8ext.h's prologues): the high-precision output is never
+              the norm computed inside the cast (csrc/cast.h's prologues): the high-precision output is never
               written or read back. SwiGLU: h8, h8^T = cast_transpose(silu(gate) * up), likewise.
               Then the layer's GEMM, as FP8Linear's.
     backward  the layer's dgrad and wgrad GEMMs, as FP8Linear's, then the step's own backward kernel (rms_norm_bwd:
@@ -43,7 +43,7 @@ from .profiling import profiled
 from .recipe import DelayedScaling
 from .tensor import FP8Tensor, Quantizer
 
-RMSNORM, SWIGLU, DSWIGLU = 1, 2, 3  # csrc/fp8ext.h's FP8EXT_PROLOGUE_RMSNORM, _SWIGLU, _DSWIGLU
+RMSNORM, SWIGLU, DSWIGLU = 1, 2, 3  # csrc/cast.h's FP8EXT_PROLOGUE_RMSNORM, _SWIGLU, _DSWIGLU
 ENABLED = True  # False: the layer-norm modules run their steps separately (for comparisons and debugging)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

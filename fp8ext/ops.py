@@ -233,7 +233,7 @@ def cast_transpose_dbias(x: Any, fmt: Any = E4M3, scale: Scale = 1.0, amax_out: 
     and dbias [N] = dy summed over its M rows, the bias gradient of y = x W^T + b.
 
     dbias is accumulated in float32 and rounded once to dy's dtype, which is what TE returns (bfloat16 for a
-    bfloat16 dy); dy itself is summed, not dy * scale. The additions go in a fixed order (csrc/fp8ext.h: per
+    bfloat16 dy); dy itself is summed, not dy * scale. The additions go in a fixed order (csrc/cast.h: per
     64-row tile, then over tiles), the same on the CPU and on a GPU, so both give the same bits (except a NaN
     result's payload and sign). M == 0 gives zeros. out: a preallocated (q [M, N], q_t [N, M], dbias [N]) written
     in place and returned; dbias may be dy's dtype or float32 (the float32 sum before rounding).

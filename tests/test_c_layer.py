@@ -236,7 +236,7 @@ def test_gemm_still_refuses_empty_k_and_n(device, k, n):
 # ---- delayed scaling with negative history entries --------------------------------------------------
 
 def reference_scale_update(hist, scale, fmt_max, algo, margin, backoff):
-    """fp8ext.h's rule in float64: the max of the finite, positive entries (0 if none); entry 0 non-finite ->
+    """csrc/scaling.h's rule in float64: the max of the finite, positive entries (0 if none); entry 0 non-finite ->
     backoff; negative entries count as 0. Returns float32 (scale, scale_inv) as the C code rounds them."""
     new = []
     for row, old, fmax in zip(hist.tolist(), scale.tolist(), fmt_max.tolist()):

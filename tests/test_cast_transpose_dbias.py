@@ -1,6 +1,6 @@
 """cast_transpose_dbias: cast_transpose's bytes, amax and scale_inv, plus dbias = dy summed over rows.
 
-dbias is summed in float32 in the fixed order that csrc/fp8ext.h documents (per 64-row tile: 16 row groups of
+dbias is summed in float32 in the fixed order that csrc/cast.h documents (per 64-row tile: 16 row groups of
 4 rows, then the groups, then the tiles in order) and rounded once to dy's dtype, so every device must give the
 bits of `ordered_sum` below, which redoes that order with torch float32 additions on the CPU; it is also held
 to float64 within the error bound of that order. GPU instances (DEVICES) run where CUDA is present.
@@ -27,7 +27,7 @@ def data(shape, dtype, device="cpu", seed=0, scale=30.0):
 
 
 def ordered_sum(x: torch.Tensor) -> torch.Tensor:
-    """dbias before its final rounding, in float32, in fp8ext.h's order (each `+` one float32 rounding)."""
+    """dbias before its final rounding, in float32, in csrc/cast.h's order (each `+` one float32 rounding)."""
     xf = x.cpu().float()
     rows, cols = xf.shape
     total = torch.zeros(cols)
@@ -108,7 +108,7 @@ def test_float32_dbias_buffer_holds_the_sum_before_rounding(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_workspace_holds_each_tiles_column_sums(device):
-    """The C API's contract (fp8ext.h): workspace[t] is tile t's column sums, on every device."""
+    """The C API's contract (csrc/cast.h): workspace[t] is tile t's column sums, on every device."""
     x = data((150, 24), torch.float16, device, seed=4)
     ws = torch.full(_C.cast_transpose_dbias_workspace(150, 24), float("nan"), device=device)
     assert ws.shape == (3, 24)
