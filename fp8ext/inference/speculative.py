@@ -229,9 +229,10 @@ def _round(models, caches, ids: torch.Tensor, pending, *, k: int, temperature: f
 def speculative_generate(model, draft, prompt: torch.Tensor, max_new_tokens: int, *, speculate: int = 4,
                          kv_cache: str = "fp8", kv_scales: str = "auto", temperature: float = 0.0, seed: int = 0,
                          cuda_graph: Optional[bool] = None) -> Tuple[torch.Tensor, dict]:
-    """generate(model, prompt, max_new_tokens, draft=draft, speculate=k, ...) (see the module docstring): both
-    models prefill the prompt into their own KV cache (kv_cache's dtype, kv_scales as in generate), then rounds
-    of `speculate` draft tokens (fewer at the end) give max_new_tokens tokens. stats: those of generate (the
+    """generate(model, prompt, max_new_tokens, draft=draft, speculate=k, ...), which checks the model and the
+    prompt first (see the module docstring): both models prefill the prompt into their own KV cache (kv_cache's
+    dtype, kv_scales as in generate), then rounds of `speculate` draft tokens (fewer at the end) give
+    max_new_tokens tokens. stats: those of generate (the
     target's cache bytes; decode tokens/s counts max_new_tokens - 1 per sequence, as generate does), and
     draft_cache_bytes, speculate, rounds, proposed (draft tokens, over the batch), accepted (those kept),
     acceptance_rate (accepted / proposed) and acceptance_rate_per_sequence (what each sequence accepted before the
