@@ -5,6 +5,7 @@
     python -m fp8ext.inference eval --model runs/x-fp8 [--data FILE_OR_DIR]   # bf16 and FP8 perplexity side by side
     python -m fp8ext.inference eval --model runs/x-fp8 --kv_cache            # + decoding through bf16 / FP8 caches
     python -m fp8ext.inference generate --model runs/x-fp8 --prompt "def " --kv_cache fp8
+    python -m fp8ext.inference generate --model runs/x-fp8 --prompt "def " --draft mxfp4 --speculate 4
     python -m fp8ext.inference quantize --model path/to/hf-llama --out llama-fp8 --activations static
     python -m fp8ext.inference eval --model llama-fp8 [--kv_cache]          # against the source it names
 
@@ -12,7 +13,9 @@ quantize reads a training checkpoint (a run directory or checkpoint.pt), calibra
 weights and writes a compressed-tensors checkpoint; it runs on a CPU. eval loads the FP8 checkpoint and the
 training checkpoint it came from and prints both models' loss and perplexity on the same held-out batches;
 with --kv_cache also the FP8 model's, reading the same text one token per step through a bf16 KV cache and an
-FP8 one (its calibrated K/V scales, or scales from a one-token prefill when the checkpoint has none).
+FP8 one (its calibrated K/V scales, or scales from a one-token prefill when the checkpoint has none). generate
+--draft FMT decodes speculatively: a copy of the model with FMT weights (make_draft) proposes --speculate tokens per
+round, the model checks them in one forward (the same greedy output), and the acceptance rate is printed.
 
 quantize --model takes a local Hugging Face transformers causal LM directory (Llama, Mistral, Qwen2, ...; nothing
 is downloaded) instead: the text is tokenized with the directory's tokenizer (or read as bytes when it has none and
@@ -34,9 +37,11 @@ import torch
 from ..models.transformer import Transformer, TransformerConfig, preset
 from ..train.checkpoint import CheckpointError, read
 from ..train.data import batch, load_corpus
+from ..weight_only import WEIGHT_ONLY_FORMATS
 from . import calibrate, decode_loss, load_quantized, model_kv_scales, quantize_model, save_quantized
 from ._hf_cli import HF_SEQ_LEN, HFModelError, eval_hf as _eval_hf, is_hf_dir, quantize_hf as _quantize_hf
 from .layers import ACTIVATION_SCHEMES, WEIGHT_SCHEMES
+from .speculative import make_draft
 
 
 def _training_model(checkpoint: str, device, option: str) -> tuple:
@@ -113,24 +118,42 @@ def _eval(args) -> None:
         print(f"  FP8 KV cache ({scales} scales) vs bf16 KV cache, same FP8 model: perplexity {math.exp(d) - 1:+.2%}")
 
 
+def _check_generate_options(args, device: torch.device) -> None:
+    """Option combinations generate cannot run, refused with the options named (before the model is loaded)."""
+    fail = "python -m fp8ext.inference generate: "
+    if args.cuda_graph == "on" and (device.type != "cuda" or args.kv_cache != "fp8" or args.draft):
+        raise SystemExit(f"{fail}--cuda_graph on needs --kv_cache fp8 on a GPU and no --draft, got --kv_cache "
+                         f"{args.kv_cache} on {device}" + (f" with --draft {args.draft}" if args.draft else ""))
+    if args.speculate is not None and (args.draft is None or args.speculate < 1):
+        raise SystemExit(f"{fail}--speculate (draft tokens per round, >= 1) goes with --draft, got --speculate "
+                         f"{args.speculate} and --draft {args.draft}")
+    if args.draft and args.kv_cache == "none":
+        raise SystemExit(f"{fail}--draft needs a KV cache to roll back (--kv_cache fp8 or bf16), got --kv_cache none")
+
+
 @torch.no_grad()
 def _generate(args) -> None:
     from .generate import generate
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if args.cuda_graph == "on" and (device.type != "cuda" or args.kv_cache != "fp8"):
-        raise SystemExit(f"python -m fp8ext.inference generate: --cuda_graph on needs --kv_cache fp8 on a GPU, got "
-                         f"--kv_cache {args.kv_cache} on {device}")
+    _check_generate_options(args, device)
     model = load_quantized(args.model, lambda c: Transformer(TransformerConfig(**c)), device=device).to(device)
     prompt = torch.tensor([list(args.prompt.encode("utf-8"))], dtype=torch.long, device=device)
+    draft = make_draft(model, args.draft) if args.draft else None
     ids, stats = generate(model, prompt, args.max_new_tokens, kv_cache=None if args.kv_cache == "none" else
                           args.kv_cache, temperature=args.temperature, seed=args.seed,
-                          cuda_graph={"auto": None, "on": True, "off": False}[args.cuda_graph])
+                          cuda_graph={"auto": None, "on": True, "off": False}[args.cuda_graph], draft=draft,
+                          speculate=args.speculate)
     print(bytes(ids[0].tolist()).decode("utf-8", errors="replace"))
     dec = stats["decode_tokens_per_s"]
     print(f"--\nprefill {stats['prefill_tokens_per_s']:,.0f} tokens/s, decode "
           f"{'n/a' if dec is None else f'{dec:,.1f}'} tokens/s, KV cache {args.kv_cache}: "
           f"{stats['cache_bytes'] / 2**20:.2f} MiB" + (f", {stats['kv_scales']} scales" if stats["kv_scales"] else "")
           + f" ({device}{', decode steps as a CUDA graph' if stats['cuda_graph'] else ''})")
+    if draft is not None:
+        rate = stats["acceptance_rate"]
+        print(f"speculative decoding: {args.draft} draft, {stats['speculate']} tokens per round, acceptance rate "
+              f"{'n/a' if rate is None else f'{rate:.1%}'} ({stats['accepted']} of {stats['proposed']} draft tokens "
+              f"kept, {stats['rounds']} rounds)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -161,6 +184,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--cuda_graph", choices=["auto", "on", "off"], default="auto",
                    help="decode steps as one CUDA graph replayed per token (auto: with an FP8 cache on a GPU)")
+    g.add_argument("--draft", choices=WEIGHT_ONLY_FORMATS, default=None,
+                   help="speculative decoding with a copy of the model whose blocks' weights are in this format")
+    g.add_argument("--speculate", type=int, default=None, help="draft tokens per round with --draft (default 4)")
     g.add_argument("--device", default=None)
     for s in (q, e):
         s.add_argument("--data", default=None, help="text file or directory (default: the training run's data)")

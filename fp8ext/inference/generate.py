@@ -1,5 +1,6 @@
-"""Greedy or sampled generation with fp8ext's transformer and a KV cache (bf16 or FP8), with timings; and the
-loss of a teacher-forced decode through a KV cache (what the cache costs in perplexity)."""
+"""Greedy or sampled generation with fp8ext's transformer and a KV cache (bf16 or FP8), with timings (with a draft
+model, speculative decoding: fp8ext/inference/speculative.py); and the loss of a teacher-forced decode through a KV
+cache (what the cache costs in perplexity)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from .. import _C
 from .hf import is_transformers_model
 from .kv_cache import KVCache
+from .speculative import speculative_generate
 
 __all__ = ["generate", "decode_loss"]
 
@@ -84,7 +86,8 @@ def _check_model(model, fn: str) -> None:
 @torch.no_grad()
 def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, kv_cache: Optional[str] = "fp8",
              kv_scales: str = "auto", temperature: float = 0.0, seed: int = 0,
-             cuda_graph: Optional[bool] = None) -> Tuple[torch.Tensor, dict]:
+             cuda_graph: Optional[bool] = None, draft=None,
+             speculate: Optional[int] = None) -> Tuple[torch.Tensor, dict]:
     """(ids [batch, prompt + new], stats): prefill the prompt once, then one token per step (greedy when
     temperature == 0). kv_cache: "fp8", "bf16", or None (no cache: the whole sequence recomputed every step,
     the reference the cached paths are tested against). kv_scales, for an FP8 cache: "auto" (the model's
@@ -94,10 +97,21 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, kv_cache: Opti
     cache's attention has shapes that grow with the context; it runs eagerly); True where impossible raises.
     stats: prefill and decode tokens/s (the graph's warm-up and capture counted in the decode time), cache
     bytes, kv_scales (where the FP8 cache's scales came from: "calibrated" or "prefill"; None without an FP8
-    cache) and cuda_graph (whether decode steps ran as a graph)."""
+    cache) and cuda_graph (whether decode steps ran as a graph).
+
+    draft: speculative decoding (fp8ext.inference.speculative): the draft model (make_draft(model, "mxfp4"), or
+    any fp8ext Transformer with the same vocabulary) proposes `speculate` tokens per round (default 4), the model
+    checks them in one forward; greedy output is the model's own, sampling keeps its distribution. stats then also
+    hold the acceptance rate (see speculative_generate)."""
     _check_model(model, "generate")
     if prompt.dim() != 2 or prompt.shape[1] == 0:
         raise ValueError(f"generate: prompt must be [batch, length > 0] token ids, got shape {list(prompt.shape)}")
+    if draft is not None or speculate is not None:
+        if draft is None:
+            raise ValueError(f"generate: speculate={speculate!r} needs a draft model (draft=make_draft(model))")
+        return speculative_generate(model, draft, prompt, max_new_tokens, speculate=4 if speculate is None else
+                                    speculate, kv_cache=kv_cache, kv_scales=kv_scales, temperature=temperature,
+                                    seed=seed, cuda_graph=cuda_graph)
     device = prompt.device
     b, n = prompt.shape
     total = n + max_new_tokens

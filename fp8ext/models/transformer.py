@@ -156,6 +156,12 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def _continuation_mask(s: int, length: int, device) -> torch.Tensor:
+    """[s, length] bool, True where attention may look: the s queries sit at positions length - s .. length - 1
+    and each sees the cached positions and itself."""
+    return torch.ones(s, length, dtype=torch.bool, device=device).tril(diagonal=length - s)
+
+
 def _init_out(std: float):
     return lambda w: nn.init.normal_(w, std=std)
 
@@ -207,9 +213,6 @@ class GroupedQueryAttention(nn.Module):
         if self.kv_observer is not None:
             self.kv_observer(k, v)
         if kv_cache is not None:  # generation: store this step's K/V, attend over everything cached
-            if s > 1 and start_pos > 0:
-                raise NotImplementedError("Transformer: a prompt continued in chunks (s > 1 after position 0) "
-                                          "is not supported with a KV cache; prefill once, then decode")
             if s == 1 and kv_cache.dtype == "fp8":
                 # decode step over an FP8 cache: attention reads the E4M3 bytes with the per-head scales (a CUDA
                 # kernel on a GPU, no dequantized copy of the cache; a float32 reference elsewhere)
@@ -219,13 +222,17 @@ class GroupedQueryAttention(nn.Module):
                 return self.o_proj(y.reshape(b, 1, h * hd), **mb)
             k, v = kv_cache.update(self.layer_idx, k, v, start_pos)
             pick = s == 1 and _DECODE_SDPA is not None and not _capturing()
+            # several positions after cached ones (speculative decoding's verification): SDPA's is_causal aligns
+            # its mask at the top left, right only for queries that start at position 0
+            mask = _continuation_mask(s, k.shape[2], q.device) if s > 1 and start_pos > 0 else None
+            causal = s > 1 and mask is None
             with _DECODE_SDPA() if pick else contextlib.nullcontext():
                 if kv != h and _SDPA_GQA:  # the cache's K/V heads are read in place, not repeated
-                    y = F.scaled_dot_product_attention(q, k, v, is_causal=s > 1, enable_gqa=True)
+                    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
                 else:
                     if kv != h:
                         k, v = k.repeat_interleave(h // kv, dim=1), v.repeat_interleave(h // kv, dim=1)
-                    y = F.scaled_dot_product_attention(q, k, v, is_causal=s > 1)
+                    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
             return self.o_proj(y.transpose(1, 2).reshape(b, s, h * hd), **mb)
         if kv != h and _SDPA_GQA and (no_grad or fused.TRAINING and fused.available(q)):  # K/V heads read in place
             y = F.scaled_dot_product_attention(q, k, v, is_causal=s > 1, enable_gqa=True)

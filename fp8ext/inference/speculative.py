@@ -1,0 +1,266 @@
+"""Speculative decoding with a low-precision draft of the same model: make_draft, and the decode loop that
+fp8ext.inference.generate runs when it is given a draft. Not here: the prefill-only and plain decoding paths
+(generate.py), the KV cache (kv_cache.py), the weight-only layers (fp8ext/weight_only.py).
+
+A round: the draft proposes k tokens, one forward each over its own KV cache; the target scores the k tokens (and
+the last accepted token before them) in one forward over its KV cache; the longest prefix of the proposal the
+target accepts is kept, followed by one token of the target's own (the correction at the first rejection, or a
+bonus token when all k are accepted); both caches forget the positions after what was kept (KVCache.truncate).
+
+- Greedy (temperature 0): a draft token is accepted when it is the target's argmax, so the output is the target's
+  greedy output (up to floating-point ties: the verification computes k + 1 positions in one forward, whose
+  logits may differ from one-token steps in the last bits).
+- temperature > 0: speculative sampling (Leviathan et al. 2023, Chen et al. 2023): draft token x, drawn from the
+  draft's q, is accepted with probability min(1, p(x) / q(x)); at the first rejection the token is drawn from
+  norm(max(0, p - q)); each emitted token is then distributed as the target's p given the tokens before it.
+
+A batch shares one cache length (KVCache keeps one length per layer, not per sequence), so a round keeps the
+smallest accepted count j over the batch: every sequence keeps its first j draft tokens, then at position j a
+sequence that accepted more keeps its (accepted) draft token, the others their correction or bonus token. Each
+sequence's tokens stay distributed as the target's: a round stops at a position chosen from the past (and from
+other sequences' independent draws), and the next round draws that position's successor from p again.
+
+The rounds run eagerly: no CUDA graph (the verification has k + 1 positions, the draft's catch-up one or two).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import time
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..linear import FP8Linear
+from ..weight_only import WEIGHT_ONLY_FORMATS, WeightOnlyLinear
+from .hf import is_transformers_model
+from .kv_cache import KVCache
+from .layers import FP8InferenceLinear
+
+__all__ = ["make_draft", "accept_sampled", "residual", "next_tokens", "speculative_generate"]
+
+_LINEARS = (nn.Linear, FP8Linear, FP8InferenceLinear)
+
+
+class _DraftLinear(WeightOnlyLinear):
+    """A WeightOnlyLinear that takes the transformer's is_first_microbatch keyword (and ignores it), as
+    FP8InferenceLinear does, so it stands in for the blocks' fp8ext.Linear layers."""
+
+    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        return super().forward(x)
+
+
+def _fp8_inference_weight(layer: FP8InferenceLinear) -> torch.Tensor:
+    """The float32 weight an FP8InferenceLinear stands for: E4M3 bytes times its dequantizing weight_scale (one,
+    per output row [out, 1], or per 128 x 128 block)."""
+    scale = layer.weight_scale
+    if layer.weights == "block128":
+        scale = scale.repeat_interleave(128, 0)[:layer.out_features].repeat_interleave(128, 1)[:, :layer.in_features]
+    return layer.weight.float() * scale
+
+
+def _weight_only(layer: nn.Module, fmt: str, name: str) -> WeightOnlyLinear:
+    src = layer
+    if isinstance(layer, FP8InferenceLinear):  # an FP8 checkpoint's layer: its dequantized weight is the source
+        src = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
+        src.weight = nn.Parameter(_fp8_inference_weight(layer), requires_grad=False)
+        if layer.bias is not None:
+            src.bias = nn.Parameter(layer.bias.float(), requires_grad=False)
+    try:
+        return _DraftLinear.from_linear(src, fmt)
+    except ValueError as e:
+        raise ValueError(f"make_draft: {name} cannot be held as {fmt}: {e}") from e
+
+
+def _block_linears(model: nn.Module) -> Dict[str, nn.Module]:
+    """{qualified name: layer} of the linear layers inside model.blocks (the projections; not the embedding or
+    the output head)."""
+    return {f"blocks.{n}": m for n, m in model.blocks.named_modules() if isinstance(m, _LINEARS)}
+
+
+@torch.no_grad()
+def make_draft(model: nn.Module, fmt: str = "mxfp4") -> nn.Module:
+    """A draft model for speculative decoding: a copy of fp8ext's Transformer `model` whose blocks' linear layers
+    (fp8ext.Linear, nn.Linear, or FP8InferenceLinear after quantize_model) are WeightOnlyLinear layers in `fmt`
+    ("mxfp4", "nvfp4", "mxfp6", "fp8", or another of fp8ext.weight_only.WEIGHT_ONLY_FORMATS), packed from the
+    target's weights. Everything else (the embedding, the norms, the output head, the rotary tables, the KV-cache
+    scales) is the target's own tensors, shared, not copied: the draft adds only its packed weights
+    (WeightOnlyLinear.nbytes each). The target is left unchanged."""
+    if is_transformers_model(model):
+        kind = getattr(getattr(model, "config", None), "model_type", None)
+        raise NotImplementedError(f"make_draft: {type(model).__name__} (model_type {kind!r}) is a transformers "
+                                  "model; drafts are made of fp8ext's Transformer only, whose generate() and KV "
+                                  "cache speculative decoding uses")
+    if not hasattr(model, "cfg") or not isinstance(getattr(model, "blocks", None), nn.ModuleList):
+        raise TypeError(f"make_draft: model must be fp8ext's Transformer (fp8ext.models.transformer), got "
+                        f"{type(model).__name__}")
+    if fmt not in WEIGHT_ONLY_FORMATS:
+        raise ValueError(f"make_draft: fmt must be one of {list(WEIGHT_ONLY_FORMATS)}, got {fmt!r}")
+    linears = _block_linears(model)
+    if not linears:
+        raise ValueError("make_draft: model.blocks holds no linear layer to quantize")
+    # deepcopy's memo maps an object to its copy: every tensor and every layer to be replaced maps to itself, so
+    # the copy shares the tensors and copies no weight that is then thrown away
+    memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    memo.update({id(m): m for m in linears.values()})
+    draft = copy.deepcopy(model, memo)
+    for name, layer in linears.items():
+        parent, _, leaf = name.rpartition(".")
+        setattr(draft.get_submodule(parent), leaf, _weight_only(layer, fmt, name))
+    draft.draft_format = fmt
+    return draft
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)) along the last dimension: where a token is drawn after a rejection. Where p <= q
+    everywhere (a rejection then has probability 0; it can happen only by rounding) p itself."""
+    r = (p - q).clamp_min(0)
+    total = r.sum(-1, keepdim=True)
+    return torch.where(total > 0, r / total.clamp_min(torch.finfo(r.dtype).tiny), p)
+
+
+def accept_sampled(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
+                   generator: Optional[torch.Generator]) -> torch.Tensor:
+    """How many of each sequence's draft tokens the target accepts, [batch] int64: token i (drafts [batch, k],
+    drawn from q [batch, k, vocab]) is accepted with probability min(1, p_i(x) / q_i(x)) (p [batch, >= k, vocab]
+    the target's probabilities), and the count stops at the first rejection."""
+    pd = p[:, :drafts.shape[1]].gather(-1, drafts[..., None])[..., 0]
+    qd = q.gather(-1, drafts[..., None])[..., 0]
+    u = torch.rand(drafts.shape, generator=generator, device=drafts.device, dtype=p.dtype)
+    ok = u * qd < pd  # u < p / q without dividing; q > 0 where the draft drew
+    return ok.long().cumprod(1).sum(1)
+
+
+def next_tokens(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, accepted: torch.Tensor, *, j: int,
+                generator: Optional[torch.Generator]) -> torch.Tensor:
+    """The token each sequence emits at position j of the round, [batch, 1], given its accepted count (>= j): its
+    draft token where it accepted more than j, else a bonus token from p_j (j == k) or a draw from
+    residual(p_j, q_j) (rejected at j). p [batch, k + 1, vocab], q [batch, k, vocab] probabilities."""
+    k = drafts.shape[1]
+    dist = p[:, j] if j == k else residual(p[:, j], q[:, j])
+    drawn = torch.multinomial(dist, 1, generator=generator)
+    return drawn if j == k else torch.where(accepted[:, None] > j, drafts[:, j:j + 1], drawn)
+
+
+def _cached(cache: KVCache) -> int:
+    return min(cache.lengths)
+
+
+def _propose(draft, cache: KVCache, ids: torch.Tensor, pending: Optional[torch.Tensor], *, k: int,
+             pick) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(k draft tokens [b, k], the draft's logits they were picked from [b, k, vocab]). The draft first reads the
+    tokens of ids its cache lacks (one or two), or uses `pending` (its logits for the next position) when it
+    lacks none."""
+    start = _cached(cache)
+    logits = pending if start == ids.shape[1] else draft(ids[:, start:], kv_cache=cache, start_pos=start)[:, -1]
+    tokens, seen = [], []
+    for i in range(k):
+        if i:
+            logits = draft(tokens[-1], kv_cache=cache, start_pos=ids.shape[1] + i - 1)[:, -1]
+        seen.append(logits)
+        tokens.append(pick(logits))
+    return torch.cat(tokens, 1), torch.stack(seen, 1)
+
+
+def _score(model, cache: KVCache, ids: torch.Tensor, drafts: torch.Tensor, *,
+           pending: Optional[torch.Tensor]) -> torch.Tensor:
+    """The target's logits [b, k + 1, vocab] for positions L .. L + k (L = ids' length): one forward over the
+    last accepted token (when the cache lacks it) and the k draft tokens; `pending` is its logits for position L
+    when the cache already holds all of ids."""
+    start = _cached(cache)
+    chunk = torch.cat([ids[:, start:], drafts], 1)
+    if chunk.shape[1] == 0:
+        return pending[:, None]
+    out = model(chunk, kv_cache=cache, start_pos=start)
+    if pending is not None:
+        out = torch.cat([pending[:, None], out], 1)
+    return out[:, -(drafts.shape[1] + 1):]
+
+
+def _check(model, draft, *, speculate: int, kv_cache: Optional[str], cuda_graph: Optional[bool]) -> None:
+    if is_transformers_model(draft) or not hasattr(draft, "cfg"):
+        raise TypeError(f"generate: draft must be fp8ext's Transformer (make_draft(model, fmt) makes one), got "
+                        f"{type(draft).__name__}")
+    if draft.cfg.vocab_size != model.cfg.vocab_size:
+        raise ValueError(f"generate: the draft's vocabulary ({draft.cfg.vocab_size} tokens) must be the model's "
+                         f"({model.cfg.vocab_size})")
+    if isinstance(speculate, bool) or not isinstance(speculate, int) or speculate < 1:
+        raise ValueError(f"generate: speculate (draft tokens per round) must be an int >= 1, got {speculate!r}")
+    if kv_cache is None:
+        raise ValueError("generate: speculative decoding (draft=) reads and rolls back KV caches: kv_cache must be "
+                         "'fp8' or 'bf16', got None")
+    if cuda_graph:
+        raise ValueError("generate: cuda_graph=True cannot run with a draft (speculative rounds run eagerly: the "
+                         "verification reads k + 1 positions at once)")
+
+
+def _round(models, caches, ids: torch.Tensor, pending, *, k: int, temperature: float,
+           g: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor, int]:
+    """One round: (ids with the kept tokens appended, each sequence's accepted count [b], the count kept j)."""
+    def pick(logits):  # the draft's token: as generate picks without a draft
+        if temperature <= 0:
+            return logits.argmax(-1, keepdim=True)
+        return torch.multinomial(torch.softmax(logits.float() / temperature, -1), 1, generator=g)
+    (model, draft), (b, n) = models, ids.shape
+    if k:
+        drafts, q_logits = _propose(draft, caches[1], ids, pending[1], k=k, pick=pick)
+    else:
+        drafts, q_logits = ids.new_empty(b, 0), None
+    p_logits = _score(model, caches[0], ids, drafts, pending=pending[0])
+    if temperature <= 0:
+        best = p_logits.argmax(-1)
+        accepted = (best[:, :k] == drafts).long().cumprod(1).sum(1)
+        j = int(accepted.min())
+        nxt = best[:, j:j + 1]
+    else:
+        p = torch.softmax(p_logits.float() / temperature, -1)
+        q = torch.softmax(q_logits.float() / temperature, -1) if k else p[:, :0]
+        accepted = accept_sampled(p, q, drafts, g)
+        j = int(accepted.min())
+        nxt = next_tokens(p, q, drafts, accepted, j=j, generator=g)
+    caches[0].truncate(n + j)  # the last token kept is read by the next round
+    caches[1].truncate(min(_cached(caches[1]), n + j))
+    return torch.cat([ids, drafts[:, :j], nxt], 1), accepted, j
+
+
+@torch.no_grad()
+def speculative_generate(model, draft, prompt: torch.Tensor, max_new_tokens: int, *, speculate: int = 4,
+                         kv_cache: str = "fp8", kv_scales: str = "auto", temperature: float = 0.0, seed: int = 0,
+                         cuda_graph: Optional[bool] = None) -> Tuple[torch.Tensor, dict]:
+    """generate(model, prompt, max_new_tokens, draft=draft, speculate=k, ...), which checks the model and the
+    prompt first (see the module docstring): both models prefill the prompt into their own KV cache (kv_cache's
+    dtype, kv_scales as in generate), then rounds of `speculate` draft tokens (fewer at the end) give
+    max_new_tokens tokens. stats: those of generate (the
+    target's cache bytes; decode tokens/s counts max_new_tokens - 1 per sequence, as generate does), and
+    draft_cache_bytes, speculate, rounds, proposed (draft tokens, over the batch), accepted (those kept),
+    acceptance_rate (accepted / proposed) and acceptance_rate_per_sequence (what each sequence accepted before the
+    batch's minimum was taken; equal to acceptance_rate at batch 1)."""
+    _check(model, draft, speculate=speculate, kv_cache=kv_cache, cuda_graph=cuda_graph)
+    b, n = prompt.shape
+    total = n + max_new_tokens
+    caches = [KVCache.from_model(m, b, total, kv_cache, device=prompt.device, scales=kv_scales)
+              for m in (model, draft)]
+    g = torch.Generator(device=prompt.device).manual_seed(seed)
+    sync = (lambda: torch.cuda.synchronize(prompt.device)) if prompt.is_cuda else (lambda: None)  # noqa: E731
+    sync()
+    t0 = time.perf_counter()
+    pending = [m(prompt, kv_cache=c, start_pos=0)[:, -1] for m, c in zip((model, draft), caches)]
+    sync()
+    t1 = time.perf_counter()
+    ids, rounds, proposed, accepted, each = prompt, 0, 0, 0, 0
+    while ids.shape[1] < total:
+        k = min(speculate, total - ids.shape[1] - 1)
+        ids, got, j = _round((model, draft), caches, ids, pending, k=k, temperature=temperature, g=g)
+        pending = [None, None]
+        rounds, proposed, accepted, each = rounds + 1, proposed + b * k, accepted + b * j, each + int(got.sum())
+    sync()
+    t2 = time.perf_counter()
+    rate = lambda x: x / proposed if proposed else None  # noqa: E731
+    stats = {"prefill_tokens_per_s": b * n / (t1 - t0), "decode_tokens_per_s": b * (max_new_tokens - 1) / (t2 - t1)
+             if max_new_tokens > 1 else None, "kv_cache": kv_cache, "cache_bytes": caches[0].nbytes,
+             "kv_scales": caches[0].scale_source, "cuda_graph": False, "draft_cache_bytes": caches[1].nbytes,
+             "speculate": speculate, "rounds": rounds, "proposed": proposed, "accepted": accepted,
+             "acceptance_rate": rate(accepted), "acceptance_rate_per_sequence": rate(each)}
+    return ids, stats
