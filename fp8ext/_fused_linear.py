@@ -176,6 +176,7 @@ class _FusedMLPFunction(torch.autograd.Function):
         # used: h (the largest) after SwiGLU's gradient, fc2's FP8 operands after its GEMMs. Saved tensors would live
         # until the whole node's backward returns, above the separate layers' peak.
         ctx.fc2_fp8, ctx.h = (a8.data_t, p2.w8.data_t), h
+        p1.w8 = p2.w8 = None  # the row-wise weight copies go now (backward reads the transposed ones kept above)
         ctx.plans, ctx.m, ctx.dtype, ctx.fmt, ctx.shape = plans, m, dtype, x8.fmt, x.shape
         return y.reshape(*x.shape[:-1], w2.shape[0])
 

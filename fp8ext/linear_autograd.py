@@ -155,6 +155,8 @@ class COMPOSED:
         m = x2.shape[0]
         y = forward_gemm(x8, plan.w8, plan.out_dtype, bias, m)
         ctx.save_for_backward(x8.data_t, x8.scale_inv, plan.w8.data_t, plan.w8.scale_inv, *kept)
+        # backward reads the saved transposed copy; the row-wise weight copy is freed now, not kept through ctx.plan
+        plan.w8 = None
         ctx.m, ctx.x_shape, ctx.x_dtype, ctx.fmt = m, x.shape, x.dtype, x8.fmt
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
