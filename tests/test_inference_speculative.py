@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import requires_cuda
 from fp8ext import WeightOnlyLinear
 from fp8ext.inference import generate, make_draft, quantize_model, save_quantized, speculative
 from fp8ext.models.transformer import Transformer, TransformerConfig, preset
@@ -116,6 +117,24 @@ def test_greedy_output_is_the_targets_for_every_k(kv_cache, batch):
     if batch > 1:
         assert any(each > r for r, each in rates), \
             f"sequences accepted different counts and rounds kept the batch's minimum: {rates}"
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("kv_cache", ["bf16", "fp8"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_greedy_output_is_the_targets_on_the_gpu(kv_cache, batch):
+    """On a GPU the target's check of k + 1 tokens and its one-token decode steps take different attention paths
+    (over an FP8 cache: torch's attention over the dequantized cache, against the FP8 decode kernel); greedy output
+    must still be the target's, token for token."""
+    model = tiny().cuda()
+    draft = make_draft(model, "mxfp4")
+    prompt = torch.randint(0, 256, (batch, 6), generator=torch.Generator().manual_seed(batch)).cuda()
+    want, _ = generate(model, prompt, 32, kv_cache=kv_cache)
+    for k in (2, 4):
+        got, stats = generate(model, prompt, 32, kv_cache=kv_cache, draft=draft, speculate=k)
+        assert torch.equal(got, want), f"k={k}: first difference at {(got != want).nonzero()[:1].tolist()}"
+        assert 0 < stats["acceptance_rate"] <= 1
 
 
 @pytest.mark.parametrize("new", [1, 2, 5])
