@@ -687,9 +687,17 @@ def plot_tradeoff(model: nn.Module, calib_batches, budgets: Sequence[Budget] = (
         p.measure(model, evals, loss_fn)
         plans_a.append(p)
     result = Tradeoff(plans_u, plans_a, sensitivity, reference)
+    result.ax = _draw_tradeoff(result, ax, title)
+    return result
+
+
+def _draw_tradeoff(result: Tradeoff, ax, title: Optional[str]):
+    """plot_tradeoff's figure on `ax` (a new one without it): the uniform plans, the adaptive ones measured and
+    predicted, and the reference perplexity. Returns the axes."""
     if ax is None:
         import matplotlib.pyplot as plt
         _, ax = plt.subplots(figsize=(6.4, 4.2))
+    plans_u, plans_a, reference = result.uniform, result.adaptive, result.reference_loss
     scale, unit = _byte_unit(max([p.total_bytes for p in list(plans_u.values()) + plans_a] + [1]))
     if plans_u:
         xs = [p.total_bytes / scale for p in plans_u.values()]
@@ -706,13 +714,12 @@ def plot_tradeoff(model: nn.Module, calib_batches, budgets: Sequence[Budget] = (
                 [math.exp(reference + p.predicted_loss - p.base_loss) for p in plans_a], "x:",
                 color="tab:red", alpha=0.6, label="adaptive (predicted)")
     ax.axhline(math.exp(reference), color="k", lw=0.8, alpha=0.5, label="weights as given")
-    ax.set_xlabel(f"weight bytes of the {len(sensitivity.layers)} linear layers ({unit})")
+    ax.set_xlabel(f"weight bytes of the {len(result.sensitivity.layers)} linear layers ({unit})")
     ax.set_ylabel("perplexity")
     ax.set_title(title or "Perplexity vs weight bytes")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    result.ax = ax
-    return result
+    return ax
 
 
 def _byte_unit(n: int) -> Tuple[float, str]:

@@ -84,6 +84,30 @@ def _check_model(model, fn: str) -> None:
 
 
 @torch.no_grad()
+def _picker(temperature: float, generator: torch.Generator):
+    """The next-token choice from logits [batch, vocab]: argmax (temperature 0) or a sample at `temperature`."""
+    def pick(logits: torch.Tensor) -> torch.Tensor:
+        if temperature <= 0:
+            return logits.argmax(-1, keepdim=True)
+        return torch.multinomial(torch.softmax(logits.float() / temperature, -1), 1, generator=generator)
+    return pick
+
+
+def _decode(model, ids: torch.Tensor, logits: torch.Tensor, total: int, pick, *, cache, graph) -> torch.Tensor:
+    """ids extended one token per step to `total` positions, from the prefill's last logits: through the cache
+    (eagerly or as the captured graph), or without one by recomputing the whole sequence each step."""
+    for pos in range(ids.shape[1], total):
+        nxt = pick(logits)
+        ids = torch.cat([ids, nxt], dim=1)
+        if pos + 1 == total:
+            break
+        if graph is not None:
+            logits = graph(nxt, pos)
+        else:
+            logits = (model(nxt, kv_cache=cache, start_pos=pos) if cache is not None else model(ids))[:, -1]
+    return ids
+
+
 def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, kv_cache: Optional[str] = "fp8",
              kv_scales: str = "auto", temperature: float = 0.0, seed: int = 0,
              cuda_graph: Optional[bool] = None, draft=None,
@@ -119,28 +143,13 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, kv_cache: Opti
                                                              scales=kv_scales)
     graph = _GraphedStep(model, cache, b, device) if _graph_wanted(cuda_graph, kv_cache, device, "generate") \
         else None
-    g = torch.Generator(device=device).manual_seed(seed)
-
-    def pick(logits):
-        if temperature <= 0:
-            return logits.argmax(-1, keepdim=True)
-        return torch.multinomial(torch.softmax(logits.float() / temperature, -1), 1, generator=g)
-
-    ids = prompt
+    pick = _picker(temperature, torch.Generator(device=device).manual_seed(seed))
     _sync(device)
     t0 = time.perf_counter()
-    logits = model(ids, kv_cache=cache, start_pos=0)[:, -1]
+    logits = model(prompt, kv_cache=cache, start_pos=0)[:, -1]
     _sync(device)
     t1 = time.perf_counter()
-    for pos in range(n, total):
-        nxt = pick(logits)
-        ids = torch.cat([ids, nxt], dim=1)
-        if pos + 1 == total:
-            break
-        if graph is not None:
-            logits = graph(nxt, pos)
-        else:
-            logits = (model(nxt, kv_cache=cache, start_pos=pos) if cache is not None else model(ids))[:, -1]
+    ids = _decode(model, prompt, logits, total, pick, cache=cache, graph=graph)
     _sync(device)
     t2 = time.perf_counter()
     stats = {"prefill_tokens_per_s": b * n / (t1 - t0), "decode_tokens_per_s": b * (max_new_tokens - 1) / (t2 - t1)

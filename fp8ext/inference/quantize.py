@@ -112,27 +112,39 @@ def calibrate(model: nn.Module, batches: Iterable, *, forward: Optional[Callable
             if skipped:
                 warnings.warn(f"calibrate: the attention layers {skipped} take no cache argument; their K/V are "
                               "not recorded (no FP8 KV-cache scales for them)", stacklevel=3)
-            items = batches
-            if progress:
-                from tqdm.auto import tqdm
-                items = tqdm(batches, desc="calibrating", unit="batch")
-            count = 0
-            for b in items:
-                if forward is not None:
-                    forward(model, b)
-                elif isinstance(b, (tuple, list)):
-                    model(*b)
-                else:
-                    model(b)
-                count += 1
-            if count == 0:
-                raise ValueError("calibrate: batches is empty")
+            _run_batches(model, batches, forward, progress)
     finally:
         for h in handles:
             h.remove()
         for m in attns.values():
             del m.kv_observer  # back to the class's None: no cost when not calibrating
         model.train(was_training)
+    model.fp8_calibration, model.fp8_kv_calibration = _calibration_results(layers, running, kv_running)
+    return model.fp8_calibration
+
+
+def _run_batches(model: nn.Module, batches: Iterable, forward: Optional[Callable], progress: bool) -> None:
+    """calibrate's pass over the batches: model(batch), model(*batch) or forward(model, batch), with a bar."""
+    items = batches
+    if progress:
+        from tqdm.auto import tqdm
+        items = tqdm(batches, desc="calibrating", unit="batch")
+    count = 0
+    for b in items:
+        if forward is not None:
+            forward(model, b)
+        elif isinstance(b, (tuple, list)):
+            model(*b)
+        else:
+            model(b)
+        count += 1
+    if count == 0:
+        raise ValueError("calibrate: batches is empty")
+
+
+def _calibration_results(layers, running: Dict[str, torch.Tensor], kv_running: Dict[str, list]):
+    """({layer: amax}, {attention: {"k_amax", "v_amax"}}) read back once, after checking every layer saw input and
+    nothing recorded is NaN or Inf."""
     missing = [n for n in layers if n not in running]
     if missing:
         raise ValueError(f"calibrate: these layers saw no input: {missing}")
@@ -144,9 +156,7 @@ def calibrate(model: nn.Module, batches: Iterable, *, forward: Optional[Callable
     bad = [n for n, d in kv.items() if not all(bool(torch.isfinite(t).all()) for t in d.values())]
     if bad:
         raise ValueError(f"calibrate: the keys or values of {bad} held NaN or Inf")
-    model.fp8_calibration = result
-    model.fp8_kv_calibration = kv
-    return result
+    return result, kv
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
