@@ -251,15 +251,43 @@ def load_quantized(model_dir: Union[str, pathlib.Path],
     cfg = read_json(d / "config.json")
     if llama.is_fp8ext_llama(cfg):  # fp8ext's Transformer written as a Llama checkpoint
         return llama.load(d, cfg, model_or_factory, device)
+    qc = fp8_quantization_config(cfg, d)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    header = checkpoint_header(d)
+    record = check_checkpoint(d / "config.json", cfg, header)
+    model = _fp8_skeleton(model_or_factory, cfg, d, header, record)
+    check_against_model(header, model, record)
+    _assign_state(model, header, record, device)
+    _place_buffers(model, header, device)
+    fuse_norms(model)
+    layers = record["layers"]
+    first = next(iter(layers))
+    model.fp8_quantization = {"weights": layers[first]["weights"], "activations": layers[first]["activations"],
+                              "ignore": [], "ignored_modules": qc.get("ignore", []), "layers": sorted(layers),
+                              "input_amax": {n: s["input_amax"] for n, s in layers.items() if s["input_amax"]},
+                              "kv_cache_scheme": qc.get("kv_cache_scheme"), "kv_amax": record.get("kv_cache", {})}
+    return model.eval()
+
+
+def fp8_quantization_config(cfg: dict, d: pathlib.Path) -> dict:
+    """config.json's quantization_config, which must be an FP8 compressed-tensors one; ValueError otherwise."""
     qc = cfg.get("quantization_config")
     qc = qc if isinstance(qc, dict) else {}
     if qc.get("quant_method") != "compressed-tensors" or qc.get("format") != "float-quantized":
         raise ValueError(f"load_quantized: {d} is not an FP8 compressed-tensors checkpoint "
                          f"(quant_method {qc.get('quant_method')!r}, format {qc.get('format')!r})")
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    header = read_header(d / WEIGHTS_FILE) if (d / WEIGHTS_FILE).is_file() else read_sharded_header(d / INDEX_FILE)
-    record = check_checkpoint(d / "config.json", cfg, header)
-    layers = record["layers"]
+    return qc
+
+
+def checkpoint_header(d: pathlib.Path):
+    """The safetensors header of a checkpoint directory: model.safetensors's, or its shards' through the index."""
+    return read_header(d / WEIGHTS_FILE) if (d / WEIGHTS_FILE).is_file() else read_sharded_header(d / INDEX_FILE)
+
+
+def _fp8_skeleton(model_or_factory, cfg: dict, d: pathlib.Path, header, record: dict) -> nn.Module:
+    """load_quantized's model before any tensor is read: the skeleton (given, from the factory under the meta
+    device, or from config.json) with FP8InferenceLinear (on meta) for every quantized layer of the record and
+    the places for KV-cache scales; record["tied"] filled for another tool's file."""
     if model_or_factory is None:
         model_or_factory = _default_factory(cfg, d)
     if isinstance(model_or_factory, nn.Module):
@@ -271,13 +299,18 @@ def load_quantized(model_dir: Union[str, pathlib.Path],
     add_kv_scale_buffers(model)  # a transformers model's places for KV-cache scales (nothing for other models)
     if record.get("source") == FOREIGN:  # another tool's file: the model's shared parameters say what is tied
         record["tied"] = tied_parameters(header, model)
-    tied = record.get("tied", {})
-    for name, spec in layers.items():
+    for name, spec in record["layers"].items():
         lin = _linear_of(model, name, header.path)
         _set_submodule(model, name, FP8InferenceLinear(
             lin.in_features, lin.out_features, bias=lin.bias is not None, weights=spec["weights"],
             activations=spec["activations"], device="meta", out_dtype=OUT_DTYPES[spec.get("out_dtype", "bfloat16")]))
-    check_against_model(header, model, record)
+    return model
+
+
+def _assign_state(model: nn.Module, header, record: dict, device: torch.device) -> None:
+    """The checked file's tensors into `model` on `device` (scales in FP8InferenceLinear's shapes, KV-cache scales
+    into unset buffers, tied parameters tied again); ValueError when the file lacks a tensor the model needs."""
+    layers, tied = record["layers"], record.get("tied", {})
     state = aligned(read_tensors(header, device))
     _conform_scales(model, layers, state)
     for alias, target in tied.items():
@@ -295,7 +328,11 @@ def load_quantized(model_dir: Union[str, pathlib.Path],
         mod_a, _, name_a = alias.rpartition(".")
         mod_t, _, name_t = target.rpartition(".")
         setattr(model.get_submodule(mod_a), name_a, getattr(model.get_submodule(mod_t), name_t))
-    for n in [n for n, _ in model.named_buffers()]:  # non-persistent buffers (e.g. rotary tables): not in the file
+
+
+def _place_buffers(model: nn.Module, header, device: torch.device) -> None:
+    """Buffers no file holds (non-persistent ones, e.g. rotary tables) computed again on `device`, or moved there."""
+    for n in [n for n, _ in model.named_buffers()]:
         t = model.get_buffer(n)  # looked up again: _rebuild_buffer may have replaced its module
         if t.is_meta or t.device != device:
             if not _rebuild_buffer(model, n, device):
@@ -303,13 +340,6 @@ def load_quantized(model_dir: Union[str, pathlib.Path],
                     raise ValueError(f"load_quantized: {n} is not in {header.path} and cannot be recomputed")
                 mod, _, leaf = n.rpartition(".")
                 setattr(model.get_submodule(mod) if mod else model, leaf, t.to(device))
-    fuse_norms(model)
-    first = next(iter(layers))
-    model.fp8_quantization = {"weights": layers[first]["weights"], "activations": layers[first]["activations"],
-                              "ignore": [], "ignored_modules": qc.get("ignore", []), "layers": sorted(layers),
-                              "input_amax": {n: s["input_amax"] for n, s in layers.items() if s["input_amax"]},
-                              "kv_cache_scheme": qc.get("kv_cache_scheme"), "kv_amax": record.get("kv_cache", {})}
-    return model.eval()
 
 
 def read_tensors(header, device) -> Dict[str, torch.Tensor]:

@@ -40,8 +40,7 @@ from torch import nn
 from .. import __version__
 from ..models.transformer import GroupedQueryAttention, SwiGLU, Transformer, TransformerBlock, TransformerConfig
 from ..normalization import RMSNorm
-from ._checks import (_HIGH_PRECISION, _ST_DTYPES, OUT_DTYPES, WEIGHT_LAYOUT, check_checkpoint, read_header,
-                      read_sharded_header)
+from ._checks import _HIGH_PRECISION, _ST_DTYPES, OUT_DTYPES, WEIGHT_LAYOUT, check_checkpoint
 from .layers import FP8InferenceLinear, fuse_norms
 from .quantize import _set_submodule
 
@@ -305,16 +304,11 @@ def load(model_dir: pathlib.Path, config: Dict[str, Any],
     from . import export
     export._safetensors()  # a clear ImportError before anything is read
     d = pathlib.Path(model_dir)
-    qc = config.get("quantization_config")
-    qc = qc if isinstance(qc, dict) else {}
-    if qc.get("quant_method") != "compressed-tensors" or qc.get("format") != "float-quantized":
-        raise ValueError(f"load_quantized: {d} is not an FP8 compressed-tensors checkpoint "
-                         f"(quant_method {qc.get('quant_method')!r}, format {qc.get('format')!r})")
+    qc = export.fp8_quantization_config(config, d)
     if not (d / export.WEIGHTS_FILE).is_file() and not (d / export.INDEX_FILE).is_file():
         raise FileNotFoundError(f"load_quantized: {d} holds neither {export.WEIGHTS_FILE} nor {export.INDEX_FILE}")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    header = (read_header(d / export.WEIGHTS_FILE) if (d / export.WEIGHTS_FILE).is_file()
-              else read_sharded_header(d / export.INDEX_FILE))
+    header = export.checkpoint_header(d)
     record = check_checkpoint(d / "config.json", config, header)
     mc = _fp8ext_config(d / "config.json", config, header.tensors)
     if isinstance(model_or_factory, nn.Module):
@@ -326,39 +320,15 @@ def load(model_dir: pathlib.Path, config: Dict[str, Any],
         raise TypeError(f"load_quantized: {d} holds fp8ext's Transformer as a Llama checkpoint; the model (or the "
                         f"factory's) must be an fp8ext.models.transformer.Transformer, got {type(model).__name__}")
     cfg, mods = model.cfg, llama_modules(model.cfg)
-    layers = {}  # fp8ext layer name -> its record, from its parts' (which must agree)
-    for module, names in mods.items():
-        specs = [record["layers"].get(n) for n in names]
-        if not any(specs):
-            continue
-        if not all(s is not None and {k: v for k, v in s.items() if k != "input_amax"} ==
-                   {k: v for k, v in specs[0].items() if k != "input_amax"} for s in specs):
-            raise ValueError(f"load_quantized: {header.path}: the layers {names} are fused in fp8ext's {module} "
-                             f"and must be quantized alike; the metadata records {specs}")
-        amax = [s["input_amax"] for s in specs if s.get("input_amax") is not None]
-        layers[module] = {**specs[0], "input_amax": max(amax) if amax else None}
-    unknown = sorted(set(record["layers"]) - {n for m in layers for n in mods[m]})
-    if unknown:
-        raise ValueError(f"load_quantized: {header.path}: the quantized layers {unknown[:5]} are not layers of "
-                         "fp8ext's Transformer")
+    layers = _fused_records(record["layers"], mods, header.path)
     for name, spec in layers.items():
         lin = model.get_submodule(name)
         _set_submodule(model, name, FP8InferenceLinear(
             lin.in_features, lin.out_features, bias=False, weights=spec["weights"], activations=spec["activations"],
             device="meta", out_dtype=OUT_DTYPES[spec.get("out_dtype", "bfloat16")]))
     schemes = {n: s["weights"] for n, s in layers.items()}
-    skeleton = {k: v for k, v in model.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
     tied = record.get("tied", {})
-    if tied:
-        skeleton.pop("lm_head.weight", None)
-    expected = to_llama({k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in skeleton.items()},
-                        cfg, schemes)
-    for i in range(cfg.n_layers):
-        if f"model.layers.{i}.self_attn.k_scale" in header.tensors:
-            expected.update({f"model.layers.{i}.self_attn.{s}": torch.empty(cfg.n_kv_heads, 1, 1, device="meta")
-                             for s in _KV})
-    exact = {k for n in layers for m in mods[n] for k in expected if k.startswith(m + ".")}
-    _check_tensors(header.path, header.tensors, expected, exact)
+    _check_against_skeleton(model, header, layers, mods, schemes, tied=bool(tied))
     state = export.aligned(from_llama(export.read_tensors(header, device), cfg, schemes, header.path))
     if tied:
         state["lm_head.weight"] = state["embed.weight"]
@@ -383,3 +353,41 @@ def load(model_dir: pathlib.Path, config: Dict[str, Any],
         "kv_cache_scheme": qc.get("kv_cache_scheme"),
         "kv_amax": {back.get(n, n): a for n, a in record.get("kv_cache", {}).items()}}
     return model.eval()
+
+
+def _fused_records(records: Dict[str, dict], mods: Dict[str, list], path) -> Dict[str, dict]:
+    """fp8ext layer name -> its quantization record, from the records of its Llama parts (q/k/v, gate/up), which
+    must agree but for input_amax (the largest is kept); ValueError for parts that disagree or are no layer."""
+    layers = {}
+    for module, names in mods.items():
+        specs = [records.get(n) for n in names]
+        if not any(specs):
+            continue
+        if not all(s is not None and {k: v for k, v in s.items() if k != "input_amax"} ==
+                   {k: v for k, v in specs[0].items() if k != "input_amax"} for s in specs):
+            raise ValueError(f"load_quantized: {path}: the layers {names} are fused in fp8ext's {module} "
+                             f"and must be quantized alike; the metadata records {specs}")
+        amax = [s["input_amax"] for s in specs if s.get("input_amax") is not None]
+        layers[module] = {**specs[0], "input_amax": max(amax) if amax else None}
+    unknown = sorted(set(records) - {n for m in layers for n in mods[m]})
+    if unknown:
+        raise ValueError(f"load_quantized: {path}: the quantized layers {unknown[:5]} are not layers of "
+                         "fp8ext's Transformer")
+    return layers
+
+
+def _check_against_skeleton(model: Transformer, header, layers: Dict[str, dict], mods: Dict[str, list],
+                            schemes: Dict[str, str], *, tied: bool) -> None:
+    """Every tensor of the file against what the skeleton (with its FP8 layers) expects in Llama names."""
+    cfg = model.cfg
+    skeleton = {k: v for k, v in model.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
+    if tied:
+        skeleton.pop("lm_head.weight", None)
+    expected = to_llama({k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in skeleton.items()},
+                        cfg, schemes)
+    for i in range(cfg.n_layers):
+        if f"model.layers.{i}.self_attn.k_scale" in header.tensors:
+            expected.update({f"model.layers.{i}.self_attn.{s}": torch.empty(cfg.n_kv_heads, 1, 1, device="meta")
+                             for s in _KV})
+    exact = {k for n in layers for m in mods[n] for k in expected if k.startswith(m + ".")}
+    _check_tensors(header.path, header.tensors, expected, exact)

@@ -192,6 +192,56 @@ def _train(args: Namespace, device: torch.device, rank: int, world: int) -> dict
 
 
 def _train_loop(args: Namespace, device: torch.device, rank: int, world: int) -> dict:
+    corpus, raw, model, opt, recipe, start = _build(args, device, world)
+    fwd_kw = dict(fp8=args.use_fp8, fp8_recipe=recipe, fp8_group=dist.group.WORLD if world > 1 else None)
+    out = pathlib.Path(args.out_dir)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        checkpoint.remove_stale_tmp(out)
+    info = _run_info(args, raw, corpus, device, rank, world, start)
+    precision = info["precision"]
+    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum_steps * world
+    flops_per_token, peak = raw.flops_per_token(args.seq_len), peak_bf16_flops(device)
+    metrics = _open_metrics(out, args, start) if rank == 0 else None
+    log_every = max(1, min(10, args.max_steps // 30))
+    bar = None
+    if rank == 0 and not args.no_progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=args.max_steps, initial=start, desc=precision, unit="step", dynamic_ncols=True)
+    pending, t_last, rates, val_loss = [], time.perf_counter(), [], None
+    end = min(args.max_steps, start + args.stop_after) if args.stop_after else args.max_steps
+    for step in range(start, end):
+        pending.append((step, *_train_step(model, opt, corpus, args, step, rank, world, device, fwd_kw)))
+        done = step + 1
+        evaluate = done % args.eval_every == 0 or done == args.max_steps
+        if done % log_every == 0 or evaluate or done == end:
+            if world > 1:  # the mean loss over ranks, one collective for the logged steps
+                stacked = torch.stack([p[2] for p in pending])
+                dist.all_reduce(stacked)
+                losses = (stacked / world).tolist()
+            else:
+                losses = torch.stack([p[2] for p in pending]).tolist()  # waits for the device
+            rate = tokens_per_step * len(pending) / (time.perf_counter() - t_last)
+            rates.append(rate)
+            val_loss = _evaluate(model, corpus, args, device, fwd_kw, rank, world) if evaluate else None
+            mfu = flops_per_token * rate / (peak * world) if peak else None
+            if rank == 0:
+                _log_rows(metrics, bar, pending, losses, done, rate=rate, mfu=mfu, val_loss=val_loss)
+            pending, t_last = [], time.perf_counter()  # evaluation time is not training time
+        if args.save_every and not args.no_save and done % args.save_every == 0 and done != end:
+            t_save = time.perf_counter()
+            checkpoint.save(args.out_dir, raw, opt, done, vars(args))
+            t_last += time.perf_counter() - t_save  # saving is not training time; the steps before it are
+    if bar is not None:
+        bar.close()
+    if not args.no_save and (start < end or not (out / checkpoint.CHECKPOINT_NAME).exists()):
+        checkpoint.save(args.out_dir, raw, opt, end, vars(args))
+    return _finish(args, info, recipe, device, rank, world, rates=rates, val_loss=val_loss, end=end, out=out,
+                   metrics=metrics)
+
+
+def _build(args: Namespace, device: torch.device, world: int):
+    """(corpus, the model, the model as trained (DDP/FSDP2-wrapped), optimizer, FP8 recipe, first step)."""
     corpus = load_corpus(args.data)
     base = preset(args.preset, fused_qkv=not args.separate_qkv)
     cfg = preset(args.preset, fused_qkv=not args.separate_qkv, max_seq_len=max(base.max_seq_len, args.seq_len))
@@ -202,20 +252,14 @@ def _train_loop(args: Namespace, device: torch.device, rank: int, world: int) ->
         fp8ext.prepare_fp8(raw, recipe)
     model = _wrap(raw, args, device, world)
     opt = _optimizer(model, args, device)
-    group = dist.group.WORLD if world > 1 else None
-    fwd_kw = dict(fp8=args.use_fp8, fp8_recipe=recipe, fp8_group=group)
-    out = pathlib.Path(args.out_dir)
-    start = 0
-    if args.resume:
-        start = checkpoint.load(args.resume, raw, opt)["step"]
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        checkpoint.remove_stale_tmp(out)
+    start = checkpoint.load(args.resume, raw, opt)["step"] if args.resume else 0
+    return corpus, raw, model, opt, recipe, start
+
+
+def _run_info(args: Namespace, raw, corpus, device: torch.device, rank: int, world: int, start: int) -> dict:
+    """What run.json records of the run's set-up; printed in one line (rank 0)."""
     precision = "fp8" if args.use_fp8 else ("bf16" if device.type == "cuda" else "fp32")
-    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum_steps * world
-    flops_per_token = raw.flops_per_token(args.seq_len)
-    peak = peak_bf16_flops(device)
-    info = {"args": vars(args), "config": asdict(cfg), "device": str(device), "world_size": world,
+    info = {"args": vars(args), "config": asdict(raw.cfg), "device": str(device), "world_size": world,
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "precision": precision, "parameters": raw.num_parameters(), "corpus": corpus.description,
             "torch": torch.__version__, "fp8ext": fp8ext.__version__, "start_step": start,
@@ -223,79 +267,68 @@ def _train_loop(args: Namespace, device: torch.device, rank: int, world: int) ->
             # RMSNorm and SwiGLU compiled (as torch ops; RoPE is torch's there)
             "fused_kernels": ([] if not (fp8ext.fused.TRAINING and device.type == "cuda" and fp8ext.cuda_available())
                               else ["rms_norm", "swiglu"] if args.compile else ["rms_norm", "rope", "swiglu"])}
-    if rank == 0:
-        print(f"fp8ext.train: preset {args.preset} ({info['parameters'] / 1e6:.1f}M parameters), {precision}"
-              f"{' (' + args.fp8_recipe + ' scaling)' if args.use_fp8 else ''}, {info['device_name']} x {world}"
-              f"{', FSDP2' if args.fsdp and world > 1 else ', DDP' if world > 1 else ''}"
-              f"{', compiled' if args.compile else ''}; {corpus.description}")
-    if rank == 0 and args.resume and (out / "metrics.jsonl").is_file():  # drop rows past the checkpoint's step
+    if rank != 0:
+        return info
+    print(f"fp8ext.train: preset {args.preset} ({info['parameters'] / 1e6:.1f}M parameters), {precision}"
+          f"{' (' + args.fp8_recipe + ' scaling)' if args.use_fp8 else ''}, {info['device_name']} x {world}"
+          f"{', FSDP2' if args.fsdp and world > 1 else ', DDP' if world > 1 else ''}"
+          f"{', compiled' if args.compile else ''}; {corpus.description}")
+    return info
+
+
+def _open_metrics(out: pathlib.Path, args: Namespace, start: int):
+    """metrics.jsonl for writing: a new one, or on resume the old one without the rows past the checkpoint."""
+    if args.resume and (out / "metrics.jsonl").is_file():
         kept = [line for line in (out / "metrics.jsonl").read_text().splitlines()
                 if line.strip() and json.loads(line)["step"] <= start]
         (out / "metrics.jsonl").write_text("".join(line + "\n" for line in kept))
-    metrics = open(out / "metrics.jsonl", "a" if args.resume else "w") if rank == 0 else None
-    log_every = max(1, min(10, args.max_steps // 30))
-    bar = None
-    if rank == 0 and not args.no_progress:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=args.max_steps, initial=start, desc=precision, unit="step", dynamic_ncols=True)
-    pending, t_last, rates, val_loss = [], time.perf_counter(), [], None
-    end = min(args.max_steps, start + args.stop_after) if args.stop_after else args.max_steps
-    for step in range(start, end):
-        lr = _lr(step, args)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        step_loss = torch.zeros((), device=device)
-        for micro in range(args.grad_accum_steps):
-            x, y = batch(corpus.train, args.batch_size, args.seq_len, args.seed, step, micro, rank, device)
-            last = micro == args.grad_accum_steps - 1
-            sync = model.no_sync() if world > 1 and not args.fsdp and not last else contextlib.nullcontext()
-            mb = {} if args.grad_accum_steps == 1 else {"is_first_microbatch": micro == 0}
-            with sync, _autocast(device), _fp8_scope(fwd_kw):
-                loss = model(x, y, **fwd_kw, **mb)[1]
-            (loss / args.grad_accum_steps).backward()
-            step_loss += loss.detach() / args.grad_accum_steps
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        pending.append((step, lr, step_loss))
-        done = step + 1
-        evaluate = done % args.eval_every == 0 or done == args.max_steps
-        if done % log_every == 0 or evaluate or done == end:
-            if world > 1:  # the mean loss over ranks, one collective for the logged steps
-                stacked = torch.stack([p[2] for p in pending])
-                dist.all_reduce(stacked)
-                losses = (stacked / world).tolist()
-            else:
-                losses = torch.stack([p[2] for p in pending]).tolist()  # waits for the device
-            now = time.perf_counter()
-            rate = tokens_per_step * len(pending) / (now - t_last)
-            rates.append(rate)
-            val_loss = _evaluate(model, corpus, args, device, fwd_kw, rank, world) if evaluate else None
-            mfu = flops_per_token * rate / (peak * world) if peak else None
-            if rank == 0:
-                for (s, l_r, _), value in zip(pending, losses):
-                    rec = {"step": s + 1, "loss": value, "lr": l_r, "tokens_per_s": rate, "mfu": mfu}
-                    if s + 1 == done and val_loss is not None:
-                        rec["val_loss"] = val_loss
-                    metrics.write(json.dumps(rec) + "\n")
-                metrics.flush()
-                if bar is not None:
-                    post = {"loss": f"{losses[-1]:.4f}", "tok/s": f"{rate:,.0f}"}
-                    if mfu is not None:
-                        post["MFU"] = f"{mfu:.1%}"
-                    if val_loss is not None:
-                        post["val"] = f"{val_loss:.4f}"
-                    bar.set_postfix(post, refresh=False)
-                    bar.update(len(pending))
-            pending, t_last = [], time.perf_counter()  # evaluation time is not training time
-        if args.save_every and not args.no_save and done % args.save_every == 0 and done != end:
-            t_save = time.perf_counter()
-            checkpoint.save(args.out_dir, raw, opt, done, vars(args))
-            t_last += time.perf_counter() - t_save  # saving is not training time; the steps before it are
+    return open(out / "metrics.jsonl", "a" if args.resume else "w")
+
+
+def _train_step(model, opt, corpus, args: Namespace, step: int, rank: int, world: int, device: torch.device,
+                fwd_kw: dict):
+    """One optimizer step over args.grad_accum_steps micro-batches: (lr, the step's mean loss on the device)."""
+    lr = _lr(step, args)
+    for g in opt.param_groups:
+        g["lr"] = lr
+    step_loss = torch.zeros((), device=device)
+    for micro in range(args.grad_accum_steps):
+        x, y = batch(corpus.train, args.batch_size, args.seq_len, args.seed, step, micro, rank, device)
+        last = micro == args.grad_accum_steps - 1
+        sync = model.no_sync() if world > 1 and not args.fsdp and not last else contextlib.nullcontext()
+        mb = {} if args.grad_accum_steps == 1 else {"is_first_microbatch": micro == 0}
+        with sync, _autocast(device), _fp8_scope(fwd_kw):
+            loss = model(x, y, **fwd_kw, **mb)[1]
+        (loss / args.grad_accum_steps).backward()
+        step_loss += loss.detach() / args.grad_accum_steps
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return lr, step_loss
+
+
+def _log_rows(metrics, bar, pending: list, losses: list, done: int, *, rate: float, mfu, val_loss) -> None:
+    """One metrics.jsonl row per step of `pending` ((step, lr, loss) each), and the progress bar moved on."""
+    for (s, l_r, _), value in zip(pending, losses):
+        rec = {"step": s + 1, "loss": value, "lr": l_r, "tokens_per_s": rate, "mfu": mfu}
+        if s + 1 == done and val_loss is not None:
+            rec["val_loss"] = val_loss
+        metrics.write(json.dumps(rec) + "\n")
+    metrics.flush()
     if bar is not None:
-        bar.close()
-    if not args.no_save and (start < end or not (out / checkpoint.CHECKPOINT_NAME).exists()):
-        checkpoint.save(args.out_dir, raw, opt, end, vars(args))
+        post = {"loss": f"{losses[-1]:.4f}", "tok/s": f"{rate:,.0f}"}
+        if mfu is not None:
+            post["MFU"] = f"{mfu:.1%}"
+        if val_loss is not None:
+            post["val"] = f"{val_loss:.4f}"
+        bar.set_postfix(post, refresh=False)
+        bar.update(len(pending))
+
+
+def _finish(args: Namespace, info: dict, recipe, device: torch.device, rank: int, world: int, *, rates: list,
+            val_loss, end: int, out: pathlib.Path, metrics) -> dict:
+    """The run's summary (run.json, printed by rank 0): validation loss, median tokens/s after the first logged
+    interval (warm-up, compilation), peak memory, the FP8 state check and graph breaks."""
     fp8_state = _fp8_state_check(recipe, device, world) if args.use_fp8 else {}
     steady = sorted(rates[1:] or rates)  # the first interval holds the warm-up (and compilation)
     summary = {**info, "final_val_loss": val_loss, "tokens_per_s": steady[len(steady) // 2] if steady else None,
@@ -310,7 +343,6 @@ def _train_loop(args: Namespace, device: torch.device, rank: int, world: int) ->
         vl = "n/a" if val_loss is None else f"{val_loss:.4f}"
         tps = "n/a" if summary["tokens_per_s"] is None else f"{summary['tokens_per_s']:,.0f}"
         breaks = f", {summary['graph_breaks']} graph breaks" if args.compile else ""
-        print(f"fp8ext.train: {precision} {'done' if end == args.max_steps else 'stopped'} at step {end}: "
-              f"validation loss {vl}, "
-              f"{tps} tokens/s (median after warm-up{breaks}); {out}")
+        print(f"fp8ext.train: {info['precision']} {'done' if end == args.max_steps else 'stopped'} at step {end}: "
+              f"validation loss {vl}, {tps} tokens/s (median after warm-up{breaks}); {out}")
     return summary
