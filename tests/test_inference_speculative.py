@@ -289,3 +289,15 @@ def test_command_line_prints_the_acceptance_rate(tmp_path, capsys):
     with pytest.raises(SystemExit, match="--draft needs a KV cache"):
         main(["generate", "--model", str(tmp_path), "--prompt", "x", "--device", "cpu", "--draft", "fp8",
               "--kv_cache", "none"])
+
+
+@pytest.mark.parametrize("speculate", [None, 2])
+def test_generate_runs_the_models_without_autograd(speculate):
+    # on a GPU the decode kernels refuse inputs that need gradients; on any device no graph should be built
+    model = tiny()
+    draft = make_draft(model, "mxfp4") if speculate else None
+    modes = []
+    for m in (model,) if draft is None else (model, draft):
+        m.register_forward_pre_hook(lambda module, args: modes.append(torch.is_grad_enabled()))
+    generate(model, torch.randint(0, 256, (2, 4)), 5, kv_cache="bf16", draft=draft, speculate=speculate)
+    assert modes and not any(modes), f"grad enabled in {sum(modes)} of {len(modes)} forwards"

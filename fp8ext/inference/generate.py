@@ -83,7 +83,6 @@ def _check_model(model, fn: str) -> None:
                         f"{type(model).__name__}{hint}")
 
 
-@torch.no_grad()
 def _picker(temperature: float, generator: torch.Generator):
     """The next-token choice from logits [batch, vocab]: argmax (temperature 0) or a sample at `temperature`."""
     def pick(logits: torch.Tensor) -> torch.Tensor:
@@ -108,6 +107,7 @@ def _decode(model, ids: torch.Tensor, logits: torch.Tensor, total: int, pick, *,
     return ids
 
 
+@torch.no_grad()
 def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, kv_cache: Optional[str] = "fp8",
              kv_scales: str = "auto", temperature: float = 0.0, seed: int = 0,
              cuda_graph: Optional[bool] = None, draft=None,
