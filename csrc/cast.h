@@ -104,8 +104,8 @@ typedef struct {
 } fp8ext_cast_transpose_dbias_args;
 
 /* Block ("current") scaling: x [rows, cols] in blocks of block_rows x block_cols (block_cols ==
- * cols: one block per row). For each block, scale = fp8_scale_for_amax(max|block|), q = fp8(x *
- * scale) saturating, and scale_inv = 1 / scale is stored at scale_inv[rb * stride_r + cb * stride_c].
+ * cols: one block per row). For each block, scale = fp8_block_scale(max|block|, fmt, pow2_scale, amax_epsilon),
+ * q = fp8(x * scale) saturating, and scale_inv = 1 / scale is stored at scale_inv[rb * stride_r + cb * stride_c].
  * Supported shapes: 1 x 128, 128 x 128, 1 x cols. */
 typedef struct {
     const void *x;
@@ -116,6 +116,8 @@ typedef struct {
     float *scale_inv;
     int64_t stride_r, stride_c;
     int fmt;
+    int pow2_scale;     /* round each scale down to a power of two (Transformer Engine's power_2_scale) */
+    float amax_epsilon; /* each block's amax is raised to at least this (TE's amax_epsilon; 0: unchanged) */
 } fp8ext_quantize_blocks_args;
 
 /* Block-scaled small formats in one pass (csrc/kernels/quantize_mx.cu), GPU only: fp8ext/mx.py's torch code is

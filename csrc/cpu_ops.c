@@ -121,7 +121,7 @@ void fp8ext_cpu_quantize_blocks(const fp8ext_quantize_blocks_args *a) {
                     const int32_t b = abs_bits(load_elem(a->x, a->x_dtype, r * a->cols + c));
                     if (b > m) m = b;
                 }
-            const float scale = fp8_scale_for_amax(fp8_bits_f32((uint32_t)m), a->fmt);
+            const float scale = fp8_block_scale(fp8_bits_f32((uint32_t)m), a->fmt, a->pow2_scale, a->amax_epsilon);
             for (int64_t r = r0; r < r1; ++r)
                 for (int64_t c = c0; c < c1; ++c)
                     a->q[r * a->cols + c] = fp8_quantize_rne(load_elem(a->x, a->x_dtype, r * a->cols + c), scale, a->fmt, 1);

@@ -196,6 +196,15 @@ FP8_FN float fp8_scale_for_amax(float amax, int fmt) {
     return s > 3.40282347e38f ? 3.40282347e38f : s;
 }
 
+/* Block scaling's rule (Transformer Engine's Float8BlockScaling): the amax raised to at least amax_epsilon (a NaN
+ * amax stays NaN), then fp8_scale_for_amax; with pow2, rounded down to a power of two by keeping only the exponent
+ * bits (scale and 1 / scale are then exact; the scale is a normal float32, so this is 2^floor(log2(scale))). */
+FP8_FN float fp8_block_scale(float amax, int fmt, int pow2, float amax_epsilon) {
+    if (amax < amax_epsilon) amax = amax_epsilon;
+    const float s = fp8_scale_for_amax(amax, fmt);
+    return pow2 ? fp8_bits_f32(fp8_f32_bits(s) & 0x7F800000u) : s;
+}
+
 /* Delayed/current scaling's rule: fmt_max / amax / margin_factor (margin_factor = 2^margin), or
  * `keep` when amax is 0 or not finite; capped at FLT_MAX when amax is tiny. */
 FP8_FN float fp8_scale_rule(float amax, float fmt_max, float margin_factor, float keep) {

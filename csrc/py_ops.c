@@ -436,19 +436,25 @@ static PyObject *py_cast_transpose_dbias_workspace(PyObject *module, PyObject *a
     return Py_BuildValue("(LL)", (long long)fp8ext_dbias_workspace_rows(rows), cols);
 }
 
-/* quantize_blocks(x, out, scale_inv, fmt, block_rows, block_cols, stride_r, stride_c, stream=0)
+/* quantize_blocks(x, out, scale_inv, fmt, block_rows, block_cols, stride_r, stride_c, stream=0, pow2_scale=False,
+ *                 amax_epsilon=0.0)
  * scale_inv is the whole float32 buffer; block (rb, cb)'s scale_inv goes to [rb * stride_r + cb * stride_c]. */
 static PyObject *py_quantize_blocks(PyObject *module, PyObject *args, PyObject *kwargs) {
     static const char *fn = "quantize_blocks";
     static char *kwlist[] = {"x", "out", "scale_inv", "fmt", "block_rows", "block_cols", "stride_r", "stride_c",
-                             "stream", NULL};
+                             "stream", "pow2_scale", "amax_epsilon", NULL};
     PyObject *x_o, *out_o, *s_o;
-    int fmt;
+    int fmt, pow2 = 0;
     long long br, bc, sr, sc;
     Py_ssize_t stream = 0;
-    if (!fp8ext_parse_args(args, kwargs, "OOOiLLLL|n:quantize_blocks", kwlist, &x_o, &out_o, &s_o, &fmt, &br,
-                           &bc, &sr, &sc, &stream))
+    double eps = 0.0;
+    if (!fp8ext_parse_args(args, kwargs, "OOOiLLLL|npd:quantize_blocks", kwlist, &x_o, &out_o, &s_o, &fmt, &br,
+                           &bc, &sr, &sc, &stream, &pow2, &eps))
         return NULL;
+    if (!(eps >= 0.0 && eps <= 3.40282347e38)) {
+        PyErr_Format(PyExc_ValueError, "%s(): amax_epsilon must be a finite float32 >= 0, got %g", fn, eps);
+        return NULL;
+    }
     fp8ext_view x = {0}, out = {0}, sv = {0};
     PyObject *ret = NULL;
     fp8ext_quantize_blocks_args a = {0};
@@ -494,7 +500,8 @@ static PyObject *py_quantize_blocks(PyObject *module, PyObject *args, PyObject *
         }
     }
     a.x = x.data, a.x_dtype = fp8ext_view_dtype(&x), a.block_rows = br, a.block_cols = bc, a.q = out.data;
-    a.scale_inv = sv.data, a.stride_r = sr, a.stride_c = sc, a.fmt = fmt;
+    a.scale_inv = sv.data, a.stride_r = sr, a.stride_c = sc, a.fmt = fmt, a.pow2_scale = pow2;
+    a.amax_epsilon = (float)eps;
     if (fp8ext_run_op(module, &x, stream, fn, cpu_quantize_blocks, cuda_quantize_blocks, &a) < 0) goto done;
     ret = Py_NewRef(Py_None);
 done:
@@ -525,7 +532,8 @@ PyMethodDef fp8ext_op_methods[] = {
     {"cast_transpose_dbias_workspace", py_cast_transpose_dbias_workspace, METH_VARARGS,
      "cast_transpose_dbias_workspace(rows, cols) -> (tiles, cols): the float32 workspace's shape."},
     {"quantize_blocks", (PyCFunction)(void (*)(void))py_quantize_blocks, METH_VARARGS | METH_KEYWORDS,
-     "quantize_blocks(x, out, scale_inv, fmt, block_rows, block_cols, stride_r, stride_c, stream=0)\n"
+     "quantize_blocks(x, out, scale_inv, fmt, block_rows, block_cols, stride_r, stride_c, stream=0, pow2_scale=False, "
+     "amax_epsilon=0.0)\n"
      "Block scaling: per block scale = fmt.max / amax, out = fp8(x * scale), scale_inv = 1 / scale."},
     {NULL, NULL, 0, NULL},
 };

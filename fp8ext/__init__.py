@@ -6,7 +6,7 @@
 
 Code written for Transformer Engine ports by its imports: `import fp8ext as te` gives te.Linear,
 te.fp8_autocast / te.autocast, te.RMSNorm and te.LayerNorm; `from fp8ext.recipe import Format,
-DelayedScaling, Float8CurrentScaling`.
+DelayedScaling, Float8CurrentScaling, Float8BlockScaling` (and Float8RowwiseScaling, torchao's row-wise recipe).
 
 The native core (fp8ext._C, C and CUDA C) defines the FP8 numerics once; this package decides what to
 compute and allocates outputs with torch. See README.md.
@@ -28,7 +28,7 @@ from .weight_only import WEIGHT_ONLY_FORMATS, WeightOnlyLinear
 from .packing import pack_fp4, pack_fp6, unpack_fp4, unpack_fp6
 from .ops import (amax, cast_transpose, cast_transpose_dbias, dequantize, quantize, quantize_blockwise,
                   quantize_rowwise, scale_from_amax)
-from .recipe import CurrentScaling, DelayedScaling, Float8CurrentScaling
+from .recipe import CurrentScaling, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Float8RowwiseScaling
 from .scaling import FP8ScalingManager
 
 __version__ = "0.1.0"
@@ -90,6 +90,8 @@ __all__ = [
     "DelayedScaling",
     "CurrentScaling",
     "Float8CurrentScaling",
+    "Float8BlockScaling",
+    "Float8RowwiseScaling",
     "FP8ScalingManager",
     "fp8_autocast",
     "autocast",

@@ -1,7 +1,7 @@
 """fp8ext's operations as torch ops (torch.library), with fake implementations for tracing.
 
-torch.ops.fp8ext.{quantize, dequantize, amax, cast_transpose, cast_transpose_dbias, gemm} run the same code as
-the eager functions in fp8ext.ops (and torch.ops.fp8ext.{swiglu, rms_norm_train} with their backward ops, the
+torch.ops.fp8ext.{quantize, dequantize, amax, cast_transpose, cast_transpose_dbias, quantize_blocks, gemm} run the
+same code as the eager functions in fp8ext.ops (and torch.ops.fp8ext.{swiglu, rms_norm_train} with their backward ops, the
 training kernels of fp8ext.fused, with autograd formulas); the fake implementations give torch.compile / torch.export the outputs'
 shapes and dtypes without running anything, so compiled code calls fp8ext's kernels without graph breaks.
 The public functions in fp8ext.ops switch to these ops while torch.compile traces; eager calls skip the
@@ -108,6 +108,23 @@ def _(x, fmt, scale, scale_value, saturate, amax_in, dbias_float32):
     dtype = format_of_code(fmt).torch_dtype
     return (x.new_empty(x.shape, dtype=dtype), x.new_empty((x.shape[1], x.shape[0]), dtype=dtype),
             x.new_empty((x.shape[1],), dtype=torch.float32 if dbias_float32 else x.dtype), _fake_amax(x, amax_in))
+
+
+@torch.library.custom_op("fp8ext::quantize_blocks", mutates_args=())
+def _quantize_blocks(x: torch.Tensor, fmt: int, kind: str, pow2: bool, eps: float
+                     ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale_inv) of quantize_rowwise / quantize_blockwise (scale_inv a view of fp8ext.ops.scale_buffer's buffer,
+    in the layout gemm reads)."""
+    return ops.quantize_blocks_eager(x, format_of_code(fmt), kind, pow2, eps)
+
+
+@_quantize_blocks.register_fake
+def _(x, fmt, kind, pow2, eps):
+    rows, cols = x.shape
+    buf, _, _ = ops.scale_buffer(kind, rows, cols, "meta")
+    s = ops.scale_inv_view(buf, kind, cols)
+    return (x.new_empty(x.shape, dtype=format_of_code(fmt).torch_dtype),
+            torch.empty_strided(s.shape, s.stride(), dtype=torch.float32, device=x.device))
 
 
 @torch.library.custom_op("fp8ext::gemm", mutates_args=())

@@ -31,12 +31,12 @@ from typing import Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
 
-from .recipe import CurrentScaling, DelayedScaling
+from .recipe import RECIPES, CurrentScaling, DelayedScaling, Float8BlockScaling, Float8RowwiseScaling
 from .scaling import FP8ScalingManager
 
 __all__ = ["fp8_autocast", "autocast", "activation_dtype", "is_fp8_enabled", "get_fp8_recipe", "get_scaling_manager"]
 
-Recipe = Union[DelayedScaling, CurrentScaling]
+Recipe = Union[DelayedScaling, CurrentScaling, Float8BlockScaling, Float8RowwiseScaling]
 _DEFAULT_RECIPE = DelayedScaling()
 
 
@@ -131,9 +131,9 @@ class fp8_autocast(contextlib.ContextDecorator):  # noqa: N801 - Transformer Eng
     def __init__(self, enabled: bool = True, calibrating: bool = False, fp8_recipe: Optional[Recipe] = None,
                  fp8_group=None, _graph: bool = False):
         recipe = fp8_recipe if fp8_recipe is not None else _DEFAULT_RECIPE
-        if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
-            raise TypeError(f"fp8_autocast(): fp8_recipe must be DelayedScaling or CurrentScaling, got "
-                            f"{type(recipe).__name__}")
+        if not isinstance(recipe, RECIPES):
+            raise TypeError(f"fp8_autocast(): fp8_recipe must be DelayedScaling or CurrentScaling (per tensor), "
+                            f"Float8BlockScaling or Float8RowwiseScaling, got {type(recipe).__name__}")
         self._ctx = _Context(bool(enabled), recipe, bool(calibrating), fp8_group)
         self._update = (enabled or calibrating) and not _graph
 

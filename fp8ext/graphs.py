@@ -48,7 +48,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ._graph_state import FP8Replay, ManagerState, UpdateGate
 from .context import _DEFAULT_RECIPE, fp8_autocast, get_scaling_manager
 from .convert import prepare_fp8
-from .recipe import CurrentScaling, DelayedScaling
+from .recipe import RECIPES, DelayedScaling
 
 __all__ = ["make_graphed_callables"]
 
@@ -72,8 +72,9 @@ def _check_options(n: int, fp8_enabled, fp8_calibrating, fp8_recipe, fp8_weight_
     if len(enabled) != n:
         raise ValueError(f"{_FN}: fp8_enabled must be a bool or one bool per module ({n}), got {len(enabled)}")
     recipe = fp8_recipe if fp8_recipe is not None else _DEFAULT_RECIPE
-    if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
-        raise TypeError(f"{_FN}: fp8_recipe must be DelayedScaling or CurrentScaling, got {type(recipe).__name__}")
+    if not isinstance(recipe, RECIPES):
+        raise TypeError(f"{_FN}: fp8_recipe must be DelayedScaling or CurrentScaling (per tensor), Float8BlockScaling "
+                        f"or Float8RowwiseScaling, got {type(recipe).__name__}")
     uses_fp8 = any(enabled) or bool(fp8_calibrating)
     if uses_fp8 and isinstance(recipe, DelayedScaling) and recipe.interval != 1:
         raise NotImplementedError(f"{_FN}: fp8_recipe.interval={recipe.interval} is not supported: whether a step "
@@ -322,7 +323,7 @@ def make_graphed_callables(
     sample_kwargs: Optional[Union[Dict[str, Any], Tuple[Dict[str, Any], ...]]] = None,
     fp8_enabled: Union[bool, Tuple[bool, ...]] = False,
     fp8_calibrating: bool = False,
-    fp8_recipe: Optional[Union[DelayedScaling, CurrentScaling]] = None,
+    fp8_recipe=None,
     fp8_group=None,
     fp8_weight_caching: bool = False,
     _order: Optional[List[int]] = None,

@@ -39,7 +39,7 @@ from .context import activation_dtype, current_context, get_scaling_manager
 from .linear_autograd import COMPOSED, HIGH_PRECISION, ONE_CALL, LinearFunction, LinearPlan
 from .profiling import profiled
 from .recipe import DelayedScaling
-from .tensor import FP8Tensor, Quantizer
+from .tensor import FP8Tensor, Quantizer, role_quantizers
 
 __all__ = ["FP8Linear", "Linear"]
 
@@ -325,9 +325,8 @@ class FP8Linear(nn.Module):
                 lean = self._lean
                 if lean is None or lean[0] is not recipe or lean[1] is not quantizers:
                     self._lean = (recipe, quantizers)
-        else:  # current scaling: each cast scales by its tensor's own amax
-            fmt = recipe.fp8_format
-            quantizers = tuple(Quantizer(f, recipe.margin) for f in (fmt.fwd, fmt.fwd, fmt.bwd))
+        else:  # current, row-wise or block scaling: each cast scales by its tensor's (rows', blocks') own amax
+            quantizers = role_quantizers(recipe)
         if debug.enabled():
             self._debug_checks(input, quantizers)
         w8 = self._weight_fp8(quantizers[1], is_first_microbatch)

@@ -27,12 +27,13 @@ from . import _C, debug
 from ._boundary import refuse_broadcast
 from ._gemm import bias_epilogue, pass_stream
 from ._gemm import gemm_fp8 as _gemm
-from .tensor import FP8Tensor
+from .tensor import BLOCK_1x128, BLOCK_128x128, TENSOR, FP8Tensor
 
 __all__ = ["LinearPlan", "LinearFunction", "COMPOSED", "ONE_CALL", "HIGH_PRECISION", "forward_gemm",
            "linear_backward"]
 
 _to_dl = torch._C._to_dlpack
+_BLOCKS = (BLOCK_1x128, BLOCK_128x128)
 
 
 class LinearPlan:
@@ -79,10 +80,12 @@ def _pad_rows(t: torch.Tensor, multiple: int = 16) -> torch.Tensor:
 
 def forward_gemm(x8: FP8Tensor, w8: FP8Tensor, out_dtype: torch.dtype, bias: Optional[torch.Tensor],
                  rows: int) -> torch.Tensor:
-    """The first `rows` rows of x8 @ w8^T + bias in out_dtype, with fast accumulation (as TE's forward): the bias
-    added by cuBLASLt's epilogue where it takes it (fp8ext._gemm.bias_epilogue), after the GEMM otherwise."""
-    fuse = bias_epilogue(bias, out_dtype)
-    y = _gemm(x8, w8, out_dtype, bias if fuse else None, fast=True)[:rows]
+    """The first `rows` rows of x8 @ w8^T + bias in out_dtype, with fast accumulation (as TE's forward) except with
+    block scales (cuBLASLt has none there); with per-tensor scales the bias is added by cuBLASLt's epilogue where it
+    takes it (fp8ext._gemm.bias_epilogue), after the GEMM otherwise."""
+    per_tensor = x8.layout == TENSOR
+    fuse = per_tensor and bias_epilogue(bias, out_dtype)
+    y = _gemm(x8, w8, out_dtype, bias if fuse else None, fast=x8.layout not in _BLOCKS)[:rows]
     if bias is not None and not fuse:
         y = y + bias.to(y.dtype)
     return y
@@ -154,10 +157,11 @@ class COMPOSED:
             x2 = kept[0]
         m = x2.shape[0]
         y = forward_gemm(x8, plan.w8, plan.out_dtype, bias, m)
-        ctx.save_for_backward(x8.data_t, x8.scale_inv, plan.w8.data_t, plan.w8.scale_inv, *kept)
+        x_t, w_t = x8.t(), plan.w8.t()
+        ctx.save_for_backward(x_t.data, x_t.scale_inv, w_t.data, w_t.scale_inv, *kept)
         # backward reads the saved transposed copy; the row-wise weight copy is freed now, not kept through ctx.plan
         plan.w8 = None
-        ctx.m, ctx.x_shape, ctx.x_dtype, ctx.fmt = m, x.shape, x.dtype, x8.fmt
+        ctx.m, ctx.x_shape, ctx.x_dtype, ctx.fmt, ctx.layouts = m, x.shape, x.dtype, x8.fmt, (x8.layout, w_t.layout)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -166,7 +170,8 @@ class COMPOSED:
         plan = ctx.plan
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_g = len(ctx.needs_input_grad) > 4 and ctx.needs_input_grad[4]  # RMSNorm's gamma
-        x_t, w_t = FP8Tensor(x8t, None, x_sinv, ctx.fmt), FP8Tensor(w8t, None, w_sinv, ctx.fmt)
+        x_t = FP8Tensor(x8t, None, x_sinv, ctx.fmt, ctx.layouts[0])
+        w_t = FP8Tensor(w8t, None, w_sinv, ctx.fmt, ctx.layouts[1])
         dx, dw, db = linear_backward(plan, dy, x_t, w_t, (need_x or need_g, need_w, need_b), m=ctx.m,
                                      dx_dtype=ctx.x_dtype)
         dgamma = None

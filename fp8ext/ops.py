@@ -323,26 +323,31 @@ _to_dl = torch._C._to_dlpack  # fp8ext's own freshly allocated outputs: plain dt
 
 
 @profiled("fp8ext.quantize_rowwise")
-def quantize_rowwise(x: torch.Tensor, fmt: Any = E4M3) -> Tuple[torch.Tensor, torch.Tensor]:
+def quantize_rowwise(x: torch.Tensor, fmt: Any = E4M3, *, power_2_scale: bool = False,
+                     amax_epsilon: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
     """(q, scale_inv): each row of a 2-D x [M, K] quantized with its own scale = fmt.max / max|row| (1 for an
     all-zero row), saturating; scale_inv [M] = 1 / scale, float32, as fp8ext.gemm takes it for per-row
-    scaling. One pass over x (K % 8 == 0).
+    scaling. One pass over x (K % 8 == 0). power_2_scale=True rounds each scale down to a power of two
+    (2^floor(log2(scale)): scale_inv is then exact; torchao's round_scales_to_power_of_2, TE's power_2_scale);
+    amax_epsilon raises each row's amax to at least that value first (Transformer Engine's amax_epsilon).
     A row holding NaN or Inf has nothing finite to fit: its scale is 1 and its codes are the saturating cast's
     (NaN stays NaN with x's sign, +-Inf becomes +-fmt.max, as fp8ext.quantize), scale_inv 1; the other rows are
     unaffected (fp8ext.mx, "Non-finite values"). Check inputs that may hold Inf (fp8ext.set_debug_checks)."""
     f = resolve_format(fmt, "quantize_rowwise")
-    return _quantize_blocks(x, f, "row", "quantize_rowwise")
+    return _quantize_blocks(x, f, "row", "quantize_rowwise", power_2_scale, amax_epsilon)
 
 
 @profiled("fp8ext.quantize_blockwise")
-def quantize_blockwise(x: torch.Tensor, fmt: Any = E4M3, block: Tuple[int, int] = (1, 128)
-                       ) -> Tuple[torch.Tensor, torch.Tensor]:
+def quantize_blockwise(x: torch.Tensor, fmt: Any = E4M3, block: Tuple[int, int] = (1, 128), *,
+                       power_2_scale: bool = False, amax_epsilon: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
     """(q, scale_inv): a 2-D x [R, C] quantized per block of 1 x 128 (activations) or 128 x 128 (weights),
     DeepSeek-V3's recipe: per block scale = fmt.max / max|block|, saturating; scale_inv = 1 / scale.
 
     scale_inv comes in the shape and memory layout fp8ext.gemm (cuBLASLt) reads: for 1 x 128 blocks
     [R, ceil(C/128)] stored R-fastest (strides (1, R); R % 4 == 0), for 128 x 128 blocks
     [ceil(R/128), ceil(C/128)] with rows padded to a multiple of 4 floats. One pass over x (C % 8 == 0).
+    power_2_scale and amax_epsilon: as in quantize_rowwise (Transformer Engine's Float8BlockScaling uses power-of-two
+    scales by default).
 
     A block holding NaN or Inf has nothing finite to fit: its scale is 1 and its codes are the saturating cast's
     (NaN stays NaN with x's sign, +-Inf becomes +-fmt.max, as fp8ext.quantize), scale_inv 1; the other blocks are
@@ -351,31 +356,62 @@ def quantize_blockwise(x: torch.Tensor, fmt: Any = E4M3, block: Tuple[int, int] 
     f = resolve_format(fmt, "quantize_blockwise")
     if tuple(block) not in ((1, 128), (128, 128)):
         raise ValueError(f"quantize_blockwise(): block must be (1, 128) or (128, 128), got {block}")
-    return _quantize_blocks(x, f, "1x128" if block[0] == 1 else "128x128", "quantize_blockwise")
+    return _quantize_blocks(x, f, "1x128" if block[0] == 1 else "128x128", "quantize_blockwise", power_2_scale,
+                            amax_epsilon)
 
 
-def _quantize_blocks(x, f: FP8Format, kind: str, fn: str):
+def _quantize_blocks(x, f: FP8Format, kind: str, fn: str, pow2: bool = False, eps: float = 0.0):
     shape, device = describe(x, fn)
     if len(shape) != 2:
         raise ValueError(f"{fn}(): x must be 2-D, got shape {list(shape)}")
-    rows, cols = shape
-    br, bc = {"row": (1, cols), "1x128": (1, 128), "128x128": (128, 128)}[kind]
-    nrb, ncb = -(-rows // br), -(-cols // max(bc, 1))
+    eps = number(eps, fn, "amax_epsilon")
+    if not 0.0 <= eps < float("inf"):
+        raise ValueError(f"{fn}(): amax_epsilon must be a finite number >= 0, got {eps}")
+    if kind == "1x128" and shape[0] % 4:
+        raise ValueError(f"{fn}(): 1x128 blocks need a row count that is a multiple of 4 (cuBLASLt), got {shape[0]}")
+    return quantize_blocks_unchecked(x, f, kind, bool(pow2), eps)
+
+
+def quantize_blocks_unchecked(x: torch.Tensor, f: FP8Format, kind: str, pow2: bool, eps: float
+                              ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale_inv) of quantize_rowwise / quantize_blockwise for a contiguous 2-D torch tensor, without the public
+    wrapper's argument checks (C checks x): the library's quantizers call this; under torch.compile it is the torch
+    op."""
+    if torch.compiler.is_compiling():
+        return torch.ops.fp8ext.quantize_blocks(x, f.code, kind, pow2, eps)
+    return quantize_blocks_eager(x, f, kind, pow2, eps)
+
+
+def scale_buffer(kind: str, rows: int, cols: int, device) -> Tuple[torch.Tensor, int, int]:
+    """(buffer, stride_r, stride_c) of the float32 scale_inv buffer of `kind` blocks ("row", "1x128", "128x128") over
+    a [rows, cols] tensor, in the memory layout cuBLASLt reads (see quantize_blockwise)."""
     if kind == "1x128":
-        if rows % 4:
-            raise ValueError(f"{fn}(): 1x128 blocks need a row count that is a multiple of 4 (cuBLASLt), got {rows}")
-        buf = torch.zeros((ncb, rows), dtype=torch.float32, device=device)  # rows fastest
-        scale_inv, sr, sc = buf.t(), 1, rows
-    elif kind == "128x128":
-        ld = -(-ncb // 4) * 4  # rows padded to a multiple of 4 floats
-        buf = torch.zeros((nrb, ld), dtype=torch.float32, device=device)
-        scale_inv, sr, sc = buf[:, :ncb], ld, 1
-    else:
-        buf = torch.empty((rows,), dtype=torch.float32, device=device)
-        scale_inv, sr, sc = buf, 1, 0
-    q = torch.empty(shape, dtype=torch.uint8, device=device)
-    _C.quantize_blocks(dl(x), _to_dl(q), _to_dl(buf), f.code, br, bc, sr, sc, stream=stream_of(device))
-    return q.view(f.torch_dtype), scale_inv
+        return torch.zeros((-(-cols // 128), rows), dtype=torch.float32, device=device), 1, rows  # rows fastest
+    if kind == "128x128":
+        ld = -(-cols // 128 // 4) * 4  # one float per 128 columns, rows padded to a multiple of 4 floats
+        return torch.zeros((-(-rows // 128), ld), dtype=torch.float32, device=device), ld, 1
+    return torch.empty((rows,), dtype=torch.float32, device=device), 1, 0
+
+
+def scale_inv_view(buf: torch.Tensor, kind: str, cols: int) -> torch.Tensor:
+    """The scale_inv tensor gemm() takes, as a view of scale_buffer's buffer for a tensor of `cols` columns."""
+    if kind == "1x128":
+        return buf.t()
+    if kind == "128x128":
+        return buf[:, :-(-cols // 128)]
+    return buf
+
+
+def quantize_blocks_eager(x: torch.Tensor, f: FP8Format, kind: str, pow2: bool, eps: float
+                          ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale_inv) of quantize_blocks_unchecked, eagerly (fp8ext._C checks x)."""
+    rows, cols = x.shape
+    br, bc = {"row": (1, cols), "1x128": (1, 128), "128x128": (128, 128)}[kind]
+    buf, sr, sc = scale_buffer(kind, rows, cols, x.device)
+    q = torch.empty((rows, cols), dtype=f.torch_dtype, device=x.device)
+    _C.quantize_blocks(dl(x), _to_dl(q.view(torch.uint8)), _to_dl(buf), f.code, br, bc, sr, sc,
+                       stream=stream_of(x.device), pow2_scale=pow2, amax_epsilon=eps)
+    return q, scale_inv_view(buf, kind, cols)
 
 
 def scale_from_amax(amax: torch.Tensor, fmt: Any = E4M3, margin: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -2,16 +2,26 @@
 
 Names and defaults are Transformer Engine's (transformer_engine.common.recipe), so TE code ports by
 changing an import. A recipe is a frozen value: two equal recipes share one FP8ScalingManager.
+
+    DelayedScaling        one scale per tensor, from the amax history of earlier steps (TE's default)
+    CurrentScaling        one scale per tensor, from the tensor's own amax (TE's Float8CurrentScaling)
+    Float8BlockScaling    one scale per 1 x 128 tile of activations and gradients and per 128 x 128 block of weights
+                          (DeepSeek-V3's recipe, TE's Float8BlockScaling)
+    Float8RowwiseScaling  one scale per row of each GEMM operand (torchao's "rowwise" recipe)
+The last three need no state across steps: each cast scales by what it is casting. For each recipe,
+fp8ext.tensor.role_quantizers gives the casts of a layer's input, weight and output gradient.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from .formats import Format
 
-__all__ = ["Format", "DelayedScaling", "CurrentScaling", "Float8CurrentScaling"]
+__all__ = ["Format", "DelayedScaling", "CurrentScaling", "Float8CurrentScaling", "Float8BlockScaling",
+           "Float8RowwiseScaling", "QParams", "MMParams"]
 
 
 def _refuse_fp8_attention(recipe) -> None:
@@ -93,3 +103,123 @@ class CurrentScaling:
 
 
 Float8CurrentScaling = CurrentScaling  # Transformer Engine's name
+
+
+@dataclass(frozen=True)
+class QParams:
+    """How one tensor role of Float8BlockScaling computes its scales (Transformer Engine's QParams): power_2_scale
+    rounds each scale down to a power of two (then scale_inv is exact); amax_epsilon raises each block's amax to at
+    least that value before the scale is computed."""
+
+    power_2_scale: bool = False
+    amax_epsilon: float = 0.0
+
+    def __post_init__(self):
+        if not (isinstance(self.amax_epsilon, (int, float)) and 0.0 <= self.amax_epsilon < float("inf")):
+            raise ValueError(f"QParams: amax_epsilon must be a finite number >= 0, got {self.amax_epsilon!r}")
+
+
+@dataclass(frozen=True)
+class MMParams:
+    """GEMM options of one of Float8BlockScaling's GEMMs (Transformer Engine's MMParams). Block-scaled FP8 GEMMs
+    accumulate in full precision on Hopper (cuBLASLt has no fast accumulation with block scales), so only
+    use_split_accumulator=True is accepted."""
+
+    use_split_accumulator: bool = True
+
+
+# Transformer Engine's switch for float32 (not power-of-two) block scales, read the way TE reads it
+_BLOCK_POW2 = os.getenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "0") != "1"
+
+
+@dataclass(frozen=True)
+class Float8BlockScaling:
+    """Block scaling (DeepSeek-V3's recipe; Transformer Engine's Float8BlockScaling with its names and defaults):
+    every FP8 cast scales each block of the tensor by that block's own amax, scale = fmt.max / amax (a power of two
+    by default), computed as the tensor is cast; nothing is kept across steps.
+
+    x_block_scaling_dim, w_block_scaling_dim, grad_block_scaling_dim: 1 for 1 x 128 tiles (128 consecutive values of
+    a row), 2 for 128 x 128 blocks; defaults 1 (input), 2 (weight), 1 (output gradient). Each GEMM reads its
+    operands tiled along the dimension it contracts, so a 1 x 128-tiled tensor that a backward GEMM reads
+    transposed is cast a second time, from the high-precision tensor, in tiles along the other dimension (as TE
+    does: the FP8 tensor and its transpose are not the same numbers); a 128 x 128 block serves both. cuBLASLt on
+    Hopper takes 128 x 128 scales on the weight's side only, so fp8ext accepts x_block_scaling_dim=1 and
+    grad_block_scaling_dim=1. fp8_format: Format.E4M3 (the default: every tensor E4M3) or Format.HYBRID (output
+    gradients E5M2). fp8_quant_fwd_inp / fp8_quant_fwd_weight / fp8_quant_bwd_grad: QParams per role
+    (power_2_scale True by default; NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 makes it False, as in TE).
+    fp8_gemm_fprop / fp8_gemm_dgrad / fp8_gemm_wgrad: MMParams, split accumulation only. fp8_dpa / fp8_mha (FP8
+    attention) are accepted only as False.
+    Layers need in_features and out_features that are multiples of 16 (as with every recipe); tiles at the edges
+    of a dimension that is not a multiple of 128 are partial.
+    """
+
+    fp8_format: Format = Format.E4M3
+    fp8_quant_fwd_inp: QParams = QParams(power_2_scale=_BLOCK_POW2)
+    fp8_quant_fwd_weight: QParams = QParams(power_2_scale=_BLOCK_POW2)
+    fp8_quant_bwd_grad: QParams = QParams(power_2_scale=_BLOCK_POW2)
+    x_block_scaling_dim: int = 1
+    w_block_scaling_dim: int = 2
+    grad_block_scaling_dim: int = 1
+    fp8_gemm_fprop: MMParams = MMParams()
+    fp8_gemm_dgrad: MMParams = MMParams()
+    fp8_gemm_wgrad: MMParams = MMParams()
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+
+    def __post_init__(self):
+        name = "Float8BlockScaling"
+        _refuse_fp8_attention(self)
+        _check_format(self.fp8_format, name)
+        for field in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
+            if getattr(self, field) not in (1, 2):
+                raise ValueError(f"{name}: {field} must be 1 (1 x 128 tiles) or 2 (128 x 128 blocks), got "
+                                 f"{getattr(self, field)!r}")
+        for field in ("x_block_scaling_dim", "grad_block_scaling_dim"):
+            if getattr(self, field) == 2:
+                raise NotImplementedError(f"{name}: {field}=2 is not supported by fp8ext: cuBLASLt on Hopper takes "
+                                          f"128 x 128 scales only on the weight's side of a GEMM; use 1")
+        for field in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"):
+            if not isinstance(getattr(self, field), QParams):
+                raise TypeError(f"{name}: {field} must be a fp8ext.recipe.QParams, got {getattr(self, field)!r}")
+        for field in ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"):
+            mm = getattr(self, field)
+            if not isinstance(mm, MMParams) or not mm.use_split_accumulator:
+                raise ValueError(f"{name}: {field} must be MMParams(use_split_accumulator=True): block-scaled FP8 "
+                                 f"GEMMs accumulate in full precision, got {mm!r}")
+
+
+@dataclass(frozen=True)
+class Float8RowwiseScaling:
+    """Row-wise scaling (torchao's "rowwise" recipe): every GEMM operand is cast with one scale per row along the
+    dimension the GEMM contracts, scale = fmt.max / max|row| (a power of two with power_2_scale, torchao's
+    round_scales_to_power_of_2, the default), computed as the tensor is cast; nothing is kept across steps. A
+    tensor that a backward GEMM reads transposed (the input, the weight and the output gradient each are) is cast a
+    second time, from the high-precision tensor, with one scale per column.
+    fp8_format: Format.E4M3 (the default, as torchao's rowwise casts gradients to E4M3 too) or Format.HYBRID.
+    amax_epsilon: each row's amax is raised to at least this first. The forward GEMM uses fast accumulation (as
+    torchao's and fp8ext's per-tensor recipes do), the backward GEMMs do not. fp8_dpa / fp8_mha accepted only as
+    False. Name: Transformer Engine has no row-wise recipe; this follows TE's Float8*Scaling names."""
+
+    fp8_format: Format = Format.E4M3
+    power_2_scale: bool = True
+    amax_epsilon: float = 0.0
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+
+    def __post_init__(self):
+        _refuse_fp8_attention(self)
+        _check_format(self.fp8_format, "Float8RowwiseScaling")
+        if not (isinstance(self.amax_epsilon, (int, float)) and 0.0 <= self.amax_epsilon < float("inf")):
+            raise ValueError(f"Float8RowwiseScaling: amax_epsilon must be a finite number >= 0, got "
+                             f"{self.amax_epsilon!r}")
+
+
+def _check_format(fmt, name: str) -> None:
+    if not isinstance(fmt, Format):
+        raise TypeError(f"{name}: fp8_format must be a fp8ext.Format, got {fmt!r}")
+    if fmt is Format.E5M2:
+        raise ValueError(f"{name}: pure E5M2 training is not supported (as in Transformer Engine); use Format.E4M3 "
+                         f"or Format.HYBRID")
+
+
+RECIPES = (DelayedScaling, CurrentScaling, Float8BlockScaling, Float8RowwiseScaling)

@@ -387,8 +387,9 @@ def test_fp8_disabled_is_a_plain_graph_in_high_precision():
 
 @requires_cuda
 @pytest.mark.cuda
-def test_graphed_current_scaling_matches_eager():
-    recipe = fp8ext.CurrentScaling()
+@pytest.mark.parametrize("recipe", [fp8ext.CurrentScaling(), fp8ext.Float8BlockScaling(),
+                                    fp8ext.Float8RowwiseScaling()], ids=["current", "block", "rowwise"])
+def test_graphed_recipes_without_state_match_eager(recipe):
     xs = _inputs()
     graphed_model, eager_model = _linear_model(), _linear_model()
     g = make_graphed_callables(graphed_model, (torch.zeros_like(xs[0]),), fp8_enabled=True, fp8_recipe=recipe)

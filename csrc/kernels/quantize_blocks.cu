@@ -1,5 +1,6 @@
 // quantize_blocks.cu: block ("current") scaling for the block-scaled GEMMs. For each block of x: its
 // amax, scale = fp8_scale_for_amax(amax), q = fp8(x * scale) (saturating) and scale_inv = 1 / scale,
+// (fp8_block_scale: optionally a power of two, and with the amax raised to at least amax_epsilon),
 // in one pass over x from DRAM (a block's values stay in registers, or in L2 for whole rows).
 //
 // Memory traffic: sizeof(T) read + 1 written per element, plus 4 bytes per block.
@@ -56,7 +57,7 @@ template <typename T, int FMT>
 __global__ void __launch_bounds__(kThreads) quantize_1x128_kernel(const T *__restrict__ x, uint8_t *__restrict__ q,
                                                                   float *__restrict__ scale_inv, int64_t rows,
                                                                   int64_t cols, int64_t groups, int64_t stride_r,
-                                                                  int64_t stride_c) {
+                                                                  int64_t stride_c, int pow2, float eps) {
     const int64_t chunk = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
     const int64_t per_row = groups * 16;
     const int64_t row = chunk / per_row, col = (chunk % per_row) * 8;
@@ -66,7 +67,7 @@ __global__ void __launch_bounds__(kThreads) quantize_1x128_kernel(const T *__res
     int32_t m = amax8(f);
 #pragma unroll
     for (int o = 8; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));  // the half-warp's group
-    const float scale = fp8_scale_for_amax(__int_as_float(m), FMT);
+    const float scale = fp8_block_scale(__int_as_float(m), FMT, pow2, eps);
     if (valid) store8<FMT>(q, row * cols + col, f, scale);
     if (row < rows && (chunk % 16) == 0) scale_inv[row * stride_r + (col / 128) * stride_c] = 1.0f / scale;
 }
@@ -74,7 +75,8 @@ __global__ void __launch_bounds__(kThreads) quantize_1x128_kernel(const T *__res
 template <typename T, int FMT>
 __global__ void __launch_bounds__(kThreads) quantize_128x128_kernel(const T *__restrict__ x, uint8_t *__restrict__ q,
                                                                     float *__restrict__ scale_inv, int64_t rows,
-                                                                    int64_t cols, int64_t stride_r, int64_t stride_c) {
+                                                                    int64_t cols, int64_t stride_r, int64_t stride_c,
+                                                                    int pow2, float eps) {
     constexpr int kChunks = 128 * 16 / kThreads;  // 8 chunks of 8 elements per thread
     const int64_t r0 = static_cast<int64_t>(blockIdx.y) * 128, c0 = static_cast<int64_t>(blockIdx.x) * 128;
     float f[kChunks][8];
@@ -88,7 +90,7 @@ __global__ void __launch_bounds__(kThreads) quantize_128x128_kernel(const T *__r
         if (r < rows && c < cols) load8(x, r * cols + c, f[i]);
         m = max(m, amax8(f[i]));
     }
-    const float scale = fp8_scale_for_amax(__int_as_float(block_max(m)), FMT);
+    const float scale = fp8_block_scale(__int_as_float(block_max(m)), FMT, pow2, eps);
 #pragma unroll
     for (int i = 0; i < kChunks; ++i) {
         const int id = threadIdx.x + i * kThreads;
@@ -101,7 +103,7 @@ __global__ void __launch_bounds__(kThreads) quantize_128x128_kernel(const T *__r
 template <typename T, int FMT>
 __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const T *__restrict__ x, uint8_t *__restrict__ q,
                                                                  float *__restrict__ scale_inv, int64_t cols,
-                                                                 int64_t stride_r) {
+                                                                 int64_t stride_r, int pow2, float eps) {
     const int64_t base = static_cast<int64_t>(blockIdx.x) * cols;
     float f[8];
     int32_t m = 0;
@@ -109,7 +111,7 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const T *__rest
         load8(x, base + c, f);
         m = max(m, amax8(f));
     }
-    const float scale = fp8_scale_for_amax(__int_as_float(block_max(m)), FMT);
+    const float scale = fp8_block_scale(__int_as_float(block_max(m)), FMT, pow2, eps);
     for (int64_t c = threadIdx.x * 8; c < cols; c += kThreads * 8) {
         load8(x, base + c, f);
         store8<FMT>(q, base + c, f, scale);
@@ -132,16 +134,18 @@ extern "C" int fp8ext_cuda_quantize_blocks(const fp8ext_quantize_blocks_args *a,
             const int64_t blocks = (a->rows * groups * 16 + kThreads - 1) / kThreads;
             if (blocks > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
             quantize_1x128_kernel<T, FMT><<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(
-                x, a->q, a->scale_inv, a->rows, a->cols, groups, a->stride_r, a->stride_c);
+                x, a->q, a->scale_inv, a->rows, a->cols, groups, a->stride_r, a->stride_c, a->pow2_scale,
+                a->amax_epsilon);
         } else if (a->block_rows == 128 && a->block_cols == 128) {
             const dim3 grid(static_cast<unsigned>((a->cols + 127) / 128), static_cast<unsigned>((a->rows + 127) / 128));
             if ((a->rows + 127) / 128 > 65535) return cudaErrorInvalidConfiguration;
             quantize_128x128_kernel<T, FMT><<<grid, kThreads, 0, s>>>(x, a->q, a->scale_inv, a->rows, a->cols,
-                                                                      a->stride_r, a->stride_c);
+                                                                      a->stride_r, a->stride_c, a->pow2_scale,
+                                                                      a->amax_epsilon);
         } else if (a->block_rows == 1 && a->block_cols == a->cols) {
             if (a->rows > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
-            quantize_rows_kernel<T, FMT><<<static_cast<unsigned>(a->rows), kThreads, 0, s>>>(x, a->q, a->scale_inv,
-                                                                                             a->cols, a->stride_r);
+            quantize_rows_kernel<T, FMT><<<static_cast<unsigned>(a->rows), kThreads, 0, s>>>(
+                x, a->q, a->scale_inv, a->cols, a->stride_r, a->pow2_scale, a->amax_epsilon);
         } else {
             return cudaErrorInvalidValue;
         }

@@ -25,8 +25,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--use_fp8", action="store_true",
                    help="run the blocks' linear layers in FP8 (E4M3 forward, E5M2 gradients); raises on a GPU "
                         "without FP8 tensor cores; emulated (exact casts, float32 products) on a CPU")
-    p.add_argument("--fp8_recipe", choices=["delayed", "current"], default="delayed",
-                   help="delayed: scales from an amax history (HYBRID, 'max'); current: from each tensor's own amax")
+    p.add_argument("--fp8_recipe", choices=["delayed", "current", "block", "rowwise"], default="delayed",
+                   help="delayed: scales from an amax history (HYBRID, 'max'); current: from each tensor's own amax; "
+                        "block: Float8BlockScaling (1x128 activation and gradient tiles, 128x128 weight blocks, E4M3, "
+                        "power-of-two scales); rowwise: Float8RowwiseScaling (one scale per row, E4M3)")
     p.add_argument("--amax_history_len", type=int, default=16)
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--separate_qkv", action="store_true", help="three Q/K/V projections instead of one fused")

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import fp8ext
 from ..models.transformer import Transformer, preset
-from ..recipe import CurrentScaling, DelayedScaling, Format
+from ..recipe import CurrentScaling, DelayedScaling, Float8BlockScaling, Float8RowwiseScaling, Format
 from . import checkpoint
 from .data import batch, load_corpus
 
@@ -76,6 +76,10 @@ def _check_fp8(device: torch.device, rank: int) -> None:
 def _recipe(args):
     if args.fp8_recipe == "current":
         return CurrentScaling(fp8_format=Format.HYBRID)
+    if args.fp8_recipe == "block":
+        return Float8BlockScaling()
+    if args.fp8_recipe == "rowwise":
+        return Float8RowwiseScaling()
     return DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=args.amax_history_len, amax_compute_algo="max")
 
 
