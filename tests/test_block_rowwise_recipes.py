@@ -165,18 +165,24 @@ def _relerr(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a.double() - ref).norm() / ref.norm()).item()
 
 
+def _row_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """Mean over rows of each row's relative error: what each token's output or gradient loses."""
+    return ((a.double() - ref).norm(dim=1) / ref.norm(dim=1)).mean().item()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_block_and_rowwise_recipes_beat_per_tensor_scaling_on_inputs_with_outliers(device):
-    """Activations with a few outlier channels of 1e4 (a per-tensor scale then flushes most ordinary values) and
-    a weight with one outlier row: each recipe's forward output and gradients against float64."""
+    """Two tokens whose activations are 1e5 times the others' (and one such token in the output gradient): a
+    per-tensor scale fitted to them flushes the ordinary tokens' values, while row and 1 x 128 tile scales keep
+    each token's own range. Each token's output and input gradient against float64; the weight gradient (a sum
+    over tokens, which the outlier tokens dominate in every recipe) within FP8's usual error."""
     torch.manual_seed(2)
     m, k, n = 128, 512, 256
     x = torch.randn(m, k, device=device)
-    x[:, :4] *= 1e4
+    x[[3, 50]] *= 1e5
     w = torch.randn(n, k, device=device) * 0.05
-    w[7] *= 300
     dy = torch.randn(m, n, device=device)
-    dy[3] *= 1e4
+    dy[10] *= 1e5
     y64 = x.double() @ w.double().t()
     dx64, dw64 = dy.double() @ w.double(), dy.double().t() @ x.double()
     errs = {}
@@ -191,12 +197,14 @@ def test_block_and_rowwise_recipes_beat_per_tensor_scaling_on_inputs_with_outlie
             with fp8ext.fp8_autocast(fp8_recipe=recipe):
                 y = layer(xr)
             y.backward(dy)
-        errs[name] = (_relerr(y, y64), _relerr(xr.grad, dx64), _relerr(layer.weight.grad, dw64))
+        errs[name] = (_row_err(y, y64), _row_err(xr.grad, dx64), _relerr(layer.weight.grad, dw64))
     for fine in ("block", "rowwise"):
         for coarse in ("delayed", "current"):
-            for i, what in enumerate(("y", "dx", "dW")):
-                assert errs[fine][i] < errs[coarse][i], f"{what}: {fine} {errs[fine][i]:.4f} >= {coarse} " \
-                                                        f"{errs[coarse][i]:.4f}"
+            # y: the ordinary tokens lose most of their bits to a per-tensor E4M3 scale; dx: E5M2 (HYBRID) reaches
+            # further down, so the per-tensor recipes lose less there
+            for i, (what, factor) in enumerate((("y", 0.5), ("dx", 1.0))):
+                assert errs[fine][i] < factor * errs[coarse][i], f"{what}: {fine} {errs[fine][i]:.4f}, {coarse} " \
+                                                                 f"{errs[coarse][i]:.4f}"
         assert max(errs[fine]) < 0.08, f"{fine}: relative errors {errs[fine]}"
 
 
