@@ -175,7 +175,7 @@ def test_block_and_rowwise_recipes_beat_per_tensor_scaling_on_inputs_with_outlie
     """Two tokens whose activations are 1e5 times the others' (and one such token in the output gradient): a
     per-tensor scale fitted to them flushes the ordinary tokens' values, while row and 1 x 128 tile scales keep
     each token's own range. Each token's output and input gradient against float64; the weight gradient (a sum
-    over tokens, which the outlier tokens dominate in every recipe) within FP8's usual error."""
+    over tokens) no worse than per-tensor scaling's."""
     torch.manual_seed(2)
     m, k, n = 128, 512, 256
     x = torch.randn(m, k, device=device)
@@ -205,7 +205,10 @@ def test_block_and_rowwise_recipes_beat_per_tensor_scaling_on_inputs_with_outlie
             for i, (what, factor) in enumerate((("y", 0.5), ("dx", 1.0))):
                 assert errs[fine][i] < factor * errs[coarse][i], f"{what}: {fine} {errs[fine][i]:.4f}, {coarse} " \
                                                                  f"{errs[coarse][i]:.4f}"
-        assert max(errs[fine]) < 0.08, f"{fine}: relative errors {errs[fine]}"
+        assert max(errs[fine][:2]) < 0.06, f"{fine}: relative errors {errs[fine]}"
+        # the weight gradient's tiles run along the tokens: an outlier token's tile flushes the ordinary tokens
+        # there, in every recipe
+        assert errs[fine][2] < 1.5 * min(errs["delayed"][2], errs["current"][2]), errs
 
 
 @pytest.mark.parametrize("device", DEVICES)
