@@ -118,6 +118,13 @@ typedef struct {
     int fmt;
     int pow2_scale;     /* round each scale down to a power of two (Transformer Engine's power_2_scale) */
     float amax_epsilon; /* each block's amax is raised to at least this (TE's amax_epsilon; 0: unchanged) */
+    /* NULL, or also the transposed cast qt [cols, rows] in the same pass (1 x 128 and 128 x 128 blocks only; on the
+     * GPU rows % 16 == 0): for 1 x 128 blocks x^T in 1 x 128 tiles of its own (128 rows of one column of x share a
+     * scale), for 128 x 128 blocks the same blocks' bytes transposed. Block (rb, cb) of x^T has its scale_inv at
+     * scale_inv_t[rb * stride_rt + cb * stride_ct]. */
+    uint8_t *qt;
+    float *scale_inv_t;
+    int64_t stride_rt, stride_ct;
 } fp8ext_quantize_blocks_args;
 
 /* Block-scaled small formats in one pass (csrc/kernels/quantize_mx.cu), GPU only: fp8ext/mx.py's torch code is

@@ -110,7 +110,36 @@ void fp8ext_cpu_cast_transpose_dbias(const fp8ext_cast_transpose_dbias_args *a) 
     }
 }
 
+/* The transposed cast of quantize_blocks (cast.h): x^T in 1 x 128 tiles, or the 128 x 128 blocks transposed. */
+static void quantize_blocks_transposed(const fp8ext_quantize_blocks_args *a) {
+    const int64_t br = a->block_rows, bc = a->block_cols;
+    for (int64_t r0 = 0; r0 < a->rows; r0 += 128) {
+        const int64_t r1 = r0 + 128 < a->rows ? r0 + 128 : a->rows;
+        for (int64_t c0 = 0; c0 < a->cols; c0 += bc) {
+            const int64_t c1 = c0 + bc < a->cols ? c0 + bc : a->cols;
+            /* 1 x 128: each column c of the 128-row band is a tile of x^T; 128 x 128: the block is one tile */
+            for (int64_t g0 = c0; g0 < c1; g0 += (br == 1 ? 1 : bc)) {
+                const int64_t g1 = br == 1 ? g0 + 1 : c1;
+                int32_t m = 0;
+                for (int64_t r = r0; r < r1; ++r)
+                    for (int64_t c = g0; c < g1; ++c) {
+                        const int32_t b = abs_bits(load_elem(a->x, a->x_dtype, r * a->cols + c));
+                        if (b > m) m = b;
+                    }
+                const float scale = fp8_block_scale(fp8_bits_f32((uint32_t)m), a->fmt, a->pow2_scale, a->amax_epsilon);
+                for (int64_t r = r0; r < r1; ++r)
+                    for (int64_t c = g0; c < g1; ++c)
+                        a->qt[c * a->rows + r] = fp8_quantize_rne(load_elem(a->x, a->x_dtype, r * a->cols + c), scale,
+                                                                  a->fmt, 1);
+                const int64_t trb = br == 1 ? g0 : c0 / bc;  /* x^T's block row and block column */
+                a->scale_inv_t[trb * a->stride_rt + (r0 / 128) * a->stride_ct] = 1.0f / scale;
+            }
+        }
+    }
+}
+
 void fp8ext_cpu_quantize_blocks(const fp8ext_quantize_blocks_args *a) {
+    if (a->qt) quantize_blocks_transposed(a);
     for (int64_t r0 = 0; r0 < a->rows; r0 += a->block_rows) {
         for (int64_t c0 = 0; c0 < a->cols; c0 += a->block_cols) {
             const int64_t r1 = r0 + a->block_rows < a->rows ? r0 + a->block_rows : a->rows;

@@ -436,26 +436,76 @@ static PyObject *py_cast_transpose_dbias_workspace(PyObject *module, PyObject *a
     return Py_BuildValue("(LL)", (long long)fp8ext_dbias_workspace_rows(rows), cols);
 }
 
+/* Every block's scale_inv index, (nrb - 1) * sr + (ncb - 1) * sc, must be inside a buffer of cap floats; the test
+ * is written so that no product or sum can overflow. */
+static int check_block_index(const char *fn, const char *arg, int64_t cap, int64_t nrb, int64_t ncb, long long sr,
+                             long long sc) {
+    const int64_t rmax = nrb > 0 ? nrb - 1 : 0, cmax = ncb > 0 ? ncb - 1 : 0;
+    int ok = sr >= 0 && sc >= 0 && cap > 0;
+    ok = ok && (rmax == 0 || sr <= (cap - 1) / rmax);
+    const int64_t used_r = ok ? rmax * sr : 0;
+    ok = ok && (cmax == 0 || sc <= (cap - 1 - used_r) / cmax);
+    if (nrb > 0 && !ok) {
+        PyErr_Format(PyExc_ValueError, "%s(): %s (%lld floats) is too small for %lld x %lld blocks with strides (%lld, "
+                     "%lld)", fn, arg, (long long)cap, (long long)nrb, (long long)ncb, sr, sc);
+        return -1;
+    }
+    return 0;
+}
+
+/* The transposed cast's outputs (qt [cols, rows] and its scale_inv buffer), checked into a. */
+static int get_transposed(PyObject *qt_o, PyObject *st_o, long long srt, long long sct, const fp8ext_view *x,
+                          Py_ssize_t stream, const char *fn, fp8ext_view *qt, fp8ext_view *st,
+                          fp8ext_quantize_blocks_args *a) {
+    if (a->block_cols != 128) {
+        PyErr_Format(PyExc_ValueError, "%s(): qt (the transposed cast) needs 1 x 128 or 128 x 128 blocks", fn);
+        return -1;
+    }
+    if (get_output(qt_o, FP8EXT_KIND_U8, x, "x", stream, fn, "qt", qt) < 0 ||
+        get_output(st_o, FP8EXT_KIND_F32, x, "x", stream, fn, "scale_inv_t", st) < 0)
+        return -1;
+    if (qt->ndim != 2 || qt->shape[0] != a->cols || qt->shape[1] != a->rows) {
+        PyErr_Format(PyExc_ValueError, "%s(): qt must be [%lld, %lld] (x transposed)", fn, (long long)a->cols,
+                     (long long)a->rows);
+        return -1;
+    }
+    if (x->device_type != 1 /* kDLCPU */ && (a->rows % 16 || (uintptr_t)qt->data % 16)) {
+        PyErr_Format(PyExc_ValueError, "%s(): on a GPU the transposed cast needs a row count that is a multiple of 16 "
+                     "(got %lld) and a 16-byte aligned qt", fn, (long long)a->rows);
+        return -1;
+    }
+    const int64_t trb = a->block_rows == 1 ? a->cols : (a->cols + 127) / 128, tcb = (a->rows + 127) / 128;
+    if (check_block_index(fn, "scale_inv_t", st->numel, a->rows > 0 ? trb : 0, tcb, srt, sct) < 0) return -1;
+    a->qt = qt->data, a->scale_inv_t = st->data, a->stride_rt = srt, a->stride_ct = sct;
+    return 0;
+}
+
 /* quantize_blocks(x, out, scale_inv, fmt, block_rows, block_cols, stride_r, stride_c, stream=0, pow2_scale=False,
- *                 amax_epsilon=0.0)
- * scale_inv is the whole float32 buffer; block (rb, cb)'s scale_inv goes to [rb * stride_r + cb * stride_c]. */
+ *                 amax_epsilon=0.0, qt=None, scale_inv_t=None, stride_rt=0, stride_ct=0)
+ * scale_inv is the whole float32 buffer; block (rb, cb)'s scale_inv goes to [rb * stride_r + cb * stride_c]; qt and
+ * scale_inv_t likewise for the transposed cast (cast.h). */
 static PyObject *py_quantize_blocks(PyObject *module, PyObject *args, PyObject *kwargs) {
     static const char *fn = "quantize_blocks";
     static char *kwlist[] = {"x", "out", "scale_inv", "fmt", "block_rows", "block_cols", "stride_r", "stride_c",
-                             "stream", "pow2_scale", "amax_epsilon", NULL};
-    PyObject *x_o, *out_o, *s_o;
+                             "stream", "pow2_scale", "amax_epsilon", "qt", "scale_inv_t", "stride_rt", "stride_ct",
+                             NULL};
+    PyObject *x_o, *out_o, *s_o, *qt_o = Py_None, *st_o = Py_None;
     int fmt, pow2 = 0;
-    long long br, bc, sr, sc;
+    long long br, bc, sr, sc, srt = 0, sct = 0;
     Py_ssize_t stream = 0;
     double eps = 0.0;
-    if (!fp8ext_parse_args(args, kwargs, "OOOiLLLL|npd:quantize_blocks", kwlist, &x_o, &out_o, &s_o, &fmt, &br,
-                           &bc, &sr, &sc, &stream, &pow2, &eps))
+    if (!fp8ext_parse_args(args, kwargs, "OOOiLLLL|npdOOLL:quantize_blocks", kwlist, &x_o, &out_o, &s_o, &fmt, &br,
+                           &bc, &sr, &sc, &stream, &pow2, &eps, &qt_o, &st_o, &srt, &sct))
         return NULL;
     if (!(eps >= 0.0 && eps <= 3.40282347e38)) {
         PyErr_Format(PyExc_ValueError, "%s(): amax_epsilon must be a finite float32 >= 0, got %g", fn, eps);
         return NULL;
     }
-    fp8ext_view x = {0}, out = {0}, sv = {0};
+    if ((qt_o == Py_None) != (st_o == Py_None)) {
+        PyErr_Format(PyExc_ValueError, "%s(): qt and scale_inv_t come together", fn);
+        return NULL;
+    }
+    fp8ext_view x = {0}, out = {0}, sv = {0}, qt = {0}, st = {0};
     PyObject *ret = NULL;
     fp8ext_quantize_blocks_args a = {0};
     if (fp8ext_check_fmt(fmt, fn) < 0 || get_input(x_o, stream, fn, "x", &x) < 0) goto done;
@@ -478,34 +528,26 @@ static PyObject *py_quantize_blocks(PyObject *module, PyObject *args, PyObject *
                      "aligned start", fn, (long long)a.cols);
         goto done;
     }
+    a.block_rows = br, a.block_cols = bc;
     if (get_output(out_o, FP8EXT_KIND_U8, &x, "x", stream, fn, "out", &out) < 0 ||
         fp8ext_check_same_shape(&out, &x, fn, "out", "x") < 0 ||
         get_output(s_o, FP8EXT_KIND_F32, &x, "x", stream, fn, "scale_inv", &sv) < 0 ||
-        fp8ext_check_disjoint(fn, 2, 3, (const fp8ext_view *const[]){&out, &sv, &x},
-                              (const char *const[]){"out", "scale_inv", "x"}) < 0)
+        check_block_index(fn, "scale_inv", sv.numel, a.rows > 0 ? (a.rows + br - 1) / br : 0, (a.cols + bc - 1) / bc,
+                          sr, sc) < 0 ||
+        (qt_o != Py_None && get_transposed(qt_o, st_o, srt, sct, &x, stream, fn, &qt, &st, &a) < 0) ||
+        (qt_o == Py_None ? fp8ext_check_disjoint(fn, 2, 3, (const fp8ext_view *const[]){&out, &sv, &x},
+                                                 (const char *const[]){"out", "scale_inv", "x"})
+                         : fp8ext_check_disjoint(fn, 4, 5, (const fp8ext_view *const[]){&out, &sv, &qt, &st, &x},
+                                                 (const char *const[]){"out", "scale_inv", "qt", "scale_inv_t", "x"}))
+            < 0)
         goto done;
-    {
-        /* Every block's scale_inv index, (nrb - 1) * sr + (ncb - 1) * sc, must be inside scale_inv; the test
-         * is written so that no product or sum can overflow. */
-        const int64_t nrb = (a.rows + br - 1) / br, ncb = (a.cols + bc - 1) / bc, cap = sv.numel;
-        const int64_t rmax = nrb > 0 ? nrb - 1 : 0, cmax = ncb - 1;
-        int ok = sr >= 0 && sc >= 0 && cap > 0;
-        ok = ok && (rmax == 0 || sr <= (cap - 1) / rmax);
-        const int64_t used_r = ok ? rmax * sr : 0;
-        ok = ok && (cmax == 0 || sc <= (cap - 1 - used_r) / cmax);
-        if (a.rows > 0 && !ok) {
-            PyErr_Format(PyExc_ValueError, "%s(): scale_inv (%lld floats) is too small for %lld x %lld blocks with "
-                         "strides (%lld, %lld)", fn, (long long)cap, (long long)nrb, (long long)ncb, sr, sc);
-            goto done;
-        }
-    }
-    a.x = x.data, a.x_dtype = fp8ext_view_dtype(&x), a.block_rows = br, a.block_cols = bc, a.q = out.data;
+    a.x = x.data, a.x_dtype = fp8ext_view_dtype(&x), a.q = out.data;
     a.scale_inv = sv.data, a.stride_r = sr, a.stride_c = sc, a.fmt = fmt, a.pow2_scale = pow2;
     a.amax_epsilon = (float)eps;
     if (fp8ext_run_op(module, &x, stream, fn, cpu_quantize_blocks, cuda_quantize_blocks, &a) < 0) goto done;
     ret = Py_NewRef(Py_None);
 done:
-    FP8EXT_RELEASE_ALL(&x, &out, &sv);
+    FP8EXT_RELEASE_ALL(&x, &out, &sv, &qt, &st);
     return ret;
 }
 
@@ -533,7 +575,7 @@ PyMethodDef fp8ext_op_methods[] = {
      "cast_transpose_dbias_workspace(rows, cols) -> (tiles, cols): the float32 workspace's shape."},
     {"quantize_blocks", (PyCFunction)(void (*)(void))py_quantize_blocks, METH_VARARGS | METH_KEYWORDS,
      "quantize_blocks(x, out, scale_inv, fmt, block_rows, block_cols, stride_r, stride_c, stream=0, pow2_scale=False, "
-     "amax_epsilon=0.0)\n"
+     "amax_epsilon=0.0, qt=None, scale_inv_t=None, stride_rt=0, stride_ct=0)\n"
      "Block scaling: per block scale = fmt.max / amax, out = fp8(x * scale), scale_inv = 1 / scale."},
     {NULL, NULL, 0, NULL},
 };

@@ -115,7 +115,7 @@ def _quantize_blocks(x: torch.Tensor, fmt: int, kind: str, pow2: bool, eps: floa
                      ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(q, scale_inv) of quantize_rowwise / quantize_blockwise (scale_inv a view of fp8ext.ops.scale_buffer's buffer,
     in the layout gemm reads)."""
-    return ops.quantize_blocks_eager(x, format_of_code(fmt), kind, pow2, eps)
+    return ops.quantize_blocks_eager(x, format_of_code(fmt), kind, pow2, eps, x.device)
 
 
 @_quantize_blocks.register_fake
@@ -125,6 +125,26 @@ def _(x, fmt, kind, pow2, eps):
     s = ops.scale_inv_view(buf, kind, cols)
     return (x.new_empty(x.shape, dtype=format_of_code(fmt).torch_dtype),
             torch.empty_strided(s.shape, s.stride(), dtype=torch.float32, device=x.device))
+
+
+@torch.library.custom_op("fp8ext::quantize_blocks_t", mutates_args=())
+def _quantize_blocks_t(x: torch.Tensor, fmt: int, kind: str, pow2: bool, eps: float
+                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, scale_inv, qt, scale_inv_t) of fp8ext.ops.quantize_blocks_t."""
+    return ops.quantize_blocks_t_eager(x, format_of_code(fmt), kind, pow2, eps)
+
+
+@_quantize_blocks_t.register_fake
+def _(x, fmt, kind, pow2, eps):
+    rows, cols = x.shape
+    dtype = format_of_code(fmt).torch_dtype
+    out = []
+    for r, c in ((rows, cols), (cols, rows)):
+        buf, _, _ = ops.scale_buffer(kind, r, c, "meta")
+        s = ops.scale_inv_view(buf, kind, c)
+        out += [x.new_empty((r, c), dtype=dtype), torch.empty_strided(s.shape, s.stride(), dtype=torch.float32,
+                                                                       device=x.device)]
+    return tuple(out)
 
 
 @torch.library.custom_op("fp8ext::gemm", mutates_args=())

@@ -119,6 +119,86 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const T *__rest
     if (threadIdx.x == 0) scale_inv[blockIdx.x * stride_r] = 1.0f / scale;
 }
 
+// A 128 x 128 tile of x cast twice in one pass from DRAM, for the training GEMMs that read x and x^T: q in 1 x 128
+// tiles (kSquare: one scale for the tile), then qt = the tile transposed, in 1 x 128 tiles along x's columns (each
+// column's 128 values share a scale; kSquare: the tile's scale). The second cast reads the tile again from L2.
+// Thread t's column pass: column t % 128, rows (t / 128) * 64 ... + 63, the two halves' amaxes joined in shared
+// memory; it stores 64 contiguous bytes of a qt row (rows % 16 == 0, so 16-byte stores stay aligned and in bounds).
+template <typename T, int FMT, bool kSquare>
+__global__ void __launch_bounds__(kThreads) quantize_tile_t_kernel(
+    const T *__restrict__ x, uint8_t *__restrict__ q, float *__restrict__ scale_inv, uint8_t *__restrict__ qt,
+    float *__restrict__ scale_inv_t, int64_t rows, int64_t cols, int64_t stride_r, int64_t stride_c,
+    int64_t stride_rt, int64_t stride_ct, int pow2, float eps) {
+    constexpr int kChunks = 128 * 16 / kThreads;
+    __shared__ int32_t half_max[2][128];
+    __shared__ float tile_scale;
+    const int64_t r0 = static_cast<int64_t>(blockIdx.y) * 128, c0 = static_cast<int64_t>(blockIdx.x) * 128;
+    float f[kChunks][8];
+    int32_t m = 0;
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+        const int id = threadIdx.x + i * kThreads;
+        const int64_t r = r0 + id / 16, c = c0 + (id % 16) * 8;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) f[i][j] = 0.0f;
+        if (r < rows && c < cols) load8(x, r * cols + c, f[i]);
+        int32_t mi = amax8(f[i]);
+        if constexpr (!kSquare) {  // the row's 1 x 128 group: the 16 lanes of this half-warp
+#pragma unroll
+            for (int o = 8; o > 0; o >>= 1) mi = max(mi, __shfl_xor_sync(0xFFFFFFFFu, mi, o));
+            const float scale = fp8_block_scale(__int_as_float(mi), FMT, pow2, eps);
+            if (r < rows && c < cols) store8<FMT>(q, r * cols + c, f[i], scale);
+            if (r < rows && (id % 16) == 0) scale_inv[r * stride_r + blockIdx.x * stride_c] = 1.0f / scale;
+        }
+        m = max(m, mi);
+    }
+    if constexpr (kSquare) {
+        const float scale = fp8_block_scale(__int_as_float(block_max(m)), FMT, pow2, eps);
+#pragma unroll
+        for (int i = 0; i < kChunks; ++i) {
+            const int id = threadIdx.x + i * kThreads;
+            const int64_t r = r0 + id / 16, c = c0 + (id % 16) * 8;
+            if (r < rows && c < cols) store8<FMT>(q, r * cols + c, f[i], scale);
+        }
+        if (threadIdx.x == 0) {
+            scale_inv[blockIdx.y * stride_r + blockIdx.x * stride_c] = 1.0f / scale;
+            scale_inv_t[blockIdx.x * stride_rt + blockIdx.y * stride_ct] = 1.0f / scale;
+            tile_scale = scale;
+        }
+    }
+    // the column pass
+    const int cl = threadIdx.x & 127, h = threadIdx.x >> 7;
+    const int64_t c = c0 + cl, rb = r0 + h * 64;
+    float v[64];
+    int32_t mc = 0;
+#pragma unroll
+    for (int j = 0; j < 64; ++j) {
+        v[j] = (c < cols && rb + j < rows) ? Elem<T>::load1(x, (rb + j) * cols + c) : 0.0f;
+        mc = max(mc, abs_bits(v[j]));
+    }
+    if constexpr (!kSquare) half_max[h][cl] = mc;
+    __syncthreads();
+    float scale;
+    if constexpr (kSquare) {
+        scale = tile_scale;
+    } else {
+        scale = fp8_block_scale(__int_as_float(max(half_max[0][cl], half_max[1][cl])), FMT, pow2, eps);
+        if (h == 0 && c < cols) scale_inv_t[c * stride_rt + blockIdx.y * stride_ct] = 1.0f / scale;
+    }
+    if (c >= cols) return;
+#pragma unroll
+    for (int g = 0; g < 4; ++g) {
+        if (rb + g * 16 >= rows) break;
+        uint32_t w[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const float *p = v + g * 16 + u * 4;
+            w[u] = cvt2<FMT>(p[0], p[1], scale, 1) | (cvt2<FMT>(p[2], p[3], scale, 1) << 16);
+        }
+        *reinterpret_cast<uint4 *>(qt + c * rows + rb + g * 16) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+}
+
 }  // namespace
 }  // namespace fp8ext
 
@@ -127,9 +207,21 @@ extern "C" int fp8ext_cuda_quantize_blocks(const fp8ext_quantize_blocks_args *a,
     if (a->rows == 0 || a->cols == 0) return cudaSuccess;
     if (a->cols % 8 || !aligned(a->x, 16) || !aligned(a->q, 8)) return cudaErrorMisalignedAddress;
     cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (a->qt && (a->rows % 16 || !aligned(a->qt, 16) || a->block_cols != 128)) return cudaErrorInvalidValue;
     FP8EXT_DISPATCH_DTYPE(a->x_dtype, FP8EXT_DISPATCH_FMT(a->fmt, {
         const T *x = static_cast<const T *>(a->x);
-        if (a->block_rows == 1 && a->block_cols == 128) {
+        if (a->qt) {  // both casts, one CUDA block per 128 x 128 tile
+            const dim3 grid(static_cast<unsigned>((a->cols + 127) / 128), static_cast<unsigned>((a->rows + 127) / 128));
+            if ((a->rows + 127) / 128 > 65535) return cudaErrorInvalidConfiguration;
+            if (a->block_rows == 128)
+                quantize_tile_t_kernel<T, FMT, true><<<grid, kThreads, 0, s>>>(
+                    x, a->q, a->scale_inv, a->qt, a->scale_inv_t, a->rows, a->cols, a->stride_r, a->stride_c,
+                    a->stride_rt, a->stride_ct, a->pow2_scale, a->amax_epsilon);
+            else
+                quantize_tile_t_kernel<T, FMT, false><<<grid, kThreads, 0, s>>>(
+                    x, a->q, a->scale_inv, a->qt, a->scale_inv_t, a->rows, a->cols, a->stride_r, a->stride_c,
+                    a->stride_rt, a->stride_ct, a->pow2_scale, a->amax_epsilon);
+        } else if (a->block_rows == 1 && a->block_cols == 128) {
             const int64_t groups = (a->cols + 127) / 128;
             const int64_t blocks = (a->rows * groups * 16 + kThreads - 1) / kThreads;
             if (blocks > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
