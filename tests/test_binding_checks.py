@@ -16,7 +16,7 @@ import dlpack_craft
 import fp8ext
 from conftest import DEVICES
 from fp8ext import _C
-from fp8ext._boundary import stream_of
+from fp8ext.core._boundary import stream_of
 
 BAD_SCALES = [float("nan"), 0.0, -1.0, float("inf")]
 dl = torch.utils.dlpack.to_dlpack

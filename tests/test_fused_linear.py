@@ -6,8 +6,9 @@ import torch
 
 import fp8ext
 import fp8ext as te
-from fp8ext import _C, _fused_linear as FL, fused
-from fp8ext._boundary import dl, dl_fp8, stream_of
+from fp8ext import _C, fused
+from fp8ext.modules import _fused_linear as FL
+from fp8ext.core._boundary import dl, dl_fp8, stream_of
 from conftest import requires_cuda
 
 EPS = 1e-5

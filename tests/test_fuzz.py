@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 import fp8ext
 from fp8ext import _C
-from fp8ext._boundary import dl
+from fp8ext.core._boundary import dl
 from fp8ext.mx import MX_ELEMENT_FORMATS
 
 EXAMPLES = int(os.environ.get("FP8EXT_FUZZ_EXAMPLES", "40"))

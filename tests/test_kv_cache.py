@@ -135,7 +135,7 @@ def test_graphed_decoding_is_refused_where_it_cannot_run():
 @pytest.mark.cuda
 def test_device_position_and_length_give_the_int_paths_bytes():
     from fp8ext import _C
-    from fp8ext._boundary import dl, dl_fp8, stream_of
+    from fp8ext.core._boundary import dl, dl_fp8, stream_of
     torch.manual_seed(0)
     b, h, kv, hd, max_len = 2, 8, 2, 128, 700
     q = torch.randn(b, h, hd, device="cuda", dtype=torch.bfloat16)

@@ -25,10 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import fp8ext as te
-from fp8ext import fused
-from fp8ext._fused_linear import SWIGLU, fused_input_linear
-from fp8ext.context import current_context
-from fp8ext.recipe import DelayedScaling, Format
+from fp8ext.ops import fused
+from fp8ext.modules._fused_linear import SWIGLU, fused_input_linear
+from fp8ext.core.context import current_context
+from fp8ext.core.recipe import DelayedScaling, Format
 
 __all__ = ["TransformerConfig", "Transformer", "PRESETS", "preset"]
 

@@ -54,7 +54,7 @@ from typing import Any, Optional, Tuple, Union
 
 import torch
 
-from ..formats import format_of_dtype
+from ..core.formats import format_of_dtype
 from ._values import check_shapes, fail, index_of, value_table
 
 __all__ = ["gemm_reference", "gemm_error_bound", "assert_gemm_close", "accum_bits_for", "H100_ACCUM_BITS",

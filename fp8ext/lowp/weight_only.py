@@ -36,12 +36,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .formats import E2M1, E2M3, E3M2, E4M3
-from .mx import dequantize_mx, dequantize_nvfp4, quantize_mx, quantize_nvfp4, refuse_non_finite
-from .ops import quantize
-from . import _C
-from ._boundary import dl
-from .packing import pack_fp4, pack_fp6, unpack_fp4, unpack_fp6
+from ..core.formats import E2M1, E2M3, E3M2, E4M3
+from ..ops.mx import dequantize_mx, dequantize_nvfp4, quantize_mx, quantize_nvfp4, refuse_non_finite
+from ..ops import quantize
+from .. import _C
+from ..core._boundary import dl
+from ..ops.packing import pack_fp4, pack_fp6, unpack_fp4, unpack_fp6
 
 __all__ = ["WeightOnlyLinear", "WEIGHT_ONLY_FORMATS", "bits_per_weight"]
 

@@ -16,13 +16,14 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from . import _C, debug
-from ._boundary import dl, dl_fp8, raw_stream, stream_of
-from .formats import E4M3, E5M2, FP8Format
-from .ops import amax as _amax
-from .ops import dequantize, quantize
-from .profiling import profiled
-from .tensor import FP8Tensor
+from .. import _C
+from ..core import debug
+from ..core._boundary import dl, dl_fp8, raw_stream, stream_of
+from ..core.formats import E4M3, E5M2, FP8Format
+from . import amax as _amax
+from . import dequantize, quantize
+from ..core.profiling import profiled
+from ..core.tensor import FP8Tensor
 
 __all__ = ["gemm", "set_gemm_autotune", "gemm_cache_info", "WORKSPACE_BYTES"]
 

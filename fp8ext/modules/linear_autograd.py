@@ -23,11 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from . import _C, debug
-from ._boundary import refuse_broadcast
-from ._gemm import bias_epilogue, pass_stream
-from ._gemm import gemm_fp8 as _gemm
-from .tensor import FP8Tensor
+from .. import _C
+from ..core import debug
+from ..core._boundary import refuse_broadcast
+from ..ops._gemm import bias_epilogue, pass_stream
+from ..ops._gemm import gemm_fp8 as _gemm
+from ..core.tensor import FP8Tensor
 
 __all__ = ["LinearPlan", "LinearFunction", "COMPOSED", "ONE_CALL", "HIGH_PRECISION", "forward_gemm",
            "linear_backward"]

@@ -14,10 +14,11 @@ from typing import Any, Optional, Tuple, Union
 
 import torch
 
-from . import _C, debug
-from ._boundary import FP8_DLPACK, describe, dl, dl_fp8, dl_opt, number, scale_arg, stream_of
-from .formats import E4M3, FP8Format, SmallFormat, format_of_dtype, resolve_format
-from .profiling import profiled
+from .. import _C
+from ..core import debug
+from ..core._boundary import FP8_DLPACK, describe, dl, dl_fp8, dl_opt, number, scale_arg, stream_of
+from ..core.formats import E4M3, FP8Format, SmallFormat, format_of_dtype, resolve_format
+from ..core.profiling import profiled
 
 __all__ = ["quantize", "dequantize", "amax", "cast_transpose", "cast_transpose_dbias", "quantize_rowwise",
            "quantize_blockwise", "scale_from_amax"]

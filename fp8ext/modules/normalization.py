@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import fused as _fused
-from .context import activation_dtype
+from ..ops import fused as _fused
+from ..core.context import activation_dtype
 
 __all__ = ["LayerNorm", "RMSNorm"]
 

@@ -62,11 +62,11 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Un
 import torch
 from torch import nn
 
-from .formats import E2M1, E3M2, E2M3, E4M3
-from .inference.quantize import DEFAULT_IGNORE, _ignored
-from .linear import FP8Linear
-from .mx import dequantize_mx, dequantize_nvfp4, quantize_mx, quantize_nvfp4
-from .ops import dequantize, quantize
+from ..core.formats import E2M1, E3M2, E2M3, E4M3
+from ..inference.quantize import DEFAULT_IGNORE, _ignored
+from ..modules.linear import FP8Linear
+from ..ops.mx import dequantize_mx, dequantize_nvfp4, quantize_mx, quantize_nvfp4
+from ..ops import dequantize, quantize
 
 __all__ = ["WEIGHT_FORMATS", "BITS_PER_WEIGHT", "DEFAULT_FORMATS", "fake_quantize_weight", "weight_bytes",
            "format_applies", "measure_sensitivity", "assign_precision", "uniform_plan", "plot_tradeoff",

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import fused
+from ..ops import fused
 from ._fused_linear import RMSNORM, SWIGLU, fused_input_linear, fused_mlp, has_hooks
 from .linear import FP8Linear
 from .normalization import LayerNorm, RMSNorm

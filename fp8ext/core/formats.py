@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import _C
+from .. import _C
 
 __all__ = ["FP8Format", "E4M3", "E5M2", "Format", "resolve_format", "SmallFormat", "E2M1", "E2M3", "E3M2", "E8M0",
            "E4M3FNUZ", "E5M2FNUZ", "SMALL_FORMATS"]

@@ -45,10 +45,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ._graph_state import FP8Replay, ManagerState, UpdateGate
-from .context import _DEFAULT_RECIPE, fp8_autocast, get_scaling_manager
+from ..core._graph_state import FP8Replay, ManagerState, UpdateGate
+from ..core.context import _DEFAULT_RECIPE, fp8_autocast, get_scaling_manager
 from .convert import prepare_fp8
-from .recipe import CurrentScaling, DelayedScaling
+from ..core.recipe import CurrentScaling, DelayedScaling
 
 __all__ = ["make_graphed_callables"]
 

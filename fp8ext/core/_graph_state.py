@@ -1,4 +1,4 @@
-"""The FP8 scaling state around fp8ext's CUDA graphs (make_graphed_callables, in graphs.py): the delayed-scaling
+"""The FP8 scaling state around fp8ext's CUDA graphs (make_graphed_callables, in modules/graphs.py): the delayed-scaling
 update captured behind a device flag that follows the manager's `dirty`, the manager state saved before the
 warm-up and written back after the capture, and the host bookkeeping of each replay. No capture code here."""
 
@@ -15,7 +15,7 @@ __all__ = ["UpdateGate", "ManagerState", "FP8Replay"]
 
 class UpdateGate:
     """The delayed-scaling update of one manager inside a graph, kept only when the host says the manager is dirty
-    (see fp8ext/graphs.py's docstring). `flag` is a 0-d bool on the manager's device; `generation` is the
+    (see fp8ext/modules/graphs.py's docstring). `flag` is a 0-d bool on the manager's device; `generation` is the
     manager's buffer generation the graphs were captured with."""
 
     def __init__(self, mgr: FP8ScalingManager, group=None):

@@ -37,10 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from . import _C
-from ._boundary import dl, dl_fp8, refuse_broadcast, stream_of
-from .formats import E4M3
-from .ops import quantize, quantize_rowwise
+from .. import _C
+from ..core._boundary import dl, dl_fp8, refuse_broadcast, stream_of
+from ..core.formats import E4M3
+from . import quantize, quantize_rowwise
 
 __all__ = ["rms_norm", "rms_norm_fp8", "rms_norm_train", "swiglu", "swiglu_fp8", "rope_qkv", "available",
            "train_available", "version_key", "TRAINING"]

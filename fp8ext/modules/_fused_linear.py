@@ -34,14 +34,16 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import _C, debug, fused
-from ._boundary import dl, dl_fp8, stream_of
-from .context import activation_dtype, current_context
+from .. import _C
+from ..core import debug
+from ..ops import fused
+from ..core._boundary import dl, dl_fp8, stream_of
+from ..core.context import activation_dtype, current_context
 from .linear import FP8Linear
 from .linear_autograd import LinearFunction, forward_gemm, linear_backward
-from .profiling import profiled
-from .recipe import DelayedScaling
-from .tensor import FP8Tensor, Quantizer
+from ..core.profiling import profiled
+from ..core.recipe import DelayedScaling
+from ..core.tensor import FP8Tensor, Quantizer
 
 RMSNORM, SWIGLU, DSWIGLU = 1, 2, 3  # csrc/cast.h's FP8EXT_PROLOGUE_RMSNORM, _SWIGLU, _DSWIGLU
 ENABLED = True  # False: the layer-norm modules run their steps separately (for comparisons and debugging)

@@ -15,8 +15,8 @@ dispatch, which matters on a layer's host path.
 A Quantizer is the cast of one tensor role (a layer's input, weight or output gradient): its format, its margin
 and its scaling slot. With delayed scaling the slot is a (scale, amax) pair of views into an FP8ScalingManager's
 buffers (the cast reads the scale and records the tensor's amax there); without a manager the cast scales by the
-tensor's own amax (current scaling). This file holds no linear-layer logic (fp8ext/linear.py) and no kernels
-(fp8ext/ops.py and csrc/).
+tensor's own amax (current scaling). This file holds no linear-layer logic (fp8ext/modules/linear.py) and no kernels
+(fp8ext/ops/ and csrc/).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Optional
 import torch
 
 from .formats import FP8Format
-from .ops import amax as _amax
-from .ops import cast_transpose, cast_transpose_dbias, scale_from_amax
+from ..ops import amax as _amax
+from ..ops import cast_transpose, cast_transpose_dbias, scale_from_amax
 
 __all__ = ["FP8Tensor", "Quantizer", "TENSOR", "ROW", "BLOCK_1x128", "BLOCK_128x128"]
 

@@ -65,8 +65,8 @@ def prepare_fp8(module: nn.Module, fp8_recipe=None) -> nn.Module:
     weight's device), instead of on its first forward. Optional: under torch.compile the layers register
     eagerly on their first step (a graph break there); after prepare_fp8 even the first step compiles as one
     graph (fullgraph=True works)."""
-    from .context import _DEFAULT_RECIPE
-    from .recipe import DelayedScaling
+    from ..core.context import _DEFAULT_RECIPE
+    from ..core.recipe import DelayedScaling
     recipe = fp8_recipe if fp8_recipe is not None else _DEFAULT_RECIPE
     if isinstance(recipe, DelayedScaling):
         layers = [m for m in module.modules() if isinstance(m, FP8Linear)]

@@ -16,9 +16,9 @@ Outside fp8_autocast the layer is exactly nn.Linear (F.linear in high precision)
 
 The scaling state (scales and amax slots in the recipe's FP8ScalingManager) is not saved for backward with
 save_for_backward: it is state that the manager updates in place between steps, not an input whose value
-autograd must freeze. Backward finds the gradient's slot through its Quantizer (fp8ext/tensor.py), and again in
+autograd must freeze. Backward finds the gradient's slot through its Quantizer (fp8ext/core/tensor.py), and again in
 the manager when the manager's buffers grew after the forward. This file holds the module (slots, the weight's
-cast, which path a call takes); the autograd Function and its plan are in fp8ext/linear_autograd.py.
+cast, which path a call takes); the autograd Function and its plan are in fp8ext/modules/linear_autograd.py.
 """
 
 from __future__ import annotations
@@ -32,14 +32,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _C, debug
-from ._boundary import stream_of
-from ._gemm import bias_epilogue
-from .context import activation_dtype, current_context, get_scaling_manager
+from .. import _C
+from ..core import debug
+from ..core._boundary import stream_of
+from ..ops._gemm import bias_epilogue
+from ..core.context import activation_dtype, current_context, get_scaling_manager
 from .linear_autograd import COMPOSED, HIGH_PRECISION, ONE_CALL, LinearFunction, LinearPlan
-from .profiling import profiled
-from .recipe import DelayedScaling
-from .tensor import FP8Tensor, Quantizer
+from ..core.profiling import profiled
+from ..core.recipe import DelayedScaling
+from ..core.tensor import FP8Tensor, Quantizer
 
 __all__ = ["FP8Linear", "Linear"]
 

@@ -22,8 +22,8 @@ import torch
 
 from . import _gemm as _gemm_mod
 from . import fused as _fused
-from . import ops
-from .formats import format_of_code
+from .. import ops
+from ..core.formats import format_of_code
 
 
 def _scale(scale: Optional[torch.Tensor], scale_value: float):

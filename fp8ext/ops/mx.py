@@ -51,10 +51,10 @@ from typing import Tuple
 
 import torch
 
-from . import _C
-from ._boundary import check_device, dl, dl_fp8, refuse_broadcast, stream_of
-from .formats import E2M1, E2M3, E3M2, E4M3, E5M2, E8M0
-from .ops import dequantize, fp8_empty, quantize
+from .. import _C
+from ..core._boundary import check_device, dl, dl_fp8, refuse_broadcast, stream_of
+from ..core.formats import E2M1, E2M3, E3M2, E4M3, E5M2, E8M0
+from . import dequantize, fp8_empty, quantize
 
 _to_dl = torch._C._to_dlpack  # fp8ext's own freshly allocated outputs: plain dtypes
 
