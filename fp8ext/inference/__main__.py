@@ -157,7 +157,7 @@ def _generate(args) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    """The command line's parser (tests/test_docs.py parses the documented commands with it)."""
+    """The command line's parser (tests/project/test_docs.py parses the documented commands with it)."""
     p = argparse.ArgumentParser(prog="python -m fp8ext.inference", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     q = sub.add_parser("quantize", help="calibrate, pack and export a training checkpoint or a transformers model")

@@ -366,7 +366,7 @@ def default_recipe(amax_history_len: int = 16) -> DelayedScaling:
 
 
 def parser() -> argparse.ArgumentParser:
-    """The self test's command-line parser (tests/test_docs.py parses the documented commands with it)."""
+    """The self test's command-line parser (tests/project/test_docs.py parses the documented commands with it)."""
     p = argparse.ArgumentParser(prog="python -m fp8ext.models.transformer",
                                 description="Self test: parameter counts, a forward pass and its loss.")
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))

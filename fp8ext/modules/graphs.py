@@ -9,7 +9,7 @@ layers captured as CUDA graphs, with the delayed-scaling scale update and the am
 
 N such steps give the losses and the scaling state of N eager steps (`with fp8_autocast(...): y = model(x)`, backward,
 optimizer step) from the same state, bit for bit: the same kernels run on the same data in the same order
-(tests/test_graphs.py compares them on the GPU).
+(tests/modules/test_graphs.py compares them on the GPU).
 
 How. The capture follows torch.cuda.make_graphed_callables (warm-up on a side stream; forward graphs in order, then
 backward graphs in reverse order, in one memory pool; an autograd.Function that copies new inputs into the static

@@ -1,4 +1,4 @@
-"""NaN and Inf in the block-scaled quantizers (fp8ext/mx.py's "Non-finite values"): a block holding NaN or Inf gets
+"""NaN and Inf in the block-scaled quantizers (fp8ext/ops/mx.py's "Non-finite values"): a block holding NaN or Inf gets
 the NaN scale (MX: E8M0 0xFF, NVFP4: E4M3 0x7F) and dequantizes to NaN as a whole, while every other block gets
 the bytes it gets without it; the FP8 casts and the per-row / per-block FP8 quantizers keep their saturating rule;
 the weight packers refuse a non-finite weight. GPU tests compare the kernels with the CPU reference byte for byte.

@@ -1,4 +1,4 @@
-"""The CUDA kernels equal the CPU reference byte for byte (which test_quantize.py ties to an independent
+"""The CUDA kernels equal the CPU reference byte for byte (which ops/test_quantize.py ties to an independent
 reference and to torch), on every input set, alignment, size and stream. Skipped without a GPU."""
 
 import pytest

@@ -115,7 +115,7 @@ def test_block_scaling_refuses_bad_arguments():
 
 def test_mx_inf_block_gets_the_nan_scale():
     """amax = Inf: the NaN scale 0xFF under both rules, as for a NaN (OCP MX v1.0); the block dequantizes to NaN
-    (tests/test_nonfinite.py covers the rule in full)."""
+    (tests/ops/test_mx_nonfinite.py covers the rule in full)."""
     x = torch.zeros(32)
     x[3] = float("inf")
     for f in ELEMS:

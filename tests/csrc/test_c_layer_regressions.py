@@ -24,7 +24,7 @@ BAD_SCALES = [float("nan"), 0.0, -1.0, float("inf")]
 
 def rel_err(got, want):
     """Norm-relative error. Hopper's FP8 tensor cores accumulate with fewer bits than float32 (about
-    1e-4 relative here), so GEMM outputs are not compared element-wise to 1e-5 (as tests/test_gemm.py)."""
+    1e-4 relative here), so GEMM outputs are not compared element-wise to 1e-5 (as tests/ops/test_gemm.py)."""
     return ((got.double() - want).norm() / want.norm()).item()
 
 

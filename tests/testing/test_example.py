@@ -2,7 +2,7 @@
 
 torch's x.to(torch.float8_e4m3fn / torch.float8_e5m2) rounds to nearest, ties to even, as fp8ext.quantize
 does. Past the largest value it depends on the release: on the CPU torch 2.12 and later saturate E4M3
-to +-448, torch 2.11 and earlier give NaN; E5M2 has always overflowed to Inf (as tests/test_quantize.py
+to +-448, torch 2.11 and earlier give NaN; E5M2 has always overflowed to Inf (as tests/ops/test_quantize.py
 records too). The tests pin that, then check every edge case byte for byte and in ulps.
 """
 

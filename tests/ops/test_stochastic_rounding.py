@@ -1,5 +1,5 @@
 """Stochastic rounding: it picks one of the two neighbouring FP8 values, is unbiased within a bound
-derived below, and is reproducible for a given seed (on the GPU too: see test_cuda.py).
+derived below, and is reproducible for a given seed (on the GPU too: see ops/test_cuda_kernels_vs_cpu.py).
 
 The bound: for v between neighbours lo < v < hi (gap d = hi - lo), one stochastic rounding gives hi with
 probability p = (v - lo) / d and lo otherwise, so its mean is v and its variance d^2 p (1 - p) <= d^2 / 4.

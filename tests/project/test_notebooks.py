@@ -9,7 +9,7 @@ import pytest
 nbformat = pytest.importorskip("nbformat", reason="the notebook tests need the [test] extra (nbformat, nbclient)")
 NotebookClient = pytest.importorskip("nbclient", reason="the notebook tests need the [test] extra").NotebookClient
 
-NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parents[2] / "notebooks").glob("*.ipynb"))
 NAMES = ["lab_3_2_3_fp8_training_inference.ipynb", "fp8_scaling_strategies.ipynb"]
 
 

@@ -370,8 +370,9 @@ def summary(found):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the child's memory limit needs Linux")
 def test_fuzz_every_op_keeps_the_error_contract():
     deadline, text = time.monotonic() + BUDGET_S, lambda s: s.decode(errors="replace") if isinstance(s, bytes) else s
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__))), os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))), os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        os.environ.get("PYTHONPATH")])))
     skip, found, crashes = [], [], []
     while True:  # one child, and one more after each crash for the ops not yet done
         try:

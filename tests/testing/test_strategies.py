@@ -1,6 +1,7 @@
 """fp8ext.testing.strategies: hypothesis strategies drawing the cases of fp8ext.testing.edge_values, FP8
 codes and input values, used for a property test of fp8ext.quantize against the independent numpy
-reference. Skipped where hypothesis is not installed (that the module then says so is in test_testing.py)."""
+reference. Skipped where hypothesis is not installed (that the module then says so is in
+testing/test_comparisons_and_edges.py)."""
 
 import math
 

@@ -1,6 +1,6 @@
 """fp8ext.testing's comparisons and edge cases, checked against the independent numpy reference
 (tests/reference.py) and ml_dtypes where it is installed, and shown to fail when they should. The GEMM
-bound is in test_testing_gemm.py, the hypothesis strategies in test_testing_strategies.py."""
+bound is in testing/test_gemm_bound.py, the hypothesis strategies in testing/test_strategies.py."""
 
 import os
 import subprocess
@@ -374,7 +374,7 @@ def test_failure_tracebacks_end_in_the_test_not_in_fp8ext_testing(tmp_path):
 
 def test_the_testing_extra_names_what_it_needs():
     tomllib = pytest.importorskip("tomllib")
-    with open(Path(__file__).parent.parent / "pyproject.toml", "rb") as f:
+    with open(Path(__file__).parents[2] / "pyproject.toml", "rb") as f:
         extras = tomllib.load(f)["project"]["optional-dependencies"]
     assert extras["testing"] == ["numpy", "hypothesis"]
     assert 'fp8ext[testing]' in fp8ext.testing.__doc__

@@ -168,6 +168,6 @@ def test_te_linear_init_method_params_dtype_and_return_bias():
 
 
 def test_te_autocast_graph_switch_is_accepted():
-    """TE's internal _graph=True, which fp8ext.make_graphed_callables uses (what it does: tests/test_graphs.py)."""
+    """TE's internal _graph=True, which fp8ext.make_graphed_callables uses (what it does: tests/modules/test_graphs.py)."""
     with fp8ext.fp8_autocast(_graph=True):
         assert fp8ext.is_fp8_enabled()

@@ -1,5 +1,5 @@
 """quantize() on the CPU, byte for byte against the independent numpy reference and against torch's own
-float8 casts; the GPU's agreement with the CPU is in test_cuda.py."""
+float8 casts; the GPU's agreement with the CPU is in ops/test_cuda_kernels_vs_cpu.py."""
 
 import numpy as np
 import pytest

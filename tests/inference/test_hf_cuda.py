@@ -13,7 +13,7 @@ pytest.importorskip("compressed_tensors", reason="the llmcompressor-layout check
 from fp8ext import inference  # noqa: E402
 from fp8ext.models.transformer import Transformer, TransformerConfig, preset  # noqa: E402
 
-import test_inference_compressed_tensors as llmcompressor_layout  # noqa: E402
+import test_compressed_tensors as llmcompressor_layout  # noqa: E402
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
 IDS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))

@@ -33,8 +33,8 @@ def batch(i, device="cpu"):
 
 RUN_SCRIPT = textwrap.dedent("""
     import json, sys, torch, fp8ext
-    sys.path.insert(0, {tests!r})
-    from test_training_state import mlp, train_steps, RESUME_RECIPE
+    sys.path[:0] = [{tests!r}, {tests_root!r}]
+    from test_training_loops import mlp, train_steps, RESUME_RECIPE
     recipe = fp8ext.DelayedScaling(**RESUME_RECIPE, interval={interval})
     model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -60,7 +60,8 @@ def train_steps(model, opt, recipe, steps):
 
 
 def run_in_new_process(interval, path, k, n):
-    script = RUN_SCRIPT.format(tests=os.path.dirname(__file__), interval=interval, path=path, k=k, n=n)
+    here = os.path.dirname(__file__)
+    script = RUN_SCRIPT.format(tests=here, tests_root=os.path.dirname(here), interval=interval, path=path, k=k, n=n)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -35,7 +35,7 @@ try:
 except ImportError:  # pragma: no cover
     tomllib = None
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 MARK = re.compile(r"^<!--\s*test:\s*(gpu|skip\s*\((?P<reason>[^)]*)\))\s*-->$")
 FENCE = re.compile(r"^```(\w*)\s*$")
