@@ -43,7 +43,7 @@ for step in $steps; do
             $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/nbsite .whl/*.whl > "$OUT/nb_install.log" 2>&1 || { tail "$OUT/nb_install.log"; status=1; }
             export PYTHONPATH=/tmp/nbsite${PYTHONPATH:+:$PYTHONPATH}
         fi
-        # each code cell is stamped with its source's hash (tests/test_notebooks.py checks the committed stamps)
+        # each code cell is stamped with its source's hash (tests/project/test_notebooks.py checks the committed stamps)
         # NOTEBOOKS="notebooks/a.ipynb ..." runs only those
         $PY benchmarks/run_notebooks.py "$OUT" ${NOTEBOOKS:-} || status=1 ;;
     sanitize)
@@ -56,8 +56,8 @@ for step in $steps; do
         # below: tool, -k expression, test files. SANITIZE_TIMEOUT (seconds per run, default 300) bounds each.
         echo "== sanitize"
         big="not 4096 and not 20000 and not 3000 and not 5000"
-        kernels="tests/test_cuda.py tests/test_fused.py tests/test_fused_linear.py tests/test_mx.py"
-        kernels+=" tests/test_nonfinite.py tests/test_quantize_blocks.py tests/test_decode_attention.py"
+        kernels="tests/ops/test_cuda_kernels_vs_cpu.py tests/ops/test_fused.py tests/modules/test_fused_linear.py tests/ops/test_mx.py"
+        kernels+=" tests/ops/test_mx_nonfinite.py tests/ops/test_quantize_blocks.py tests/inference/test_decode_attention.py"
         n=0
         while IFS='|' read -r tool k files; do
             n=$((n + 1)); log="$OUT/sanitize_${n}_$tool.log"
@@ -72,9 +72,9 @@ for step in $steps; do
                 echo "  FAILED (exit $rc; $log)"; status=1
             fi
         done <<ROWS
-memcheck|$big|$kernels tests/test_cast_transpose_dbias.py tests/test_small_formats.py tests/test_weight_only.py tests/test_stochastic.py
+memcheck|$big|$kernels tests/ops/test_cast_transpose_dbias.py tests/ops/test_small_formats.py tests/lowp/test_weight_only.py tests/ops/test_stochastic_rounding.py
 racecheck|$big|$kernels
-racecheck|float64 or nan_and_inf|tests/test_weight_only.py
+racecheck|float64 or nan_and_inf|tests/lowp/test_weight_only.py
 ROWS
         ;;
     inference)

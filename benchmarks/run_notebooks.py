@@ -5,7 +5,7 @@
 Each executed copy is written to OUT_DIR under its own name, with
 - metadata.fp8ext.source_sha256 on every code cell: the SHA-256 of the source that produced its outputs, and
 - metadata.fp8ext on the notebook: where and when it ran (GPU name, torch and fp8ext builds, UTC date).
-tests/test_notebooks.py checks the stamps of the committed notebooks: an edited code cell whose outputs were
+tests/project/test_notebooks.py checks the stamps of the committed notebooks: an edited code cell whose outputs were
 not regenerated fails there. benchmarks/gpu_check.sh runs this script in its `notebooks` step; commit the
 executed copies it brings back. Needs nbformat, nbclient and ipykernel (the [test] extra).
 """
@@ -21,7 +21,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def source_sha256(source: str) -> str:
-    """The stamp of one code cell: SHA-256 of its source text (tests/test_notebooks.py computes the same)."""
+    """The stamp of one code cell: SHA-256 of its source text (tests/project/test_notebooks.py computes the same)."""
     return hashlib.sha256(source.encode("utf-8")).hexdigest()
 
 

@@ -12,38 +12,83 @@ The native core (fp8ext._C, C and CUDA C) defines the FP8 numerics once; this pa
 compute and allocates outputs with torch. See README.md.
 """
 
+import sys as _sys
+
 import torch  # noqa: F401  (loads torch's CUDA libraries before the extension's)
 
 from . import _C
-from . import _library  # noqa: F401  (registers torch.ops.fp8ext.*)
-from . import recipe  # noqa: F401  (fp8ext.recipe, as transformer_engine.common.recipe)
-from ._gemm import gemm, gemm_cache_info, set_gemm_autotune
-from .context import autocast, fp8_autocast, get_fp8_recipe, get_scaling_manager, is_fp8_enabled
-from .debug import debug_checks_enabled, set_debug_checks
-from .profiling import profiling_enabled, set_profiling
-from .formats import E2M1, E2M3, E3M2, E4M3, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0, FP8Format, Format, SmallFormat
-from .normalization import LayerNorm, RMSNorm
-from .mx import dequantize_mx, dequantize_nvfp4, quantize_mx, quantize_nvfp4
-from .weight_only import WEIGHT_ONLY_FORMATS, WeightOnlyLinear
-from .packing import pack_fp4, pack_fp6, unpack_fp4, unpack_fp6
+from .ops import _library  # noqa: F401  (registers torch.ops.fp8ext.*)
+from .core import recipe  # noqa: F401  (fp8ext.recipe, as transformer_engine.common.recipe)
+from .ops._gemm import gemm, gemm_cache_info, set_gemm_autotune
+from .core.context import autocast, fp8_autocast, get_fp8_recipe, get_scaling_manager, is_fp8_enabled
+from .core.debug import debug_checks_enabled, set_debug_checks
+from .core.profiling import profiling_enabled, set_profiling
+from .core.formats import E2M1, E2M3, E3M2, E4M3, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0, FP8Format, Format, SmallFormat
+from .modules.normalization import LayerNorm, RMSNorm
+from .ops.mx import dequantize_mx, dequantize_nvfp4, quantize_mx, quantize_nvfp4
+from .lowp.weight_only import WEIGHT_ONLY_FORMATS, WeightOnlyLinear
+from .ops.packing import pack_fp4, pack_fp6, unpack_fp4, unpack_fp6
 from .ops import (amax, cast_transpose, cast_transpose_dbias, dequantize, quantize, quantize_blockwise,
                   quantize_rowwise, scale_from_amax)
-from .recipe import CurrentScaling, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Float8RowwiseScaling
-from .scaling import FP8ScalingManager
+from .core.recipe import CurrentScaling, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Float8RowwiseScaling
+from .core.scaling import FP8ScalingManager
 
 __version__ = "0.1.0"
 
 # Imported on first use (PEP 562): the FP8 linear modules and what builds on them import torch._dynamo (through
 # torch.compiler.disable), about a second, which `import fp8ext.testing` and the ops alone do not need.
 _LAZY = {
-    "FP8Linear": ".linear", "Linear": ".linear",
-    "FP8ConversionWarning": ".convert", "convert_to_fp8": ".convert", "prepare_fp8": ".convert",
-    "make_graphed_callables": ".graphs",
-    "LayerNormLinear": ".layernorm_modules", "LayerNormMLP": ".layernorm_modules",
+    "FP8Linear": ".modules.linear", "Linear": ".modules.linear",
+    "FP8ConversionWarning": ".modules.convert", "convert_to_fp8": ".modules.convert", "prepare_fp8": ".modules.convert",
+    "make_graphed_callables": ".modules.graphs",
+    "LayerNormLinear": ".modules.layernorm_modules", "LayerNormMLP": ".modules.layernorm_modules",
+}
+
+# The module paths from before the subpackages (fp8ext.recipe, fp8ext.linear, ...) name the moved modules themselves:
+# `import fp8ext.recipe`, `from fp8ext.linear import FP8Linear` and the attribute fp8ext.linear give the module object
+# of fp8ext.core.recipe, fp8ext.modules.linear, ... (the same object: its state, e.g. fp8ext.fused.TRAINING, is
+# shared). Resolved on first use, as _LAZY is. fp8ext.ops is itself a package (its __init__ holds the casts).
+MOVED_MODULES = {
+    "recipe": "core", "formats": "core", "tensor": "core", "scaling": "core", "context": "core", "debug": "core",
+    "profiling": "core",
+    "fused": "ops", "mx": "ops", "packing": "ops",
+    "linear": "modules", "linear_autograd": "modules", "layernorm_modules": "modules", "normalization": "modules",
+    "graphs": "modules", "convert": "modules",
+    "weight_only": "lowp", "adaptive": "lowp",
 }
 
 
+class _MovedModuleFinder:
+    """`import fp8ext.<old name>`: imports fp8ext.<subpackage>.<name> and registers it under the old name too."""
+
+    @staticmethod
+    def find_spec(fullname, path=None, target=None):
+        package, _, name = fullname.rpartition(".")
+        if package != __name__ or name not in MOVED_MODULES:
+            return None
+        import importlib.util
+        return importlib.util.spec_from_loader(fullname, _MovedModuleFinder)
+
+    @staticmethod
+    def create_module(spec):
+        import importlib
+        module = importlib.import_module(f"{__name__}.{MOVED_MODULES[spec.name.rpartition('.')[2]]}."
+                                         f"{spec.name.rpartition('.')[2]}")
+        spec.loader_state = module.__spec__  # the import system sets module.__spec__ to the alias's: put it back
+        return module
+
+    @staticmethod
+    def exec_module(module):
+        module.__spec__ = module.__spec__.loader_state
+
+
+_sys.meta_path.insert(0, _MovedModuleFinder)  # before the path finders: the table decides these names
+
+
 def __getattr__(name: str):
+    if name in MOVED_MODULES:
+        import importlib
+        return importlib.import_module(f"{__name__}.{name}")  # the import sets the attribute
     if name in _LAZY:
         import importlib
         value = getattr(importlib.import_module(_LAZY[name], __name__), name)
@@ -53,7 +98,7 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | set(MOVED_MODULES))
 
 __all__ = [
     "E4M3",

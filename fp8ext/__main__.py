@@ -80,7 +80,7 @@ def report() -> str:
 
 
 def parser():
-    """The command line's parser: no arguments (tests/test_docs.py parses the documented commands with it)."""
+    """The command line's parser: no arguments (tests/project/test_docs.py parses the documented commands with it)."""
     import argparse
     return argparse.ArgumentParser(prog="python -m fp8ext", description=__doc__.split("\n\n")[0])
 

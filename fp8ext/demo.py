@@ -80,7 +80,7 @@ def train_digits(steps: int):
 
 
 def parser() -> argparse.ArgumentParser:
-    """The command line's parser (tests/test_docs.py parses the documented commands with it)."""
+    """The command line's parser (tests/project/test_docs.py parses the documented commands with it)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/fp8ext_demo.png", help="where to write the plot ('' for none)")
     ap.add_argument("--steps", type=int, default=300, help="training steps on the digits data")

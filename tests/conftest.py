@@ -1,10 +1,21 @@
-"""Shared test helpers. GPU tests carry the `cuda` mark and skip cleanly without a CUDA device."""
+"""Shared test helpers. GPU tests carry the `cuda` mark and skip cleanly without a CUDA device.
+
+The tests live in subfolders mirroring fp8ext's (core/, ops/, modules/, inference/, lowp/, testing/, apps/ for the
+applications, csrc/ for the C layer and its bindings, project/ for the build, docs and notebooks); the helpers
+shared by them (this file, reference.py, inputs.py, dlpack_craft.py, ct_reference.py, vllm_layout.py) stay here,
+imported by name from any subfolder."""
+
+import os
+import sys
 
 import pytest
 import torch
 
 import fp8ext
 from fp8ext.testing import assert_fp8_equal
+
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared helpers, from the subfolders' tests
 
 HAS_CUDA = fp8ext.cuda_available() and torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and fp8ext built with CUDA")

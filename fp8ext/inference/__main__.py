@@ -37,7 +37,7 @@ import torch
 from ..models.transformer import Transformer, TransformerConfig, preset
 from ..train.checkpoint import CheckpointError, read
 from ..train.data import batch, load_corpus
-from ..weight_only import WEIGHT_ONLY_FORMATS
+from ..lowp.weight_only import WEIGHT_ONLY_FORMATS
 from . import calibrate, decode_loss, load_quantized, model_kv_scales, quantize_model, save_quantized
 from ._hf_cli import HF_SEQ_LEN, HFModelError, eval_hf as _eval_hf, is_hf_dir, quantize_hf as _quantize_hf
 from .layers import ACTIVATION_SCHEMES, WEIGHT_SCHEMES
@@ -157,7 +157,7 @@ def _generate(args) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    """The command line's parser (tests/test_docs.py parses the documented commands with it)."""
+    """The command line's parser (tests/project/test_docs.py parses the documented commands with it)."""
     p = argparse.ArgumentParser(prog="python -m fp8ext.inference", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     q = sub.add_parser("quantize", help="calibrate, pack and export a training checkpoint or a transformers model")

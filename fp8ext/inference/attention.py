@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from .._boundary import number
+from ..core._boundary import number
 
 __all__ = ["decode_attention", "decode_attention_reference"]
 
@@ -136,7 +136,7 @@ def _decode_attention_dev(q, k_cache, v_cache, length, k_scale, v_scale, softmax
 def _kernel(q, k_cache, v_cache, length: int, k_scale, v_scale, softmax_scale, length_dev):
     """The CUDA kernel over positions [0, length), or [0, min(length_dev, length)) when length_dev is a tensor."""
     from .. import _C
-    from .._boundary import dl, dl_fp8
+    from ..core._boundary import dl, dl_fp8
     b, h, hd = q.shape
     kv = k_cache.shape[1]
     if not k_cache.is_contiguous() or not v_cache.is_contiguous():

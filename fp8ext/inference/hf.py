@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, Iterator, Optional
 import torch
 from torch import nn
 
-from ..formats import E4M3
+from ..core.formats import E4M3
 
 __all__ = ["is_transformers_model", "attention_modules", "record_kv", "add_kv_scale_buffers", "from_config",
            "fp8_kv_cache", "cache_argument"]

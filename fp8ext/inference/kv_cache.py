@@ -28,8 +28,8 @@ from typing import List, Optional, Tuple
 import torch
 
 from .. import _C
-from .._boundary import dl, dl_fp8, stream_of
-from ..formats import E4M3
+from ..core._boundary import dl, dl_fp8, stream_of
+from ..core.formats import E4M3
 from ..ops import dequantize, quantize
 
 __all__ = ["KVCache", "model_kv_scales"]

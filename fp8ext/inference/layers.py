@@ -19,12 +19,12 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .. import fused
-from ..formats import E4M3
-from ..mx import refuse_non_finite
-from ..normalization import RMSNorm
+from ..ops import fused
+from ..core.formats import E4M3
+from ..ops.mx import refuse_non_finite
+from ..modules.normalization import RMSNorm
 from ..ops import quantize, quantize_blockwise, quantize_rowwise, scale_from_amax, amax as _amax
-from .._gemm import epilogue_bias_dtype, gemm
+from ..ops._gemm import epilogue_bias_dtype, gemm
 
 __all__ = ["FP8InferenceLinear", "FP8Activation", "FP8InputRMSNorm", "WEIGHT_SCHEMES", "ACTIVATION_SCHEMES"]
 

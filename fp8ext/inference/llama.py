@@ -39,7 +39,7 @@ from torch import nn
 
 from .. import __version__
 from ..models.transformer import GroupedQueryAttention, SwiGLU, Transformer, TransformerBlock, TransformerConfig
-from ..normalization import RMSNorm
+from ..modules.normalization import RMSNorm
 from ._checks import _HIGH_PRECISION, _ST_DTYPES, OUT_DTYPES, WEIGHT_LAYOUT, check_checkpoint
 from .layers import FP8InferenceLinear, fuse_norms
 from .quantize import _set_submodule

@@ -22,8 +22,8 @@ from typing import Callable, Dict, Iterable, Optional, Sequence
 import torch
 from torch import nn
 
-from ..formats import E4M3
-from ..linear import FP8Linear
+from ..core.formats import E4M3
+from ..modules.linear import FP8Linear
 from ..ops import amax as _amax
 from . import hf
 from .layers import FP8InferenceLinear, _check_schemes, fuse_norms

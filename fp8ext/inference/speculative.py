@@ -1,6 +1,6 @@
 """Speculative decoding with a low-precision draft of the same model: make_draft, and the decode loop that
 fp8ext.inference.generate runs when it is given a draft. Not here: the prefill-only and plain decoding paths
-(generate.py), the KV cache (kv_cache.py), the weight-only layers (fp8ext/weight_only.py).
+(generate.py), the KV cache (kv_cache.py), the weight-only layers (fp8ext/lowp/weight_only.py).
 
 A round: the draft proposes k tokens, one forward each over its own KV cache; the target scores the k tokens (and
 the last accepted token before them) in one forward over its KV cache; the longest prefix of the proposal the
@@ -33,8 +33,8 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from ..linear import FP8Linear
-from ..weight_only import WEIGHT_ONLY_FORMATS, WeightOnlyLinear
+from ..modules.linear import FP8Linear
+from ..lowp.weight_only import WEIGHT_ONLY_FORMATS, WeightOnlyLinear
 from .hf import is_transformers_model
 from .kv_cache import KVCache
 from .layers import FP8InferenceLinear

@@ -25,10 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import fp8ext as te
-from fp8ext import fused
-from fp8ext._fused_linear import SWIGLU, fused_input_linear
-from fp8ext.context import current_context
-from fp8ext.recipe import DelayedScaling, Format
+from fp8ext.ops import fused
+from fp8ext.modules._fused_linear import SWIGLU, fused_input_linear
+from fp8ext.core.context import current_context
+from fp8ext.core.recipe import DelayedScaling, Format
 
 __all__ = ["TransformerConfig", "Transformer", "PRESETS", "preset"]
 
@@ -366,7 +366,7 @@ def default_recipe(amax_history_len: int = 16) -> DelayedScaling:
 
 
 def parser() -> argparse.ArgumentParser:
-    """The self test's command-line parser (tests/test_docs.py parses the documented commands with it)."""
+    """The self test's command-line parser (tests/project/test_docs.py parses the documented commands with it)."""
     p = argparse.ArgumentParser(prog="python -m fp8ext.models.transformer",
                                 description="Self test: parameter counts, a forward pass and its loss.")
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))

@@ -19,7 +19,7 @@ What is here:
 - edge_values(fmt, dtype) (and edge_groups): the inputs an FP8 cast gets wrong.
 - fp8ext.testing.strategies: the same cases as hypothesis strategies (needs hypothesis; imported on use).
 
-Which helper catches which bug (tests/test_testing_worked_example.py plants each one):
+Which helper catches which bug (tests/testing/test_worked_example.py plants each one):
 - ties (round half up or away from zero instead of to nearest even): only assert_fp8_equal against
   fp8ext.quantize; pass input= and the report marks each tie ("input 1.0625, a tie between 1.0 and 1.125").
   assert_close_fp8(max_ulps=0.5) cannot: a tie is 0.5 ulp from both neighbours.

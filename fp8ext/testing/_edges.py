@@ -17,7 +17,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ..formats import resolve_format
+from ..core.formats import resolve_format
 from ._values import finite_magnitudes, step_above_max
 
 __all__ = ["edge_values", "edge_groups", "EDGE_DTYPES"]

@@ -43,7 +43,7 @@ a8, b8 (and out): CPU tensors get fp32 accumulation (accum_bits=None), CUDA tens
 model the factor on S is gamma_4(2**-12) ~ 9.8e-4 without fast accumulation (any K), and
 gamma_{K/32}(FAST_ACCUM_FACTOR * 2**-12) = gamma_{K/32}(2**-10) with it (0.143 at K = 4096, 0.0323 at
 K = 1024; FAST_ACCUM_FACTOR is measured, see below). With fp32 accumulation it is gamma_K(2**-24)
-(2.4e-4 at K = 4096). tests/test_testing_gemm.py checks these figures against the code. The bound is a worst
+(2.4e-4 at K = 4096). tests/testing/test_gemm_bound.py checks these figures against the code. The bound is a worst
 case over the signs of the x_k: an output whose terms cancel is typically far inside it. NaN or Inf in r
 (from NaN, Inf in the inputs) must appear unchanged in out. FP8 outputs (out_scale) are not modelled.
 """
@@ -54,7 +54,7 @@ from typing import Any, Optional, Tuple, Union
 
 import torch
 
-from ..formats import format_of_dtype
+from ..core.formats import format_of_dtype
 from ._values import check_shapes, fail, index_of, value_table
 
 __all__ = ["gemm_reference", "gemm_error_bound", "assert_gemm_close", "accum_bits_for", "H100_ACCUM_BITS",

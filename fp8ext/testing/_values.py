@@ -14,7 +14,7 @@ from typing import Any, Iterable, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..formats import FP8Format, format_of_dtype, resolve_format
+from ..core.formats import FP8Format, format_of_dtype, resolve_format
 from ..ops import dequantize
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)

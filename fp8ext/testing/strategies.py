@@ -27,7 +27,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised by a test that hides hypothesis
     raise ImportError("fp8ext.testing.strategies needs hypothesis: pip install hypothesis") from e
 
-from ..formats import resolve_format
+from ..core.formats import resolve_format
 from ._edges import EDGE_DTYPES, edge_values as _edge_values
 from ._values import value_table
 

@@ -83,7 +83,7 @@ def _default_plot(dir_a: str, dir_b: str) -> pathlib.Path:
 
 
 def parser() -> argparse.ArgumentParser:
-    """The command line's parser (tests/test_docs.py parses the documented commands with it)."""
+    """The command line's parser (tests/project/test_docs.py parses the documented commands with it)."""
     p = argparse.ArgumentParser(prog="python -m fp8ext.train.compare", description=__doc__.split("\n")[0])
     p.add_argument("dir_a")
     p.add_argument("dir_b")

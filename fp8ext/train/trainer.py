@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import fp8ext
 from ..models.transformer import Transformer, preset
-from ..recipe import CurrentScaling, DelayedScaling, Float8BlockScaling, Float8RowwiseScaling, Format
+from ..core.recipe import CurrentScaling, DelayedScaling, Float8BlockScaling, Float8RowwiseScaling, Format
 from . import checkpoint
 from .data import batch, load_corpus
 

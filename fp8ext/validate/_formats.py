@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import fp8ext
-from fp8ext import mx
+from fp8ext.ops import mx
 from fp8ext._bench import bench_ms
 
 from ._run import Run

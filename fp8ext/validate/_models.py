@@ -11,7 +11,7 @@ import torch
 from fp8ext import inference
 from fp8ext._bench import bench_ms, cuda_memory, rounds
 from fp8ext.models.transformer import Transformer, default_recipe, preset
-from fp8ext.recipe import CurrentScaling
+from fp8ext.core.recipe import CurrentScaling
 
 from ._linear import rel_error
 from ._run import Run

@@ -1,0 +1,329 @@
+"""FP8ScalingManager: the scaling state of many FP8 tensors, in device memory, updated in one kernel.
+
+Layout (one manager per recipe and device; "slots" are the tensors it tracks, n of them; the buffers
+have room for more, unused slots hold amax 0 and scale 1):
+    amax_history  float32 [n, history_len]  a row per tensor, contiguous: entry 0 is this step's amax
+                                             (written by the casts, as their fused amax_out), entries
+                                             1.. earlier steps (Transformer Engine stores the transpose)
+    scale         float32 [n]               the multiplier each cast uses: q = fp8(x * scale)
+    scale_inv     float32 [n]               1 / scale, what the GEMMs take
+    fmt_max       float32 [n]               448 or 57344, from each slot's format
+`update()` runs fp8ext's scale_update kernel over all slots: new scales from the histories, then each
+history moves along one entry. No host synchronisation in a step: only checkpointing (slots_state) reads
+the device.
+
+The teaching API of FP8 training notes is kept: update_amax(name, amax), get_scale(name), margin (as TE's
+exponent: a multiplicative margin 2.0 is margin=1), and a loss-scaling style backoff (a step whose
+amax is NaN/Inf shrinks that tensor's scale by backoff_factor).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Deque, Dict, List, Optional, Union
+
+import torch
+
+from .. import _C
+from ._boundary import stream_of
+from .formats import E4M3, FP8Format, format_of_code, resolve_format
+from .recipe import DelayedScaling
+
+__all__ = ["FP8ScalingManager"]
+
+_to_dl = torch._C._to_dlpack
+
+
+def _state_mode():
+    """Scaling state is made and written outside inference mode: an inference tensor could never be saved for
+    backward or updated in place by a later training step."""
+    return torch.inference_mode(False)
+
+
+class FP8ScalingManager:
+    """Amax histories, scales and scale_invs of named FP8 tensors, kept on one device.
+
+    Slots have a lifetime: `release(names)` frees them (FP8Linear does so when it is garbage-collected) and
+    `register` hands a freed slot, reset to scale 1 and an empty history, to the next tensor, so the buffers
+    hold at most as many slots as were ever alive at once. All state is made outside inference mode, so a
+    manager first used under torch.inference_mode() serves training later.
+    """
+
+    def __init__(self, recipe: Optional[DelayedScaling] = None, *, device: Union[str, torch.device, None] = None,
+                 history_len: Optional[int] = None, margin: Optional[float] = None,
+                 amax_compute_algo: Optional[str] = None, interval: Optional[int] = None,
+                 backoff_factor: Optional[float] = None):
+        r = recipe or DelayedScaling()
+        if not isinstance(r, DelayedScaling):
+            raise TypeError(f"FP8ScalingManager: recipe must be a DelayedScaling, got {type(r).__name__}")
+        self.recipe = DelayedScaling(
+            margin=r.margin if margin is None else margin, interval=r.interval if interval is None else interval,
+            fp8_format=r.fp8_format, amax_history_len=r.amax_history_len if history_len is None else history_len,
+            amax_compute_algo=r.amax_compute_algo if amax_compute_algo is None else amax_compute_algo,
+            reduce_amax=r.reduce_amax, backoff_factor=r.backoff_factor if backoff_factor is None else backoff_factor)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self._names: List[Optional[str]] = []  # by slot; None for a free slot
+        self._formats: List[Optional[FP8Format]] = []
+        self._index: Dict[str, int] = {}
+        self._free: List[int] = []  # released slots, reused (after a reset) by register
+        self._released: Deque[List[str]] = deque()  # names released by finalizers, applied under the lock
+        with _state_mode():
+            self.amax_history = torch.zeros((0, self.recipe.amax_history_len), dtype=torch.float32, device=self.device)
+            self.scale = torch.ones(0, dtype=torch.float32, device=self.device)
+            self.scale_inv = torch.ones(0, dtype=torch.float32, device=self.device)
+            self._fmt_max = torch.ones(0, dtype=torch.float32, device=self.device)
+        self.generation = 0  # bumped when the buffers are reallocated (views taken before are stale)
+        self.steps = 0  # updates run so far
+        self.dirty = False  # something recorded an amax since the last update
+        self._lock = threading.RLock()
+        self._views: Dict[int, tuple] = {}
+
+    # ---- slots ----------------------------------------------------------------------------------
+    @property
+    def history_len(self) -> int:
+        return self.recipe.amax_history_len
+
+    @property
+    def margin(self) -> float:
+        return self.recipe.margin
+
+    @property
+    def names(self) -> List[str]:
+        """The names of the live slots, in slot order."""
+        with self._lock:
+            self._apply_releases()
+            return [n for n in self._names if n is not None]
+
+    @property
+    def num_slots(self) -> int:
+        """How many tensors the manager tracks now (released slots not counted)."""
+        return len(self.names)
+
+    @property
+    def capacity(self) -> int:
+        """How many slots the buffers have room for."""
+        return self.amax_history.shape[0]
+
+    def register(self, name: str, fmt=E4M3) -> int:
+        """The slot of tensor `name`, made on first use (scale 1, an empty history)."""
+        f = resolve_format(fmt, "FP8ScalingManager.register")
+        with self._lock:
+            self._apply_releases()
+            slot = self._index.get(name)
+            if slot is not None:
+                if self._formats[slot] is not f:
+                    raise ValueError(f"FP8ScalingManager.register(): {name!r} is {self._formats[slot].name}, "
+                                     f"not {f.name}")
+                return slot
+            with _state_mode():
+                if self._free:
+                    slot = self._free.pop()
+                    self.amax_history[slot].zero_()
+                    self.scale[slot] = 1.0
+                    self.scale_inv[slot] = 1.0
+                    self._names[slot], self._formats[slot] = name, f
+                else:
+                    if len(self._names) == self.capacity:
+                        self._grow(max(64, 2 * len(self._names)))  # capacity doubles: growth is rare
+                    slot = len(self._names)
+                    self._names.append(name)
+                    self._formats.append(f)
+                self._fmt_max[slot] = f.max
+            self._index[name] = slot
+            return slot
+
+    def release(self, names: List[str]) -> None:
+        """Frees the slots of `names` (unknown names are ignored); their values stay until a new tensor takes
+        the slot. Safe to call from a finalizer: the release is queued and applied under the lock."""
+        self._released.append(list(names))
+
+    def _apply_releases(self) -> None:
+        while self._released:
+            for name in self._released.popleft():
+                slot = self._index.pop(name, None)
+                if slot is not None:
+                    self._names[slot] = self._formats[slot] = None
+                    self._free.append(slot)
+
+    def _grow(self, n: int) -> None:
+        """Reallocates the buffers for n slots, keeping the values; unused slots hold scale 1, amax 0."""
+        old = self.capacity
+        with _state_mode():
+            hist = torch.zeros((n, self.history_len), dtype=torch.float32, device=self.device)
+            scale = torch.ones(n, dtype=torch.float32, device=self.device)
+            scale_inv = torch.ones(n, dtype=torch.float32, device=self.device)
+            fmt_max = torch.ones(n, dtype=torch.float32, device=self.device)
+            hist[:old] = self.amax_history
+            scale[:old], scale_inv[:old], fmt_max[:old] = self.scale, self.scale_inv, self._fmt_max
+        self.amax_history, self.scale, self.scale_inv, self._fmt_max = hist, scale, scale_inv, fmt_max
+        self.generation += 1
+        self._views = {}
+
+    def slot(self, name: str) -> int:
+        with self._lock:
+            self._apply_releases()
+            try:
+                return self._index[name]
+            except KeyError:
+                raise KeyError(f"FP8ScalingManager: no tensor named {name!r}; known: {self.names}") from None
+
+    def views(self, slot: int):
+        """(scale, scale_inv, amax) of a slot as 0-d device tensors aliasing the manager's buffers; the casts
+        read scale and write their fused amax into amax (this step's history entry). They stay valid until the
+        buffers grow (`generation` changes)."""
+        v = self._views.get(slot)
+        if v is None:
+            with _state_mode():
+                v = self._views[slot] = (self.scale[slot], self.scale_inv[slot], self.amax_history[slot, 0])
+        return v
+
+    # ---- the teaching API (update_amax / get_scale) ------------------------------------------------
+    def update_amax(self, name: str, amax: Union[float, torch.Tensor], fmt=E4M3) -> None:
+        """Records an amax for `name` this step: its history entry becomes max(entry, amax). A new name is
+        registered with format `fmt`."""
+        with self._lock:
+            self._apply_releases()
+            slot = self._index.get(name)
+        entry = self.views(self.register(name, fmt) if slot is None else slot)[2]
+        with _state_mode():
+            value = amax.to(device=self.device, dtype=torch.float32) if isinstance(amax, torch.Tensor) else \
+                torch.tensor(float(amax), device=self.device)
+            torch.maximum(entry, value.reshape(()), out=entry)
+        self.dirty = True
+
+    def get_scale(self, name: str) -> torch.Tensor:
+        """The scale of `name` (a 0-d device tensor: reading it with .item() synchronises)."""
+        return self.views(self.slot(name))[0]
+
+    def get_scale_inv(self, name: str) -> torch.Tensor:
+        return self.views(self.slot(name))[1]
+
+    def format_of(self, name: str) -> FP8Format:
+        return self._formats[self.slot(name)]
+
+    # ---- the update -----------------------------------------------------------------------------
+    def update(self, group=None) -> None:
+        """One step: (optionally) max-reduce this step's amaxes across `group`, then recompute every scale
+        (every `interval` steps) and move the histories down a row. One kernel; no host synchronisation."""
+        with self._lock:
+            if not self._names:
+                return
+            if group is not None and self.recipe.reduce_amax:
+                import torch.distributed as dist
+                if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+                    recent = self.amax_history[:, 0].contiguous()  # entry 0 of every row: one collective
+                    dist.all_reduce(recent, op=dist.ReduceOp.MAX, group=group)
+                    self.amax_history[:, 0].copy_(recent)
+            self.steps += 1
+            self._scale_update(self.amax_history, self.scale, self.scale_inv, self._fmt_max, self.steps,
+                               self._own_capsules())
+            self.dirty = False
+
+    def gated_update(self, flag: torch.Tensor, group=None) -> None:
+        """update(group), kept only where the 0-d bool `flag` (on the manager's device) is set: what a CUDA graph
+        captures, so that each replay updates or not as the host sets the flag (fp8ext/core/_graph_state.py)."""
+        bufs = (self.amax_history, self.scale, self.scale_inv)
+        with torch.no_grad():
+            previous = [b.clone() for b in bufs]
+            self.update(group)
+            for b, p in zip(bufs, previous):
+                b.copy_(torch.where(flag, b, p))
+
+    def snapshot(self):
+        """The state restore() writes back: (live names, copies of the histories, scales and scale_invs, steps,
+        dirty). Graph capture saves it before its warm-up."""
+        names = set(self.names)
+        with torch.no_grad():
+            tensors = [t.clone() for t in (self.amax_history, self.scale, self.scale_inv)]
+        return names, tensors, self.steps, self.dirty
+
+    def restore(self, snapshot) -> None:
+        """Writes a snapshot() back into the same buffers; slots registered since it was taken get a fresh slot's
+        state (scale 1, an empty history), as an eager first step registers them."""
+        names, tensors, steps, dirty = snapshot
+        with torch.no_grad():
+            for buf, saved in zip((self.amax_history, self.scale, self.scale_inv), tensors):
+                buf[: saved.shape[0]].copy_(saved)
+            for name in self.names:
+                if name not in names:
+                    slot = self.slot(name)
+                    self.amax_history[slot].zero_()
+                    self.scale[slot] = 1.0
+                    self.scale_inv[slot] = 1.0
+        self.steps, self.dirty = steps, dirty
+
+    def discard_recorded(self) -> None:
+        """Forgets every amax recorded since the last update (this step's history entries go back to 0, as the
+        update left them): fp8_autocast calls it when a step raises, so a failed step leaves no trace. No host
+        synchronisation."""
+        with self._lock, _state_mode():
+            self.amax_history[:, 0].zero_()
+            self.dirty = False
+
+    def _own_capsules(self):
+        """DLPack capsules of the manager's four buffers, made again only when a buffer was replaced (the update
+        runs every step; C borrows capsules and never consumes them)."""
+        bufs = (self.amax_history, self.scale, self.scale_inv, self._fmt_max)
+        cached = getattr(self, "_capsules", None)
+        if cached is None or any(a is not b for a, b in zip(cached[0], bufs)):
+            cached = self._capsules = (bufs, tuple(_to_dl(t) for t in bufs))
+        return cached[1]
+
+    def _scale_update(self, history, scale, scale_inv, fmt_max, step: int, capsules=None) -> None:
+        r = self.recipe
+        if capsules is None:
+            capsules = (_to_dl(history), _to_dl(scale), _to_dl(scale_inv), _to_dl(fmt_max))
+        _C.scale_update(*capsules,
+                        0 if r.amax_compute_algo == "max" else 1, float(r.margin), step % r.interval == 0,
+                        float(r.backoff_factor), stream=stream_of(history.device))
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The live slots' state as the next step will use it (see slots_state), with names and formats."""
+        names = self.names
+        st = self.slots_state(names)
+        st.update(formats=[self.format_of(n).code for n in names], history_len=self.history_len)
+        return st
+
+    def load_state_dict(self, state: dict) -> None:
+        names, formats = state["names"], state["formats"]
+        for name, code in zip(names, formats):
+            self.register(name, format_of_code(code))
+        self.load_slots(names, state["amax_history"], state["scale"], state["scale_inv"], state.get("steps"))
+
+    def load_slots(self, names: List[str], history: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor,
+                   steps: Optional[int] = None) -> None:
+        """Writes saved values into the named slots; history is [len(names), saved_len] (a history of another
+        length is cut or zero-padded). `steps` (the saved update count, which decides where an `interval`
+        falls) is adopted by a manager that has not updated yet."""
+        with self._lock, _state_mode():
+            idx = torch.tensor([self.slot(n) for n in names], dtype=torch.long, device=self.device)
+            cols = min(self.history_len, history.shape[1])
+            h = torch.zeros((len(names), self.history_len), dtype=torch.float32)
+            h[:, :cols] = history[:, :cols].float()
+            self.amax_history.index_copy_(0, idx, h.to(self.device))
+            self.scale.index_copy_(0, idx, scale.float().to(self.device))
+            self.scale_inv.index_copy_(0, idx, scale_inv.float().to(self.device))
+            if steps is not None and self.steps == 0:
+                self.steps = int(steps)
+
+    def slots_state(self, names: List[str]) -> dict:
+        """{'names', 'amax_history', 'scale', 'scale_inv', 'steps'} of the named slots, on the CPU, as the next
+        step will use them: when amaxes were recorded since the last update (the update runs when the next
+        step's fp8_autocast is entered), that update is applied to the copy, so a run resumed from it scales
+        exactly as the run that never stopped. (With an fp8_group, the copy's update uses this process's
+        amaxes.) Reads the device: this synchronises."""
+        with self._lock, _state_mode():
+            idx = torch.tensor([self.slot(n) for n in names], dtype=torch.long, device=self.device)
+            hist, scale, scale_inv, fmt_max = (t.index_select(0, idx).cpu() for t in
+                                               (self.amax_history, self.scale, self.scale_inv, self._fmt_max))
+            steps = self.steps
+            if self.dirty:
+                steps += 1
+                self._scale_update(hist, scale, scale_inv, fmt_max, steps)
+        return {"names": list(names), "amax_history": hist, "scale": scale, "scale_inv": scale_inv, "steps": steps}
+
+    def __repr__(self) -> str:
+        return (f"FP8ScalingManager({self.num_slots} tensors on {self.device}, history {self.history_len}, "
+                f"algo {self.recipe.amax_compute_algo}, margin {self.margin}, steps {self.steps})")

@@ -1,0 +1,200 @@
+"""FP8Tensor and Quantizer: an FP8 operand as one object, and the cast that makes it for one tensor role.
+
+FP8Tensor bundles what travels together through the casts and the GEMMs (Transformer Engine's
+Float8TensorStorage, torchao's Float8TrainingTensor):
+    data       the FP8 values [rows, cols], torch.float8_e4m3fn or torch.float8_e5m2
+    data_t     their transposed copy [cols, rows], or None: cuBLASLt's FP8 GEMMs take only the "TN" layout, so
+               the backward GEMMs read the transposed copies that the casts wrote in the same pass
+    scale_inv  float32 on data's device, the factor that dequantizes (x ~ float(q) * scale_inv)
+    fmt        the FP8Format
+    layout     how scale_inv applies: TENSOR (one element), ROW ([rows]), BLOCK_1x128 ([rows, ceil(cols/128)]) or
+               BLOCK_128x128 (see fp8ext.gemm)
+    scale_inv_t  data_t's own scale_inv where the layout is not TENSOR (a row-wise or 1 x 128 scale of the
+               transposed tensor is not the transpose of the tensor's: data_t is a cast of its own), else None
+A plain class with __slots__, not a torch.Tensor subclass: building one costs a few attribute stores and no
+dispatch, which matters on a layer's host path.
+
+A Quantizer is the cast of one tensor role (a layer's input, weight or output gradient): its format, its margin,
+its granularity (the scale layout it makes) and, per tensor, its scaling slot. With delayed scaling the slot is a
+(scale, amax) pair of views into an FP8ScalingManager's buffers (the cast reads the scale and records the tensor's
+amax there); without a manager the cast scales by the tensor's own amax (current scaling), or each row or block by
+its own (fp8ext.recipe's Float8RowwiseScaling and Float8BlockScaling). role_quantizers(recipe) gives the three
+Quantizers of a layer for a recipe that keeps no state. This file holds no linear-layer logic
+(fp8ext/modules/linear.py) and no kernels (fp8ext/ops/ and csrc/).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .formats import FP8Format
+from ..ops import amax as _amax
+from ..ops import cast_transpose, cast_transpose_dbias, quantize_blocks_t, quantize_blocks_unchecked, scale_from_amax
+from .recipe import CurrentScaling, Float8BlockScaling, Float8RowwiseScaling
+
+__all__ = ["FP8Tensor", "Quantizer", "TENSOR", "ROW", "BLOCK_1x128", "BLOCK_128x128", "role_quantizers"]
+
+TENSOR, ROW, BLOCK_1x128, BLOCK_128x128 = "tensor", "row", "1x128", "128x128"
+_to_dl = torch._C._to_dlpack
+
+
+class FP8Tensor:
+    """FP8 data with its transposed copy (or None), its scale_inv, its format and its scale layout (see above)."""
+
+    __slots__ = ("data", "data_t", "scale_inv", "fmt", "layout", "scale_inv_t")
+
+    def __init__(self, data: torch.Tensor, data_t: Optional[torch.Tensor], scale_inv: torch.Tensor, fmt: FP8Format,
+                 layout: str = TENSOR, scale_inv_t: Optional[torch.Tensor] = None):
+        self.data, self.data_t, self.scale_inv, self.fmt, self.layout = data, data_t, scale_inv, fmt, layout
+        self.scale_inv_t = scale_inv_t
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def t(self) -> "FP8Tensor":
+        """The transposed operand: data and data_t swapped, with their scale_invs (a per-tensor scale applies to
+        both)."""
+        if self.data_t is None or (self.layout != TENSOR and self.scale_inv_t is None):
+            raise ValueError("FP8Tensor.t(): needs the transposed copy (and its scale_inv unless the scale is "
+                             "per tensor)")
+        if self.layout == TENSOR:
+            return FP8Tensor(self.data_t, self.data, self.scale_inv, self.fmt)
+        return FP8Tensor(self.data_t, self.data, self.scale_inv_t, self.fmt, self.layout, self.scale_inv)
+
+    def __repr__(self) -> str:
+        return (f"FP8Tensor({self.fmt.name}, shape={list(self.data.shape)}, transposed copy="
+                f"{self.data_t is not None}, scale layout={self.layout}, device={self.data.device})")
+
+
+class Quantizer:
+    """The FP8 cast of one tensor role: format, margin (TE's exponent) and scaling slot (see the module docstring).
+
+    manager, slot: the role's slot in an FP8ScalingManager (delayed scaling), or None (current scaling, unless the
+    scale and amax tensors are given: a slot of one's own). The slot's views are taken once; they stay valid until
+    the manager's buffers are reallocated, which `current()` tells.
+    """
+
+    __slots__ = ("fmt", "margin", "scale", "amax", "capsules", "manager", "_slot", "_generation", "granularity",
+                 "power_2_scale", "amax_epsilon")
+
+    def __init__(self, fmt: FP8Format, margin: float, manager=None, slot: Optional[int] = None, *,
+                 scale: Optional[torch.Tensor] = None, amax: Optional[torch.Tensor] = None,
+                 granularity: str = TENSOR, power_2_scale: bool = False, amax_epsilon: float = 0.0):
+        if granularity not in (TENSOR, ROW, BLOCK_1x128, BLOCK_128x128):
+            raise ValueError(f"Quantizer: granularity must be one of {TENSOR!r}, {ROW!r}, {BLOCK_1x128!r}, "
+                             f"{BLOCK_128x128!r}, got {granularity!r}")
+        if granularity != TENSOR and (manager is not None or scale is not None or margin):
+            raise ValueError(f"Quantizer: {granularity!r} scales come from each block's own amax: no scaling slot and "
+                             f"no margin")
+        self.fmt, self.margin, self.manager, self._slot = fmt, float(margin), manager, slot
+        self.granularity, self.power_2_scale, self.amax_epsilon = granularity, bool(power_2_scale), float(amax_epsilon)
+        if manager is None:
+            self.scale, self.amax, self._generation = scale, amax, None
+        else:
+            self._generation = manager.generation
+            self.scale, _, self.amax = manager.views(slot)
+        # DLPack capsules of (scale, amax) for fp8ext._C's one-call paths, made once (C borrows a capsule and never
+        # consumes it); valid while current()
+        self.capsules = None if self.scale is None or self.amax is None else (_to_dl(self.scale), _to_dl(self.amax))
+
+    def current(self) -> bool:
+        """Whether the slot views are still the manager's (always, for current scaling)."""
+        return self.manager is None or self.manager.generation == self._generation
+
+    def slot_views(self):
+        """(scale, amax) of the slot as a cast uses it now: the quantizer's views, or fresh ones when the manager's
+        buffers were reallocated since they were taken (in eager mode; a compiled graph keeps what it traced). A
+        layer's backward runs after its forward, and other layers may register in between."""
+        if self.manager is not None and not torch.compiler.is_compiling() and not self.current():
+            scale, _, amax = self.manager.views(self._slot)
+            return scale, amax
+        return self.scale, self.amax
+
+    def slot_capsules(self):
+        """DLPack capsules (scale, amax) of slot_views(): `capsules`, or fresh ones when the views are stale."""
+        if self.manager is None or self.manager.generation == self._generation:
+            return self.capsules
+        return tuple(_to_dl(t) for t in self.slot_views())
+
+    def _scale_for(self, t2d: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+        if scale is None:  # current scaling: from the tensor's own amax
+            scale, _ = scale_from_amax(_amax(t2d), self.fmt, self.margin)
+        return scale
+
+    def quantize(self, t2d: torch.Tensor) -> FP8Tensor:
+        """t2d [rows, cols] cast to FP8 with its transposed copy: per tensor in one pass (cast_transpose), the amax
+        recorded in the slot (delayed scaling); per row or 1 x 128 tile, t2d and its transpose each cast with their
+        own scales (quantize_rowwise / quantize_blockwise); per 128 x 128 block, the transposed copy is the cast's
+        bytes transposed, with the block scales transposed."""
+        if self.granularity != TENSOR:
+            return self._quantize_scaled(t2d)
+        scale, amax = self.slot_views()
+        scale = self._scale_for(t2d, scale)
+        scale_inv = torch.empty((), dtype=torch.float32, device=t2d.device)
+        q, qt = cast_transpose(t2d, self.fmt, scale, amax_out=amax, scale_inv_out=scale_inv)
+        return FP8Tensor(q, qt, scale_inv, self.fmt)
+
+    def _quantize_scaled(self, t2d: torch.Tensor) -> FP8Tensor:
+        kind, fmt, pow2, eps = self.granularity, self.fmt, self.power_2_scale, self.amax_epsilon
+        if kind == ROW:  # a column's scale needs the whole column: the transposed cast is a pass of its own
+            q, s = quantize_blocks_unchecked(t2d, fmt, kind, pow2, eps)
+            qt, st = quantize_blocks_unchecked(t2d.t().contiguous(), fmt, kind, pow2, eps)
+        else:  # both casts from one pass over t2d (row counts here are multiples of 16: see _pad_rows)
+            q, s, qt, st = quantize_blocks_t(t2d, fmt, kind, pow2, eps)
+        return FP8Tensor(q, qt, s, fmt, kind, st)
+
+    def quantize_dbias(self, t2d: torch.Tensor):
+        """(quantize(t2d), the float32 column sums of t2d): an output gradient's cast with its bias gradient, from
+        the same pass per tensor (cast_transpose_dbias), summed apart otherwise."""
+        if self.granularity != TENSOR:
+            return self._quantize_scaled(t2d), t2d.sum(0, dtype=torch.float32)
+        scale, amax = self.slot_views()
+        scale = self._scale_for(t2d, scale)
+        dev = t2d.device
+        m, n = t2d.shape
+        scale_inv = torch.empty((), dtype=torch.float32, device=dev)
+        out = (torch.empty((m, n), dtype=self.fmt.torch_dtype, device=dev),
+               torch.empty((n, m), dtype=self.fmt.torch_dtype, device=dev),
+               torch.empty((n,), dtype=torch.float32, device=dev))
+        q, qt, db = cast_transpose_dbias(t2d, self.fmt, scale, amax, scale_inv_out=scale_inv, out=out)
+        return FP8Tensor(q, qt, scale_inv, self.fmt), db
+
+    def __repr__(self) -> str:
+        if self.granularity != TENSOR:
+            pow2 = ", power-of-two scales" if self.power_2_scale else ""
+            return f"Quantizer({self.fmt.name}, {self.granularity} scales{pow2})"
+        how = "current scaling" if self.manager is None else f"slot {self._slot}"
+        return f"Quantizer({self.fmt.name}, margin={self.margin}, {how})"
+
+
+_role_quantizers = {}  # recipe -> its (input, weight, grad_output) Quantizers: stateless, so shared by all layers
+
+
+def role_quantizers(recipe):
+    """The (input, weight, grad_output) Quantizers of an FP8 linear layer under a recipe that keeps no state across
+    steps: CurrentScaling (per tensor), Float8RowwiseScaling (per row) or Float8BlockScaling (1 x 128 tiles or
+    128 x 128 blocks per role). Delayed scaling's quantizers hold a layer's slots: FP8Linear makes those."""
+    q = _role_quantizers.get(recipe)
+    if q is None:
+        q = _role_quantizers[recipe] = _make_role_quantizers(recipe)
+    return q
+
+
+def _make_role_quantizers(recipe):
+    fwd, bwd = recipe.fp8_format.fwd, recipe.fp8_format.bwd
+    if isinstance(recipe, CurrentScaling):
+        return tuple(Quantizer(f, recipe.margin) for f in (fwd, fwd, bwd))
+    if isinstance(recipe, Float8RowwiseScaling):
+        return tuple(Quantizer(f, 0, granularity=ROW, power_2_scale=recipe.power_2_scale,
+                               amax_epsilon=recipe.amax_epsilon) for f in (fwd, fwd, bwd))
+    if isinstance(recipe, Float8BlockScaling):
+        roles = ((fwd, recipe.x_block_scaling_dim, recipe.fp8_quant_fwd_inp),
+                 (fwd, recipe.w_block_scaling_dim, recipe.fp8_quant_fwd_weight),
+                 (bwd, recipe.grad_block_scaling_dim, recipe.fp8_quant_bwd_grad))
+        return tuple(Quantizer(f, 0, granularity=BLOCK_1x128 if dim == 1 else BLOCK_128x128,
+                               power_2_scale=qp.power_2_scale, amax_epsilon=qp.amax_epsilon) for f, dim, qp in roles)
+    raise TypeError(f"role_quantizers(): {type(recipe).__name__} keeps scaling state per layer (FP8Linear makes its "
+                    f"quantizers)")

@@ -1,0 +1,400 @@
+"""FP8Linear: a drop-in for torch.nn.Linear that computes in FP8 inside fp8_autocast.
+
+One training step of a layer y = x W^T + b inside fp8_autocast (HYBRID: E4M3 forward, E5M2 backward):
+    forward   x8, x8^T = cast_transpose(x)          (one pass over x; amax recorded)
+              W8, W8^T = cast_transpose(W)          (reused across micro-batches while W is unchanged)
+              y  = gemm(x8, W8) + b                 (fast accumulation, as Transformer Engine's forward)
+              saved for backward: x8^T and W8^T, FP8, with the scale_inv each was cast with
+    backward  dy8, dy8^T = cast_transpose(dy)       (E5M2)
+              dx = gemm(dy8, W8^T)                  dgrad
+              dW = gemm(dy8^T, x8^T)                wgrad, accumulated in float32 by the tensor cores
+cuBLASLt on sm_90 takes FP8 only as "TN" (both operands K-major), which is why the transposed copies are
+made by the casts rather than by the GEMM. The weight-gradient GEMM contracts over the tokens, so their
+count is padded with zero rows to a multiple of 16 when it is not one (zeros add nothing).
+Outside fp8_autocast the layer is exactly nn.Linear (F.linear in high precision). Parameters are named
+`weight` and `bias` as in nn.Linear, so state dicts move between the two (see load_state_dict notes).
+
+The scaling state (scales and amax slots in the recipe's FP8ScalingManager) is not saved for backward with
+save_for_backward: it is state that the manager updates in place between steps, not an input whose value
+autograd must freeze. Backward finds the gradient's slot through its Quantizer (fp8ext/core/tensor.py), and again in
+the manager when the manager's buffers grew after the forward. This file holds the module (slots, the weight's
+cast, which path a call takes); the autograd Function and its plan are in fp8ext/modules/linear_autograd.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import weakref
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import _C
+from ..core import debug
+from ..core._boundary import stream_of
+from ..ops._gemm import bias_epilogue
+from ..core.context import activation_dtype, current_context, get_scaling_manager
+from .linear_autograd import COMPOSED, HIGH_PRECISION, ONE_CALL, LinearFunction, LinearPlan
+from ..core.profiling import profiled
+from ..core.recipe import DelayedScaling
+from ..core.tensor import FP8Tensor, Quantizer, role_quantizers
+
+__all__ = ["FP8Linear", "Linear"]
+
+_to_dl = torch._C._to_dlpack
+_LEAN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FAST_PATH = True  # tests switch it off to compare FP8Linear's two eager paths (ONE_CALL and COMPOSED)
+_graphs_possible = torch.cuda.is_available()
+
+
+def _cast(t2d: torch.Tensor, quantizer: Quantizer) -> FP8Tensor:
+    """t2d's FP8 cast by `quantizer` (the weight's casts go through here: tests count them)."""
+    return quantizer.quantize(t2d)
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph: graphs take the composed path (a captured step has
+    no host work to save, and the composed path is the one graph capture is tested with)."""
+    return _graphs_possible and torch.cuda.is_current_stream_capturing()
+
+
+_ids = itertools.count()  # FP8Linear slot names are unique for the life of the process (id() is reused)
+
+# Transformer Engine's te.Linear arguments that fp8ext takes only at their defaults (no tensor or sequence
+# parallelism, no userbuffers overlap): what each would need.
+_TE_DEFAULTS = {
+    "sequence_parallel": (False, "sequence parallelism"),
+    "tp_group": (None, "tensor parallelism"),
+    "tp_size": (1, "tensor parallelism"),
+    "parallel_mode": (None, "tensor parallelism (column/row parallel layers)"),
+    "get_rng_state_tracker": (None, "tensor-parallel RNG tracking"),
+    "rng_tracker_name": (None, "tensor-parallel RNG tracking"),
+    "skip_weight_param_allocation": (False, "externally allocated weights"),
+    "parameters_split": (None, "split parameters"),
+    "ub_overlap_ag": (False, "userbuffers communication overlap"),
+    "ub_overlap_rs": (False, "userbuffers communication overlap"),
+    "ub_overlap_rs_dgrad": (False, "userbuffers communication overlap"),
+    "ub_bulk_dgrad": (False, "userbuffers communication overlap"),
+    "ub_bulk_wgrad": (False, "userbuffers communication overlap"),
+    "ub_name": (None, "userbuffers communication overlap"),
+    "delay_wgrad_compute": (False, "delayed weight-gradient computation"),
+    "symmetric_ar_type": (None, "symmetric all-reduce"),
+}
+
+
+def _check_te_kwargs(kwargs: dict) -> None:
+    for key, value in kwargs.items():
+        if key not in _TE_DEFAULTS:
+            raise TypeError(f"FP8Linear() got an unexpected keyword argument {key!r}")
+        default, what = _TE_DEFAULTS[key]
+        if value != default:
+            raise NotImplementedError(f"FP8Linear: {key}={value!r} asks for {what}, which fp8ext does not have; "
+                                      f"leave {key} at its default ({default!r})")
+
+
+class FP8Linear(nn.Module):
+    """y = x W^T + b like torch.nn.Linear (same parameters, same initialisation), in FP8 inside fp8_autocast.
+
+    Also available as fp8ext.Linear, with Transformer Engine's te.Linear arguments: params_dtype (or dtype) is
+    the parameters' dtype (default torch.get_default_dtype()); device defaults to torch's default device (TE's
+    to "cuda"); init_method(weight), when given, initialises the weight and the bias starts at zero (as in
+    TE; without it, nn.Linear's initialisation); return_bias=True returns (x W^T, b) with the bias not added.
+    TE's parallelism and communication-overlap arguments are accepted only at their defaults.
+    fuse_wgrad_accumulation=True (TE's and Megatron-LM's convention): the weight's gradient is added into
+    `weight.main_grad` (float32, the weight's shape, allocated by the caller) by the weight-gradient GEMM itself
+    (cuBLASLt with beta = 1: no extra pass per micro-batch), and weight.grad is left alone (zeros are returned
+    instead when the weight has a `grad_added_to_main_grad` attribute, which is then set to True).
+
+    in_features and out_features must be multiples of 16 for FP8 (cuBLASLt's rule; convert_to_fp8 skips
+    layers that are not). Inside torch.autocast the output has the autocast dtype. An empty batch gives an
+    empty output and zero gradients without running a GEMM; meta tensors give the output's shape. The FP8
+    scaling state (amax histories, scales) is saved as extra state; see load_state_dict for how checkpoints
+    move to and from nn.Linear.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
+                 params_dtype: Optional[torch.dtype] = None, *, dtype: Optional[torch.dtype] = None,
+                 init_method=None, return_bias: bool = False, name: Optional[str] = None,
+                 fuse_wgrad_accumulation: bool = False, **te_kwargs):
+        super().__init__()
+        _check_te_kwargs(te_kwargs)
+        self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
+        if dtype is not None and params_dtype is not None and dtype != params_dtype:
+            raise TypeError(f"FP8Linear: dtype={dtype} and params_dtype={params_dtype} disagree; give one")
+        self.in_features, self.out_features = in_features, out_features
+        self.init_method, self.return_bias, self.name = init_method, bool(return_bias), name
+        dtype = params_dtype or dtype or torch.get_default_dtype()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+        self._init_fp8_runtime(None)
+
+    def _init_fp8_runtime(self, pending) -> None:
+        self._fp8_id = next(_ids)
+        self._weight_cache = None  # (key, w8, w8t, scale_inv) of the last weight cast kept for reuse
+        self._fp8_views = {}  # recipe -> (manager, slot views, manager generation, (input, weight, grad) Quantizers)
+        self._leases = {}  # id(manager) -> the finalizer that releases this layer's slots there
+        self._manager = None  # the manager of the last recipe used (for get_extra_state)
+        self._pending_fp8_state = pending  # loaded extra state, applied when the layer gets its slots
+        self._lean = None  # (recipe, quantizers) of the fast path, set by the first FP8 step with delayed scaling
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's initialisation, or init_method(weight) and a zero bias when init_method was given."""
+        if self.init_method is not None:
+            with torch.no_grad():
+                self.init_method(self.weight)
+            if self.bias is not None:
+                nn.init.zeros_(self.bias)
+            return
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+    # ---- copies: a copy (deepcopy, pickle) is a new layer with its own slots and the same FP8 state ----------
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        for key in ("_weight_cache", "_fp8_views", "_leases", "_manager", "_fp8_id", "_lean"):
+            state.pop(key, None)
+        state["_pending_fp8_state"] = self.get_extra_state() or None
+        return state
+
+    def __setstate__(self, state):
+        pending = state.pop("_pending_fp8_state", None)
+        super().__setstate__(state)
+        self._init_fp8_runtime(pending)
+
+    # ---- FP8 state --------------------------------------------------------------------------------
+    def _slot_names(self):
+        base = f"fp8linear.{self._fp8_id}"
+        return [base + ".input", base + ".weight", base + ".grad_output"]
+
+    def _manager_views(self, recipe: DelayedScaling):
+        """(manager, [(scale, scale_inv, amax) for input, weight, grad_output]) for `recipe`: cached on the
+        layer, so that the steady state reads attributes only (and torch.compile traces it)."""
+        st = self._fp8_views.get(recipe)
+        if st is None or not st[3][0].current():
+            st = self.init_fp8(recipe)
+        self._manager = st[0]
+        return st[0], st[1]
+
+    def quantizers(self, recipe: DelayedScaling):
+        """The layer's (input, weight, grad_output) Quantizers for a DelayedScaling `recipe`, its slots registered
+        (again, when the manager's buffers were reallocated since) as forward would."""
+        self._manager_views(recipe)
+        return self._fp8_views[recipe][3]
+
+    @torch.compiler.disable  # registration changes the manager: done eagerly, never traced
+    def init_fp8(self, recipe: DelayedScaling, device=None):
+        """Registers the layer's three tensors with the recipe's FP8ScalingManager (made on first use) on
+        `device` (the weight's by default); the slots are released when the layer is garbage-collected.
+        forward does this on first use; fp8ext.prepare_fp8(model) does it ahead of time (optional: it saves
+        torch.compile a graph break on the first step)."""
+        mgr = get_scaling_manager(recipe, device if device is not None else self.weight.device)
+        names = self._slot_names()
+        fmt = recipe.fp8_format
+        slots = [mgr.register(names[0], fmt.fwd), mgr.register(names[1], fmt.fwd), mgr.register(names[2], fmt.bwd)]
+        if id(mgr) not in self._leases:
+            fin = weakref.finalize(self, mgr.release, names)
+            fin.atexit = False
+            self._leases[id(mgr)] = fin
+        if self._pending_fp8_state is not None:
+            pending, self._pending_fp8_state = self._pending_fp8_state, None
+            mgr.load_slots(names, pending["amax_history"], pending["scale"], pending["scale_inv"], pending.get("steps"))
+        self._manager = mgr
+        quantizers = tuple(Quantizer(f, recipe.margin, mgr, s) for f, s in zip((fmt.fwd, fmt.fwd, fmt.bwd), slots))
+        st = self._fp8_views[recipe] = (mgr, [mgr.views(s) for s in slots], mgr.generation, quantizers)
+        return st
+
+    def get_extra_state(self):
+        """The layer's FP8 scaling state ({} before its first FP8 step), on the CPU, as its next step will use it
+        (see FP8ScalingManager.slots_state): a run resumed from it scales exactly as the one that saved it."""
+        mgr = self._manager
+        if mgr is None:
+            return self._pending_fp8_state or {}
+        st = mgr.slots_state(self._slot_names())
+        st["names"] = ["input", "weight", "grad_output"]
+        return st
+
+    def set_extra_state(self, state) -> None:
+        if not state:
+            return
+        pending = {k: state[k] for k in ("amax_history", "scale", "scale_inv")}
+        pending["steps"] = state.get("steps")
+        if self._manager is None:
+            self._pending_fp8_state = pending
+        else:
+            self._manager.load_slots(self._slot_names(), pending["amax_history"], pending["scale"],
+                                     pending["scale_inv"], pending["steps"])
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """A plain nn.Linear checkpoint (no FP8 state) loads strictly: the FP8 state then starts fresh."""
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        self._weight_cache = None
+        key = prefix + "_extra_state"
+        if key in missing_keys:
+            missing_keys.remove(key)
+
+    # ---- forward ----------------------------------------------------------------------------------
+    def _weight_fp8(self, quantizer: Quantizer, is_first_microbatch) -> FP8Tensor:
+        """The weight's FP8 cast. As in Transformer Engine: recast on every forward by default (so a weight
+        changed in any way, `.data` writes included, is never served stale); is_first_microbatch=True casts and
+        keeps the cast, False reuses the kept one across the micro-batches of a step. A kept cast is still
+        recast when the weight provably changed (another tensor, an in-place update such as an optimizer step
+        or load_state_dict, another format or scale slot, inference mode)."""
+        w = self.weight
+        keep = is_first_microbatch is not None and not torch.compiler.is_compiling() and not (
+            w.is_cuda and torch.cuda.is_current_stream_capturing())
+        if not keep:
+            self._weight_cache = None
+            return _cast(w.detach(), quantizer)
+        key = (id(w), w.data_ptr(), w._version, quantizer.fmt.code, id(quantizer.scale),
+               torch.is_inference_mode_enabled())
+        c = self._weight_cache
+        if is_first_microbatch is False and c is not None and c[0] == key:
+            return c[1]
+        w8 = _cast(w.detach(), quantizer)
+        self._weight_cache = (key, w8)
+        return w8
+
+    @profiled("FP8Linear.forward")
+    def forward(self, input: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+        """y = input W^T + b (a tuple (input W^T, b) with return_bias=True). is_first_microbatch (Transformer
+        Engine's argument): None (default) casts the weight on every call; True casts it and keeps the cast;
+        False reuses the kept cast for the next micro-batches of the same step."""
+        ctx = current_context()
+        if ctx is not None and ctx.enabled and is_first_microbatch is None and not ctx.calibrating and _FAST_PATH \
+                and not torch.compiler.is_compiling() and not _capturing():
+            lean = self._lean
+            if lean is not None and lean[0] is ctx.recipe and lean[1][0].current():
+                y = self._lean_forward(input, lean[1])
+                if y is not None:
+                    return y
+        bias = None if self.return_bias else self.bias
+        main_grad = self._main_grad() if self.fuse_wgrad_accumulation and torch.is_grad_enabled() else None
+        if ctx is None or not (ctx.enabled or ctx.calibrating):
+            if main_grad is not None:
+                plan = LinearPlan(HIGH_PRECISION, (None, None, None), self.weight, bias, main_grad=main_grad)
+                return self.returned(LinearFunction.apply(input, self.weight, bias, plan))
+            return self.returned(F.linear(input, self.weight, bias))
+        if input.dim() == 0 or input.numel() == 0 or input.is_meta or self.weight.is_meta:
+            return self.returned(self._no_gemm(input, bias))
+        if input.shape[-1] != self.in_features:
+            raise ValueError(f"FP8Linear: input has {input.shape[-1]} features, the layer takes {self.in_features}")
+        if self.in_features % 16 or self.out_features % 16:
+            raise ValueError(f"FP8Linear({self.in_features}, {self.out_features}): FP8 GEMMs need in_features and "
+                             "out_features to be multiples of 16; compute this layer outside fp8_autocast")
+        if input.dtype not in _LEAN_DTYPES or self.weight.dtype not in _LEAN_DTYPES:
+            raise TypeError(f"FP8Linear({self.in_features}, {self.out_features}): in FP8 the input and the weight must be "
+                            f"float32, bfloat16 or float16, got input {str(input.dtype).removeprefix('torch.')} and weight "
+                            f"{str(self.weight.dtype).removeprefix('torch.')}; compute this layer outside fp8_autocast")
+        recipe = ctx.recipe
+        delayed = isinstance(recipe, DelayedScaling)
+        if ctx.calibrating and not ctx.enabled:
+            if delayed:  # record the amaxes for the scales FP8 will use, compute in high precision
+                mgr, views = self._manager_views(recipe)
+                x2 = input.detach().reshape(-1, self.in_features)
+                _C.amax(_to_dl(x2.contiguous()), _to_dl(views[0][2]), stream=stream_of(x2.device))
+                _C.amax(_to_dl(self.weight.detach()), _to_dl(views[1][2]), stream=stream_of(x2.device))
+                mgr.dirty = True
+            return self.returned(F.linear(input, self.weight, bias))
+        plan = self.fp8_plan(recipe, input, is_first_microbatch)
+        return self.returned(LinearFunction.apply(input, self.weight, bias, plan))
+
+    def fp8_plan(self, recipe, input: torch.Tensor, is_first_microbatch: Optional[bool] = None, *,
+                 prologue=None) -> LinearPlan:
+        """The LinearPlan (fp8ext.linear_autograd) of an FP8 forward of this layer on `input` with `recipe`: the
+        quantizers of its three tensors (delayed scaling: the layer's slots, the manager marked for its next
+        update), the weight's FP8 cast (see is_first_microbatch in forward), main_grad and the output dtype.
+        prologue: the step that fp8ext's fused paths compute inside the input's cast (fp8ext._fused_linear)."""
+        if isinstance(recipe, DelayedScaling):
+            mgr, _ = self._manager_views(recipe)
+            quantizers = self._fp8_views[recipe][3]
+            mgr.dirty = True
+            if not torch.compiler.is_compiling():
+                lean = self._lean
+                if lean is None or lean[0] is not recipe or lean[1] is not quantizers:
+                    self._lean = (recipe, quantizers)
+        else:  # current, row-wise or block scaling: each cast scales by its tensor's (rows', blocks') own amax
+            quantizers = role_quantizers(recipe)
+        if debug.enabled():
+            self._debug_checks(input, quantizers)
+        w8 = self._weight_fp8(quantizers[1], is_first_microbatch)
+        main_grad = self._main_grad() if self.fuse_wgrad_accumulation and torch.is_grad_enabled() else None
+        return LinearPlan(COMPOSED, quantizers, self.weight, None if self.return_bias else self.bias,
+                          out_dtype=activation_dtype(input), w8=w8, main_grad=main_grad, prologue=prologue)
+
+    def _lean_forward(self, input, quantizers):
+        """The fast path's forward (fp8ext.linear_autograd's ONE_CALL), or None when this input needs the composed
+        path."""
+        if debug.enabled() or not isinstance(input, torch.Tensor):
+            return None
+        w = self.weight
+        k = self.in_features
+        device = quantizers[0].scale.device
+        if input.dtype not in _LEAN_DTYPES or w.dtype not in _LEAN_DTYPES or input.device != device or \
+                w.device != device or not input.is_contiguous() or not w.is_contiguous() or input.dim() == 0 or \
+                input.shape[-1] != k:
+            return None
+        m = input.numel() // k
+        if m == 0 or m % 16 or k % 16 or self.out_features % 16:
+            return None
+        if self._weight_cache is not None:
+            self._weight_cache = None
+        out_dtype = activation_dtype(input)
+        bias = None if self.return_bias else self.bias
+        fuse_bias = bias_epilogue(bias, out_dtype) and bias.is_contiguous()
+        main_grad = self._main_grad() if self.fuse_wgrad_accumulation and torch.is_grad_enabled() else None
+        quantizers[0].manager.dirty = True
+        plan = LinearPlan(ONE_CALL, quantizers, w, bias, out_dtype=out_dtype, main_grad=main_grad,
+                          fuse_bias=fuse_bias)
+        y = LinearFunction.apply(input, w, bias, plan)
+        return (y, self.bias) if self.return_bias else y
+
+    def _main_grad(self) -> torch.Tensor:
+        """weight.main_grad, checked: fuse_wgrad_accumulation adds the weight's gradient into it (a float32 tensor of
+        the weight's shape on its device, allocated by the training framework, as Megatron-LM does)."""
+        mg = getattr(self.weight, "main_grad", None)
+        if not isinstance(mg, torch.Tensor):
+            raise RuntimeError("FP8Linear(fuse_wgrad_accumulation=True): weight.main_grad is not set; allocate it "
+                               "(weight.main_grad = torch.zeros_like(weight, dtype=torch.float32)) before the forward")
+        if mg.dtype != torch.float32 or mg.shape != self.weight.shape or mg.device != self.weight.device \
+                or not mg.is_contiguous():
+            raise ValueError(f"FP8Linear(fuse_wgrad_accumulation=True): weight.main_grad must be a contiguous float32 "
+                             f"tensor of shape {list(self.weight.shape)} on {self.weight.device}, got {mg.dtype} "
+                             f"{list(mg.shape)} on {mg.device}")
+        return mg
+
+    def returned(self, y: torch.Tensor):
+        """What forward returns for the output y: y, or (y, bias) with return_bias=True (fp8ext's fused paths)."""
+        return (y, self.bias) if self.return_bias else y
+
+    def _no_gemm(self, input: torch.Tensor, bias):
+        """An empty batch, a 0-d input or meta tensors: nothing to compute in FP8. F.linear gives the output's
+        shape (and nn.Linear's error for a 0-d input); gradients of an empty batch are zero."""
+        dtype = activation_dtype(input)
+        w = self.weight.to(dtype)
+        return F.linear(input.to(dtype), w, bias.to(dtype) if bias is not None else None)
+
+    def _debug_checks(self, input, quantizers) -> None:
+        fn = "FP8Linear"
+        debug.check_finite(input, fn, "input")
+        debug.check_finite(self.weight, fn, "weight")
+        for q, what in zip(quantizers, ("the input's scale", "the weight's scale", "the gradient's scale")):
+            scale = q.scale
+            if scale is not None:
+                debug.check_scale(scale, fn, what)
+
+
+Linear = FP8Linear  # Transformer Engine's name

@@ -1,0 +1,297 @@
+"""The FP8 linear layer's autograd Function: LinearFunction.forward(ctx, x, weight, bias, plan[, gamma]).
+
+One Function serves every linear layer of fp8ext in training (FP8Linear, LayerNormLinear's norm-in-the-cast path,
+the SwiGLU-in-the-cast path); what differs between them is the LinearPlan, built per call by FP8Linear.fp8_plan:
+    backend    COMPOSED: the casts and the GEMMs as separate ops (eager, or traced by torch.compile);
+               ONE_CALL: each pass one fp8ext._C call (csrc/py_linear.c; the eager fast path);
+               HIGH_PRECISION: outside fp8_autocast with fuse_wgrad_accumulation, y = x W^T + b in high precision
+               with the weight's gradient added into main_grad
+    input, weight, grad   the Quantizers of the layer's three tensor roles (fp8ext.tensor)
+    w8         the weight's FP8 cast (COMPOSED; kept across micro-batches by FP8Linear when asked)
+    out_dtype, main_grad (and the weight it belongs to), the weight's and the bias's dtypes
+    prologue   None, or the step computed inside the input's cast (fp8ext._fused_linear's Prologue: RMSNorm, whose
+               gamma is the Function's fifth input, or SwiGLU)
+The three GEMMs of a step (module docstring of fp8ext.linear) are written once here: forward_gemm and
+linear_backward, which LayerNormMLP's fused Function (fp8ext._fused_linear) uses for each of its two layers.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from .. import _C
+from ..core import debug
+from ..core._boundary import refuse_broadcast
+from ..ops._gemm import bias_epilogue, pass_stream
+from ..ops._gemm import gemm_fp8 as _gemm
+from ..core.tensor import BLOCK_1x128, BLOCK_128x128, TENSOR, FP8Tensor
+
+__all__ = ["LinearPlan", "LinearFunction", "COMPOSED", "ONE_CALL", "HIGH_PRECISION", "forward_gemm",
+           "linear_backward"]
+
+_to_dl = torch._C._to_dlpack
+_BLOCKS = (BLOCK_1x128, BLOCK_128x128)
+
+
+class LinearPlan:
+    """Everything of one linear call that autograd does not differentiate (see the module docstring)."""
+
+    __slots__ = ("backend", "input", "weight", "grad", "w8", "out_dtype", "main_grad", "weight_ref", "w_dtype",
+                 "b_dtype", "prologue", "fuse_bias")
+
+    def __init__(self, backend, quantizers, weight: torch.Tensor, bias: Optional[torch.Tensor], *,
+                 out_dtype: Optional[torch.dtype] = None, w8: Optional[FP8Tensor] = None,
+                 main_grad: Optional[torch.Tensor] = None, prologue=None, fuse_bias: bool = False):
+        self.backend = backend
+        self.input, self.weight, self.grad = quantizers
+        self.w8, self.out_dtype, self.prologue, self.fuse_bias = w8, out_dtype, prologue, fuse_bias
+        self.main_grad, self.weight_ref = main_grad, (weight if main_grad is not None else None)
+        self.w_dtype, self.b_dtype = weight.dtype, (bias.dtype if bias is not None else None)
+
+
+class LinearFunction(torch.autograd.Function):
+    """y = x W^T + b as the plan says (see the module docstring). gamma: the RMSNorm prologue's scale, else unused.
+    backward returns (dx, dW, db, None, dgamma)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, plan, gamma=None):
+        ctx.plan = plan
+        return plan.backend.forward(ctx, x, weight, bias, gamma)
+
+    @staticmethod
+    def backward(ctx, dy):
+        if ctx.plan.prologue is not None:
+            return _once_differentiable_backward(ctx, dy)
+        return ctx.plan.backend.backward(ctx, dy)
+
+
+@once_differentiable  # the fused prologues' backward kernels: a second derivative raises instead of coming out wrong
+def _once_differentiable_backward(ctx, dy):
+    return ctx.plan.backend.backward(ctx, dy)
+
+
+def _pad_rows(t: torch.Tensor, multiple: int = 16) -> torch.Tensor:
+    pad = -t.shape[0] % multiple
+    return F.pad(t, (0, 0, 0, pad)) if pad else t
+
+
+def forward_gemm(x8: FP8Tensor, w8: FP8Tensor, out_dtype: torch.dtype, bias: Optional[torch.Tensor],
+                 rows: int) -> torch.Tensor:
+    """The first `rows` rows of x8 @ w8^T + bias in out_dtype, with fast accumulation (as TE's forward) except with
+    block scales (cuBLASLt has none there); with per-tensor scales the bias is added by cuBLASLt's epilogue where it
+    takes it (fp8ext._gemm.bias_epilogue), after the GEMM otherwise."""
+    per_tensor = x8.layout == TENSOR
+    fuse = per_tensor and bias_epilogue(bias, out_dtype)
+    y = _gemm(x8, w8, out_dtype, bias if fuse else None, fast=x8.layout not in _BLOCKS)[:rows]
+    if bias is not None and not fuse:
+        y = y + bias.to(y.dtype)
+    return y
+
+
+def linear_backward(plan: LinearPlan, dy: Optional[torch.Tensor], x_t: FP8Tensor, w_t: FP8Tensor, need, *, m: int,
+                    dx_dtype: torch.dtype, dy8: Optional[FP8Tensor] = None):
+    """(dx [m, k] or None, dW, db) of one FP8 linear layer from its forward's FP8 operands x_t (x8^T) and w_t (W8^T):
+    dy cast by the plan's grad quantizer (with the bias gradient from the same pass), then the dgrad and wgrad GEMMs.
+    need: (dx, dW, db) wanted. dy8: dy already cast by the caller (no bias gradient then), dy unused."""
+    need_dx, need_dw, need_db = need
+    want_db = plan.b_dtype is not None and need_db
+    if dy8 is not None:
+        if want_db:
+            raise RuntimeError("FP8Linear backward: a bias gradient needs dy itself, not its FP8 cast")
+        g8 = dy8
+    else:
+        dy2 = dy.reshape(-1, w_t.shape[1])
+        if not dy2.is_contiguous():
+            dy2 = dy2.contiguous()
+        if debug.enabled():
+            debug.check_finite(dy2, "FP8Linear backward", "grad_output")
+            debug.check_scale(plan.grad.slot_views()[0], "FP8Linear backward", "the gradient's scale")
+        if want_db:  # the bias gradient from the cast's own pass over dy
+            g8, db32 = plan.grad.quantize_dbias(_pad_rows(dy2))
+        else:
+            g8 = plan.grad.quantize(_pad_rows(dy2))
+    dx = dw = db = None
+    if need_dx:
+        dx = _gemm(g8, w_t, dx_dtype)[:m]
+    if plan.main_grad is not None:  # fuse_wgrad_accumulation: main_grad += dW in the GEMM itself (beta = 1)
+        if torch.compiler.is_compiling():  # the functional op, then the add
+            plan.main_grad.add_(_gemm(g8.t(), x_t, torch.float32))
+        else:
+            _gemm(g8.t(), x_t, torch.float32, out=plan.main_grad, accumulate=True)
+        dw = _wgrad_placeholder(plan.weight_ref)
+    elif need_dw:
+        dw = _gemm(g8.t(), x_t, plan.w_dtype)
+    if want_db:
+        db = db32.to(plan.b_dtype)
+    return dx, dw, db
+
+
+def _wgrad_placeholder(weight):
+    """What backward returns as the weight's gradient once it went into main_grad: None, or, for a weight marked
+    with `grad_added_to_main_grad` (Megatron-LM's convention, which Transformer Engine follows), zeros after
+    setting that flag, so that frameworks expecting a gradient tensor get one that adds nothing."""
+    if hasattr(weight, "grad_added_to_main_grad"):
+        weight.grad_added_to_main_grad = True
+        return torch.zeros_like(weight)
+    return None
+
+
+class COMPOSED:
+    """The casts and the GEMMs as separate ops: FP8Tensors from the plan's quantizers, forward_gemm, linear_backward.
+    Tensor ops only, so that torch.compile can trace it."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, gamma):
+        plan = ctx.plan
+        if plan.prologue is None:
+            refuse_broadcast(x, "FP8Linear", "input")  # a strided x is copied below; a broadcast view is not
+            x2 = x.reshape(-1, weight.shape[1])
+            if not x2.is_contiguous():
+                x2 = x2.contiguous()
+            x8, kept = plan.input.quantize(_pad_rows(x2)), ()
+        else:  # kept: what the prologue's backward reads
+            x8, kept = plan.prologue.cast(x, gamma, plan.input)
+            x2 = kept[0]
+        m = x2.shape[0]
+        y = forward_gemm(x8, plan.w8, plan.out_dtype, bias, m)
+        x_t, w_t = x8.t(), plan.w8.t()
+        ctx.save_for_backward(x_t.data, x_t.scale_inv, w_t.data, w_t.scale_inv, *kept)
+        # backward reads the saved transposed copy; the row-wise weight copy is freed now, not kept through ctx.plan
+        plan.w8 = None
+        ctx.m, ctx.x_shape, ctx.x_dtype, ctx.fmt, ctx.layouts = m, x.shape, x.dtype, x8.fmt, (x8.layout, w_t.layout)
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x8t, x_sinv, w8t, w_sinv, *kept = ctx.saved_tensors
+        plan = ctx.plan
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_g = len(ctx.needs_input_grad) > 4 and ctx.needs_input_grad[4]  # RMSNorm's gamma
+        x_t = FP8Tensor(x8t, None, x_sinv, ctx.fmt, ctx.layouts[0])
+        w_t = FP8Tensor(w8t, None, w_sinv, ctx.fmt, ctx.layouts[1])
+        dx, dw, db = linear_backward(plan, dy, x_t, w_t, (need_x or need_g, need_w, need_b), m=ctx.m,
+                                     dx_dtype=ctx.x_dtype)
+        dgamma = None
+        if plan.prologue is not None and dx is not None:
+            dx, dgamma = plan.prologue.backward(kept, dx)
+        return (None if dx is None or not need_x else dx.reshape(ctx.x_shape), dw, db, None,
+                dgamma if need_g else None)
+
+
+class HIGH_PRECISION:
+    """Outside fp8_autocast with fuse_wgrad_accumulation: y = x W^T + b in high precision, with the weight's
+    gradient added into main_grad (float32) instead of returned."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, gamma):
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = (dy @ weight.to(dy.dtype)) if ctx.needs_input_grad[0] else None
+        ctx.plan.main_grad.addmm_(dy2.t().float(), x.reshape(-1, x.shape[-1]).float())
+        db = dy2.sum(0).to(weight.dtype) if ctx.plan.b_dtype is not None and ctx.needs_input_grad[2] else None
+        return dx, _wgrad_placeholder(weight), db, None, None
+
+
+# ---- ONE_CALL: one C call per pass -----------------------------------------------------------------------
+# In the common training case (eager, delayed scaling, the weight recast every step, contiguous input, a token
+# count that is a multiple of 16, fp8ext.debug off) FP8Linear skips the composed path and runs each pass as one
+# fp8ext._C call (csrc/py_linear.c): the forward's two cast_transposes and its GEMM, the backward's cast_transpose
+# (cast_transpose_dbias with a bias) and its two GEMMs. The FP8 tensors live in two byte buffers per pass (one
+# kept for backward: the scale_invs, x8^T and W8^T; one dropped: x8 and W8), laid out as csrc/py_linear.c defines
+# and exports (LINEAR_ALIGN, LINEAR_SINV_STRIDE, LINEAR_SINV_BYTES). Same kernels, same cuBLASLt calls, same bytes
+# as COMPOSED (tests compare the two bit for bit); the host work per step is a fraction. On the CPU the C calls do
+# the casts and the GEMMs are emulated here, from the same buffers.
+_ALIGN, _SINV_BYTES, _SINV_STEP = _C.LINEAR_ALIGN, _C.LINEAR_SINV_BYTES, _C.LINEAR_SINV_STRIDE // 4
+
+
+def _round_up(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _saved_sinv(saved: torch.Tensor, i: int) -> torch.Tensor:
+    """The one-element float32 scale_inv i (0 x, 1 W, 2 dy) of a saved buffer."""
+    return saved[i * _SINV_STEP * 4:(i * _SINV_STEP + 1) * 4].view(torch.float32)
+
+
+def _operand(buf: torch.Tensor, offset: int, rows: int, cols: int, fmt, saved: torch.Tensor, i: int) -> FP8Tensor:
+    """The FP8 matrix [rows, cols] at `offset` bytes into a byte buffer, with scale_inv i of the saved buffer."""
+    data = buf[offset:offset + rows * cols].view(fmt.torch_dtype).view(rows, cols)
+    return FP8Tensor(data, None, _saved_sinv(saved, i), fmt)
+
+
+class ONE_CALL:
+    """FP8Linear's fast path (see above): each pass one fp8ext._C call."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, gamma):
+        plan = ctx.plan
+        n, k = weight.shape
+        m = x.numel() // k
+        dev = x.device
+        rmk = _round_up(m * k)
+        saved = torch.empty(_SINV_BYTES + rmk + n * k, dtype=torch.uint8, device=dev)
+        scratch = torch.empty(rmk + n * k, dtype=torch.uint8, device=dev)
+        y = torch.empty((m, n), dtype=plan.out_dtype, device=dev)
+        stream, ws = pass_stream(dev)
+        b = bias if plan.fuse_bias else None
+        fmt = plan.input.fmt
+        (xs, xa), (wsc, wa) = plan.input.capsules, plan.weight.capsules  # current: FP8Linear checked
+        if not _C.linear_fwd(_to_dl(x.view(m, k)), _to_dl(weight), _to_dl(saved), _to_dl(scratch), _to_dl(y), xs, xa,
+                             wsc, wa, fmt.code, None if b is None else _to_dl(b), ws, stream):
+            _gemm(_operand(scratch, 0, m, k, fmt, saved, 0), _operand(scratch, rmk, n, k, fmt, saved, 1),
+                  plan.out_dtype, b, True, out=y)
+        if bias is not None and not plan.fuse_bias:
+            y = y + bias.to(y.dtype)
+        ctx.save_for_backward(saved)
+        ctx.dims, ctx.x_shape, ctx.x_dtype = (m, k, n), x.shape, x.dtype
+        return y.view(*x.shape[:-1], n)
+
+    @staticmethod
+    def backward(ctx, dy):
+        saved, = ctx.saved_tensors
+        plan = ctx.plan
+        m, k, n = ctx.dims
+        dy2 = dy.reshape(m, n)
+        if not dy2.is_contiguous():
+            dy2 = dy2.contiguous()
+        dev = dy2.device
+        rmn = _round_up(m * n)
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        want_db = plan.b_dtype is not None and need_db
+        # dy8 and dy8^T, then (with a bias) the float32 per-64-row-tile column sums of cast_transpose_dbias
+        scratch = torch.empty(2 * rmn + 4 * ((m + 63) // 64) * n if want_db else rmn + m * n, dtype=torch.uint8,
+                              device=dev)
+        db32 = torch.empty((n,), dtype=torch.float32, device=dev) if want_db else None
+        dx = torch.empty((m, k), dtype=ctx.x_dtype, device=dev) if need_dx else None
+        main_grad = plan.main_grad
+        if main_grad is not None:
+            dw = main_grad
+        else:
+            dw = torch.empty((n, k), dtype=plan.w_dtype, device=dev) if need_dw else None
+        gs, ga = plan.grad.slot_capsules()
+        stream, ws = pass_stream(dev)
+        ffmt, bfmt = plan.input.fmt, plan.grad.fmt
+        if not _C.linear_bwd(_to_dl(dy2), _to_dl(saved), _to_dl(scratch), m, k, n, ffmt.code, gs, ga, bfmt.code,
+                             None if dx is None else _to_dl(dx), None if dw is None else _to_dl(dw),
+                             main_grad is not None, ws, stream, None if db32 is None else _to_dl(db32)):
+            rmk = _round_up(m * k)
+            if dx is not None:
+                w_t = _operand(saved, _SINV_BYTES + rmk, k, n, ffmt, saved, 1)
+                _gemm(_operand(scratch, 0, m, n, bfmt, saved, 2), w_t, dx.dtype, out=dx)
+            if dw is not None:
+                x_t = _operand(saved, _SINV_BYTES, k, m, ffmt, saved, 0)
+                _gemm(_operand(scratch, rmn, n, m, bfmt, saved, 2), x_t, dw.dtype, out=dw,
+                      accumulate=main_grad is not None)
+        db = db32.to(plan.b_dtype) if want_db else None
+        if main_grad is not None:
+            dw = _wgrad_placeholder(plan.weight_ref)
+        return None if dx is None else dx.view(ctx.x_shape), dw, db, None, None

@@ -1,0 +1,255 @@
+"""fp8ext's operations as torch ops (torch.library), with fake implementations for tracing.
+
+torch.ops.fp8ext.{quantize, dequantize, amax, cast_transpose, cast_transpose_dbias, quantize_blocks, gemm} run the
+same code as the eager functions in fp8ext.ops (and torch.ops.fp8ext.{swiglu, rms_norm_train} with their backward ops, the
+training kernels of fp8ext.fused, with autograd formulas); the fake implementations give torch.compile / torch.export the outputs'
+shapes and dtypes without running anything, so compiled code calls fp8ext's kernels without graph breaks.
+The public functions in fp8ext.ops switch to these ops while torch.compile traces; eager calls skip the
+dispatcher.
+
+The ops are functional: instead of updating amax_out in place they take the running amax and return
+the updated one, and the public function copies it back (an ordinary in-place op that the compilers
+handle everywhere; custom ops with optional mutated arguments trip inductor in torch 2.11). A scale
+crosses as (tensor or None, float) since a torch op takes one type per argument.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from . import _gemm as _gemm_mod
+from . import fused as _fused
+from .. import ops
+from ..core.formats import format_of_code
+
+
+def _scale(scale: Optional[torch.Tensor], scale_value: float):
+    return scale if scale is not None else scale_value
+
+
+def _running_amax(x: torch.Tensor, amax_in: Optional[torch.Tensor]) -> torch.Tensor:
+    return amax_in.clone() if amax_in is not None else torch.zeros((), dtype=torch.float32, device=x.device)
+
+
+def _fake_amax(x: torch.Tensor, amax_in: Optional[torch.Tensor]) -> torch.Tensor:
+    return amax_in.new_empty(amax_in.shape) if amax_in is not None else x.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op("fp8ext::quantize", mutates_args=())
+def _quantize(x: torch.Tensor, fmt: int, scale: Optional[torch.Tensor], scale_value: float, saturate: bool,
+              stochastic: bool, seed: int, amax_in: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    amax = _running_amax(x, amax_in)
+    q = ops.quantize_eager(x, format_of_code(fmt), _scale(scale, scale_value), saturate, stochastic, seed, amax)
+    return q, amax
+
+
+@_quantize.register_fake
+def _(x, fmt, scale, scale_value, saturate, stochastic, seed, amax_in):
+    return x.new_empty(x.shape, dtype=format_of_code(fmt).torch_dtype), _fake_amax(x, amax_in)
+
+
+@torch.library.custom_op("fp8ext::dequantize", mutates_args=())
+def _dequantize(q: torch.Tensor, fmt: int, scale_inv: Optional[torch.Tensor], scale_inv_value: float,
+                dtype: torch.dtype) -> torch.Tensor:
+    return ops.dequantize_eager(q, format_of_code(fmt), _scale(scale_inv, scale_inv_value), dtype)
+
+
+@_dequantize.register_fake
+def _(q, fmt, scale_inv, scale_inv_value, dtype):
+    return q.new_empty(q.shape, dtype=dtype)
+
+
+@torch.library.custom_op("fp8ext::amax", mutates_args=())
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    return ops.amax_eager(x)
+
+
+@_amax.register_fake
+def _(x):
+    return x.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op("fp8ext::cast_transpose", mutates_args=())
+def _cast_transpose(x: torch.Tensor, fmt: int, scale: Optional[torch.Tensor], scale_value: float, saturate: bool,
+                    amax_in: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    amax = _running_amax(x, amax_in)
+    q, qt = ops.cast_transpose_eager(x, format_of_code(fmt), _scale(scale, scale_value), saturate, amax)
+    return q, qt, amax
+
+
+@_cast_transpose.register_fake
+def _(x, fmt, scale, scale_value, saturate, amax_in):
+    if x.dim() != 2:
+        raise ValueError(f"cast_transpose(): x must be 2-D, got shape {list(x.shape)}")
+    dtype = format_of_code(fmt).torch_dtype
+    return (x.new_empty(x.shape, dtype=dtype), x.new_empty((x.shape[1], x.shape[0]), dtype=dtype),
+            _fake_amax(x, amax_in))
+
+
+@torch.library.custom_op("fp8ext::cast_transpose_dbias", mutates_args=())
+def _cast_transpose_dbias(x: torch.Tensor, fmt: int, scale: Optional[torch.Tensor], scale_value: float,
+                          saturate: bool, amax_in: Optional[torch.Tensor], dbias_float32: bool
+                          ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    amax = _running_amax(x, amax_in)
+    f = format_of_code(fmt)
+    q, qt = ops.fp8_empty(x.shape, f, x.device), ops.fp8_empty((x.shape[1], x.shape[0]), f, x.device)
+    db = torch.empty((x.shape[1],), dtype=torch.float32 if dbias_float32 else x.dtype, device=x.device)
+    ops.cast_transpose_dbias_eager(x, f, _scale(scale, scale_value), saturate, amax, out=(q, qt, db))
+    return q, qt, db, amax
+
+
+@_cast_transpose_dbias.register_fake
+def _(x, fmt, scale, scale_value, saturate, amax_in, dbias_float32):
+    if x.dim() != 2:
+        raise ValueError(f"cast_transpose_dbias(): x must be 2-D, got shape {list(x.shape)}")
+    dtype = format_of_code(fmt).torch_dtype
+    return (x.new_empty(x.shape, dtype=dtype), x.new_empty((x.shape[1], x.shape[0]), dtype=dtype),
+            x.new_empty((x.shape[1],), dtype=torch.float32 if dbias_float32 else x.dtype), _fake_amax(x, amax_in))
+
+
+@torch.library.custom_op("fp8ext::quantize_blocks", mutates_args=())
+def _quantize_blocks(x: torch.Tensor, fmt: int, kind: str, pow2: bool, eps: float
+                     ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale_inv) of quantize_rowwise / quantize_blockwise (scale_inv a view of fp8ext.ops.scale_buffer's buffer,
+    in the layout gemm reads)."""
+    return ops.quantize_blocks_eager(x, format_of_code(fmt), kind, pow2, eps, x.device)
+
+
+@_quantize_blocks.register_fake
+def _(x, fmt, kind, pow2, eps):
+    rows, cols = x.shape
+    buf, _, _ = ops.scale_buffer(kind, rows, cols, "meta")
+    s = ops.scale_inv_view(buf, kind, cols)
+    return (x.new_empty(x.shape, dtype=format_of_code(fmt).torch_dtype),
+            torch.empty_strided(s.shape, s.stride(), dtype=torch.float32, device=x.device))
+
+
+@torch.library.custom_op("fp8ext::quantize_blocks_t", mutates_args=())
+def _quantize_blocks_t(x: torch.Tensor, fmt: int, kind: str, pow2: bool, eps: float
+                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, scale_inv, qt, scale_inv_t) of fp8ext.ops.quantize_blocks_t."""
+    return ops.quantize_blocks_t_eager(x, format_of_code(fmt), kind, pow2, eps)
+
+
+@_quantize_blocks_t.register_fake
+def _(x, fmt, kind, pow2, eps):
+    rows, cols = x.shape
+    dtype = format_of_code(fmt).torch_dtype
+    out = []
+    for r, c in ((rows, cols), (cols, rows)):
+        buf, _, _ = ops.scale_buffer(kind, r, c, "meta")
+        s = ops.scale_inv_view(buf, kind, c)
+        out += [x.new_empty((r, c), dtype=dtype), torch.empty_strided(s.shape, s.stride(), dtype=torch.float32,
+                                                                       device=x.device)]
+    return tuple(out)
+
+
+@torch.library.custom_op("fp8ext::gemm", mutates_args=())
+def _gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
+          out_dtype: torch.dtype, bias: Optional[torch.Tensor], use_fast_accum: bool, acc_in: Optional[torch.Tensor],
+          out_scale: Optional[torch.Tensor], want_amax: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    out = acc_in.clone() if acc_in is not None else None
+    amax = torch.zeros((), dtype=torch.float32, device=a.device)
+    out = _gemm_mod.gemm_eager(a, b, a_scale_inv, b_scale_inv, out_dtype=out_dtype, bias=bias,
+                               use_fast_accum=use_fast_accum, out=out, accumulate=acc_in is not None,
+                               out_scale=out_scale, amax_out=amax if want_amax else None)
+    return out, amax
+
+
+@_gemm.register_fake
+def _(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, use_fast_accum, acc_in, out_scale, want_amax):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype), a.new_empty((), dtype=torch.float32)
+
+
+# The training kernels of fp8ext.fused (SwiGLU and RMSNorm, forward and backward) as torch ops with autograd
+# formulas, so that torch.compile calls them instead of tracing torch's composition: fp8ext.fused.swiglu and
+# rms_norm_train switch to these while it traces. On a CPU tensor the ops compute the same definitions with torch
+# ops (the eager functions never send a CPU tensor here; the CPU tests check the registrations with it).
+@torch.library.custom_op("fp8ext::swiglu", mutates_args=())
+def _swiglu(h: torch.Tensor) -> torch.Tensor:
+    if not h.is_cuda:
+        return _fused.swiglu_reference(h).contiguous()
+    h2 = _fused.kernel_rows(h, h.shape[-1], "swiglu", "h")
+    out = _fused.swiglu_rows(h2)
+    return out.reshape(*h.shape[:-1], h.shape[-1] // 2)
+
+
+@_swiglu.register_fake
+def _(h):
+    return h.new_empty((*h.shape[:-1], h.shape[-1] // 2))
+
+
+@torch.library.custom_op("fp8ext::swiglu_backward", mutates_args=())
+def _swiglu_backward(h: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    if not h.is_cuda:
+        return _fused.swiglu_backward_reference(h, dy).contiguous()
+    return _fused.swiglu_backward_gpu(_fused.kernel_rows(h, h.shape[-1], "swiglu_backward", "h"), dy).reshape(h.shape)
+
+
+@_swiglu_backward.register_fake
+def _(h, dy):
+    return h.new_empty(h.shape)
+
+
+def _swiglu_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _swiglu_grad(ctx, dy):
+    (h,) = ctx.saved_tensors
+    return torch.ops.fp8ext.swiglu_backward(h, dy)
+
+
+_swiglu.register_autograd(_swiglu_grad, setup_context=_swiglu_setup)
+
+
+@torch.library.custom_op("fp8ext::rms_norm_train", mutates_args=())
+def _rms_norm_train(x: torch.Tensor, gamma: torch.Tensor, eps: float, out_dtype: torch.dtype
+                    ) -> Tuple[torch.Tensor, torch.Tensor]:
+    g = _fused.contiguous_aligned(gamma, torch.float32)
+    if not x.is_cuda:
+        y, rstd = _fused.rms_norm_train_reference(x, g, eps, out_dtype)
+        return y.contiguous(), rstd.contiguous()
+    y, rstd = _fused.rms_norm_train_gpu(_fused.kernel_rows(x, x.shape[-1], "rms_norm_train"), g, eps, out_dtype)
+    return y.reshape(x.shape), rstd
+
+
+@_rms_norm_train.register_fake
+def _(x, gamma, eps, out_dtype):
+    return x.new_empty(x.shape, dtype=out_dtype), x.new_empty((math.prod(x.shape[:-1]),), dtype=torch.float32)
+
+
+@torch.library.custom_op("fp8ext::rms_norm_train_backward", mutates_args=())
+def _rms_norm_train_backward(x: torch.Tensor, dy: torch.Tensor, gamma: torch.Tensor, rstd: torch.Tensor
+                             ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(dx in x's dtype, dgamma float32)."""
+    g = _fused.contiguous_aligned(gamma, torch.float32)
+    if not x.is_cuda:
+        dx, dgamma = _fused.rms_norm_train_backward_reference(x, dy, g, rstd)
+        return dx.contiguous(), dgamma
+    x2 = _fused.kernel_rows(x, x.shape[-1], "rms_norm_train_backward")
+    dx, dgamma = _fused.rms_norm_train_backward_gpu(x2, dy, g, rstd)
+    return dx.reshape(x.shape), dgamma
+
+
+@_rms_norm_train_backward.register_fake
+def _(x, dy, gamma, rstd):
+    return x.new_empty(x.shape), x.new_empty((x.shape[-1],), dtype=torch.float32)
+
+
+def _rms_norm_train_setup(ctx, inputs, output):
+    x, gamma, _, _ = inputs
+    ctx.save_for_backward(x, gamma, output[1])
+    ctx.mark_non_differentiable(output[1])  # rstd: a by-product, not a differentiable output
+
+
+def _rms_norm_train_grad(ctx, dy, _drstd):
+    x, gamma, rstd = ctx.saved_tensors
+    dx, dgamma = torch.ops.fp8ext.rms_norm_train_backward(x, dy, gamma, rstd)
+    return dx, dgamma.to(gamma.dtype), None, None
+
+
+_rms_norm_train.register_autograd(_rms_norm_train_grad, setup_context=_rms_norm_train_setup)
