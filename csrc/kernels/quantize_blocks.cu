@@ -121,33 +121,58 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const T *__rest
 
 // A 128 x 128 tile of x cast twice in one pass from DRAM, for the training GEMMs that read x and x^T: q in 1 x 128
 // tiles (kSquare: one scale for the tile), then qt = the tile transposed, in 1 x 128 tiles along x's columns (each
-// column's 128 values share a scale; kSquare: the tile's scale). The second cast reads the tile again from L2.
-// Thread t's column pass: column t % 128, rows (t / 128) * 64 ... + 63, the two halves' amaxes joined in shared
-// memory; it stores 64 contiguous bytes of a qt row (rows % 16 == 0, so 16-byte stores stay aligned and in bounds).
+// column's 128 values share a scale; kSquare: the tile's scale). 16-bit inputs keep the tile in shared memory
+// (128 x 136 elements: rows padded so that 16-byte stores stay aligned); float32 ones read it again from L2.
+// The column pass: thread t takes column t % 128 and rows (t / 128) * 64 ... + 63; a warp reads 32 neighbouring
+// elements of a row at a time (no bank conflicts); the two halves' amaxes meet in shared memory; each thread stores
+// 64 contiguous bytes of a qt row (rows % 16 == 0, so 16-byte stores stay aligned and in bounds).
+constexpr int kTileLd = 136;
+
+template <typename T, bool kShared>
+__device__ __forceinline__ float tile_at(const T *tile, const T *x, int64_t r0, int64_t c0, int64_t rows, int64_t cols,
+                                         int r, int c) {
+    if constexpr (kShared) {
+        return Elem<T>::load1(tile, r * kTileLd + c);
+    } else {
+        return (r0 + r < rows && c0 + c < cols) ? Elem<T>::load1(x, (r0 + r) * cols + c0 + c) : 0.0f;
+    }
+}
+
 template <typename T, int FMT, bool kSquare>
 __global__ void __launch_bounds__(kThreads) quantize_tile_t_kernel(
     const T *__restrict__ x, uint8_t *__restrict__ q, float *__restrict__ scale_inv, uint8_t *__restrict__ qt,
     float *__restrict__ scale_inv_t, int64_t rows, int64_t cols, int64_t stride_r, int64_t stride_c,
     int64_t stride_rt, int64_t stride_ct, int pow2, float eps) {
+    constexpr bool kShared = sizeof(T) == 2;
     constexpr int kChunks = 128 * 16 / kThreads;
+    __shared__ __align__(16) T tile[kShared ? 128 * kTileLd : 8];
     __shared__ int32_t half_max[2][128];
     __shared__ float tile_scale;
     const int64_t r0 = static_cast<int64_t>(blockIdx.y) * 128, c0 = static_cast<int64_t>(blockIdx.x) * 128;
-    float f[kChunks][8];
+    constexpr bool kHold = kSquare && !kShared;  // keep the chunks in registers until the tile's scale is known
+    float f[kHold ? kChunks : 1][8];
     int32_t m = 0;
 #pragma unroll
     for (int i = 0; i < kChunks; ++i) {
         const int id = threadIdx.x + i * kThreads;
-        const int64_t r = r0 + id / 16, c = c0 + (id % 16) * 8;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) f[i][j] = 0.0f;
-        if (r < rows && c < cols) load8(x, r * cols + c, f[i]);
-        int32_t mi = amax8(f[i]);
+        const int tr = id / 16, tc = (id % 16) * 8;
+        const int64_t r = r0 + tr, c = c0 + tc;
+        float *fi = f[kHold ? i : 0];
+        uint4 raw = make_uint4(0, 0, 0, 0);
+        if (r < rows && c < cols) raw = __ldcs(reinterpret_cast<const uint4 *>(x + r * cols + c));
+        if constexpr (kShared) *reinterpret_cast<uint4 *>(tile + tr * kTileLd + tc) = raw;
+        Elem<T>::unpack(raw, fi);
+        if constexpr (!kShared) {  // float32: the second 16 bytes of the chunk
+            uint4 raw2 = make_uint4(0, 0, 0, 0);
+            if (r < rows && c < cols) raw2 = __ldcs(reinterpret_cast<const uint4 *>(x + r * cols + c) + 1);
+            Elem<T>::unpack(raw2, fi + 4);
+        }
+        int32_t mi = amax8(fi);
         if constexpr (!kSquare) {  // the row's 1 x 128 group: the 16 lanes of this half-warp
 #pragma unroll
             for (int o = 8; o > 0; o >>= 1) mi = max(mi, __shfl_xor_sync(0xFFFFFFFFu, mi, o));
             const float scale = fp8_block_scale(__int_as_float(mi), FMT, pow2, eps);
-            if (r < rows && c < cols) store8<FMT>(q, r * cols + c, f[i], scale);
+            if (r < rows && c < cols) store8<FMT>(q, r * cols + c, fi, scale);
             if (r < rows && (id % 16) == 0) scale_inv[r * stride_r + blockIdx.x * stride_c] = 1.0f / scale;
         }
         m = max(m, mi);
@@ -158,7 +183,10 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_t_kernel(
         for (int i = 0; i < kChunks; ++i) {
             const int id = threadIdx.x + i * kThreads;
             const int64_t r = r0 + id / 16, c = c0 + (id % 16) * 8;
-            if (r < rows && c < cols) store8<FMT>(q, r * cols + c, f[i], scale);
+            float *fi = f[kHold ? i : 0];
+            if constexpr (kShared)  // the chunk this thread put in shared memory
+                Elem<T>::unpack(*reinterpret_cast<const uint4 *>(tile + (id / 16) * kTileLd + (id % 16) * 8), fi);
+            if (r < rows && c < cols) store8<FMT>(q, r * cols + c, fi, scale);
         }
         if (threadIdx.x == 0) {
             scale_inv[blockIdx.y * stride_r + blockIdx.x * stride_c] = 1.0f / scale;
@@ -169,32 +197,32 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_t_kernel(
     // the column pass
     const int cl = threadIdx.x & 127, h = threadIdx.x >> 7;
     const int64_t c = c0 + cl, rb = r0 + h * 64;
-    float v[64];
-    int32_t mc = 0;
-#pragma unroll
-    for (int j = 0; j < 64; ++j) {
-        v[j] = (c < cols && rb + j < rows) ? Elem<T>::load1(x, (rb + j) * cols + c) : 0.0f;
-        mc = max(mc, abs_bits(v[j]));
-    }
-    if constexpr (!kSquare) half_max[h][cl] = mc;
-    __syncthreads();
     float scale;
     if constexpr (kSquare) {
+        __syncthreads();
         scale = tile_scale;
     } else {
+        if constexpr (kShared) __syncthreads();  // the tile is in shared memory
+        int32_t mc = 0;
+#pragma unroll 16
+        for (int j = 0; j < 64; ++j)
+            mc = max(mc, abs_bits(tile_at<T, kShared>(tile, x, r0, c0, rows, cols, h * 64 + j, cl)));
+        half_max[h][cl] = mc;
+        __syncthreads();
         scale = fp8_block_scale(__int_as_float(max(half_max[0][cl], half_max[1][cl])), FMT, pow2, eps);
         if (h == 0 && c < cols) scale_inv_t[c * stride_rt + blockIdx.y * stride_ct] = 1.0f / scale;
     }
     if (c >= cols) return;
-#pragma unroll
+#pragma unroll 1
     for (int g = 0; g < 4; ++g) {
         if (rb + g * 16 >= rows) break;
+        float v[16];
+#pragma unroll
+        for (int u = 0; u < 16; ++u) v[u] = tile_at<T, kShared>(tile, x, r0, c0, rows, cols, h * 64 + g * 16 + u, cl);
         uint32_t w[4];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            const float *p = v + g * 16 + u * 4;
-            w[u] = cvt2<FMT>(p[0], p[1], scale, 1) | (cvt2<FMT>(p[2], p[3], scale, 1) << 16);
-        }
+        for (int u = 0; u < 4; ++u)
+            w[u] = cvt2<FMT>(v[4 * u], v[4 * u + 1], scale, 1) | (cvt2<FMT>(v[4 * u + 2], v[4 * u + 3], scale, 1) << 16);
         *reinterpret_cast<uint4 *>(qt + c * rows + rb + g * 16) = make_uint4(w[0], w[1], w[2], w[3]);
     }
 }
