@@ -457,10 +457,7 @@ static int check_block_index(const char *fn, const char *arg, int64_t cap, int64
 static int get_transposed(PyObject *qt_o, PyObject *st_o, long long srt, long long sct, const fp8ext_view *x,
                           Py_ssize_t stream, const char *fn, fp8ext_view *qt, fp8ext_view *st,
                           fp8ext_quantize_blocks_args *a) {
-    if (a->block_cols != 128) {
-        PyErr_Format(PyExc_ValueError, "%s(): qt (the transposed cast) needs 1 x 128 or 128 x 128 blocks", fn);
-        return -1;
-    }
+    const int rowwise = a->block_cols == a->cols && sct == 0;
     if (get_output(qt_o, FP8EXT_KIND_U8, x, "x", stream, fn, "qt", qt) < 0 ||
         get_output(st_o, FP8EXT_KIND_F32, x, "x", stream, fn, "scale_inv_t", st) < 0)
         return -1;
@@ -474,7 +471,12 @@ static int get_transposed(PyObject *qt_o, PyObject *st_o, long long srt, long lo
                      "(got %lld) and a 16-byte aligned qt", fn, (long long)a->rows);
         return -1;
     }
-    const int64_t trb = a->block_rows == 1 ? a->cols : (a->cols + 127) / 128, tcb = (a->rows + 127) / 128;
+    if (rowwise && srt != 1) {
+        PyErr_Format(PyExc_ValueError, "%s(): row-wise scale_inv_t must be contiguous (stride_rt 1), got %lld", fn, srt);
+        return -1;
+    }
+    const int64_t trb = a->block_rows == 1 ? a->cols : (a->cols + 127) / 128;
+    const int64_t tcb = rowwise ? 1 : (a->rows + 127) / 128;
     if (check_block_index(fn, "scale_inv_t", st->numel, a->rows > 0 ? trb : 0, tcb, srt, sct) < 0) return -1;
     a->qt = qt->data, a->scale_inv_t = st->data, a->stride_rt = srt, a->stride_ct = sct;
     return 0;

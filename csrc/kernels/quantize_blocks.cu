@@ -227,6 +227,74 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_t_kernel(
     }
 }
 
+// Row-wise scaling's transposed cast: x^T with one scale per row of x^T, i.e. per column of x over all its rows.
+// A column's amax needs every row first, so it takes three launches over 128 x 128 tiles (after zeroing
+// scale_inv_t): col_amax_kernel max-reduces each tile's columns into scale_inv_t (float32 bit patterns of
+// non-negative values order as integers, so atomicMax on them is a float max); cast_cols_t_kernel casts the tile
+// transposed with its columns' scales; col_scale_inv_kernel turns the amaxes into scale_invs in place.
+template <typename T>
+__device__ __forceinline__ void load_tile(const T *x, T *tile, int64_t r0, int64_t c0, int64_t rows, int64_t cols) {
+    constexpr int kChunks = 128 * 16 / kThreads;
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+        const int id = threadIdx.x + i * kThreads;
+        const int tr = id / 16, tc = (id % 16) * 8;
+        uint4 raw = make_uint4(0, 0, 0, 0);
+        if (r0 + tr < rows && c0 + tc < cols) raw = *reinterpret_cast<const uint4 *>(x + (r0 + tr) * cols + c0 + tc);
+        *reinterpret_cast<uint4 *>(tile + tr * kTileLd + tc) = raw;
+    }
+    __syncthreads();
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) col_amax_kernel(const T *__restrict__ x, int32_t *__restrict__ amax_bits,
+                                                            int64_t rows, int64_t cols) {
+    constexpr bool kShared = sizeof(T) == 2;
+    __shared__ __align__(16) T tile[kShared ? 128 * kTileLd : 8];
+    __shared__ int32_t half_max[128];
+    const int64_t r0 = static_cast<int64_t>(blockIdx.y) * 128, c0 = static_cast<int64_t>(blockIdx.x) * 128;
+    if constexpr (kShared) load_tile(x, tile, r0, c0, rows, cols);
+    const int cl = threadIdx.x & 127, h = threadIdx.x >> 7;
+    int32_t mc = 0;
+#pragma unroll 16
+    for (int j = 0; j < 64; ++j) mc = max(mc, abs_bits(tile_at<T, kShared>(tile, x, r0, c0, rows, cols, h * 64 + j, cl)));
+    if (h == 1) half_max[cl] = mc;
+    __syncthreads();
+    if (h == 0 && c0 + cl < cols) atomicMax(amax_bits + c0 + cl, max(mc, half_max[cl]));
+}
+
+template <typename T, int FMT>
+__global__ void __launch_bounds__(kThreads) cast_cols_t_kernel(const T *__restrict__ x, const int32_t *__restrict__ amax_bits,
+                                                               uint8_t *__restrict__ qt, int64_t rows, int64_t cols,
+                                                               int pow2, float eps) {
+    constexpr bool kShared = sizeof(T) == 2;
+    __shared__ __align__(16) T tile[kShared ? 128 * kTileLd : 8];
+    const int64_t r0 = static_cast<int64_t>(blockIdx.y) * 128, c0 = static_cast<int64_t>(blockIdx.x) * 128;
+    if constexpr (kShared) load_tile(x, tile, r0, c0, rows, cols);
+    const int cl = threadIdx.x & 127, h = threadIdx.x >> 7;
+    const int64_t c = c0 + cl, rb = r0 + h * 64;
+    if (c >= cols) return;
+    const float scale = fp8_block_scale(__int_as_float(amax_bits[c]), FMT, pow2, eps);
+#pragma unroll 1
+    for (int g = 0; g < 4; ++g) {
+        if (rb + g * 16 >= rows) break;
+        float v[16];
+#pragma unroll
+        for (int u = 0; u < 16; ++u) v[u] = tile_at<T, kShared>(tile, x, r0, c0, rows, cols, h * 64 + g * 16 + u, cl);
+        uint32_t w[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+            w[u] = cvt2<FMT>(v[4 * u], v[4 * u + 1], scale, 1) | (cvt2<FMT>(v[4 * u + 2], v[4 * u + 3], scale, 1) << 16);
+        *reinterpret_cast<uint4 *>(qt + c * rows + rb + g * 16) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+}
+
+template <int FMT>
+__global__ void col_scale_inv_kernel(float *__restrict__ s, int64_t cols, int64_t stride, int pow2, float eps) {
+    const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (c < cols) s[c * stride] = 1.0f / fp8_block_scale(s[c * stride], FMT, pow2, eps);
+}
+
 }  // namespace
 }  // namespace fp8ext
 
@@ -235,10 +303,26 @@ extern "C" int fp8ext_cuda_quantize_blocks(const fp8ext_quantize_blocks_args *a,
     if (a->rows == 0 || a->cols == 0) return cudaSuccess;
     if (a->cols % 8 || !aligned(a->x, 16) || !aligned(a->q, 8)) return cudaErrorMisalignedAddress;
     cudaStream_t s = static_cast<cudaStream_t>(stream);
-    if (a->qt && (a->rows % 16 || !aligned(a->qt, 16) || a->block_cols != 128)) return cudaErrorInvalidValue;
+    if (a->qt && (a->rows % 16 || !aligned(a->qt, 16))) return cudaErrorInvalidValue;
+    if (a->qt && a->block_cols == a->cols && a->stride_ct == 0) {  // row-wise: the column pass first
+        if (a->stride_rt != 1) return cudaErrorInvalidValue;
+        cudaError_t e = cudaMemsetAsync(a->scale_inv_t, 0, static_cast<size_t>(a->cols) * sizeof(float), s);
+        if (e != cudaSuccess) return e;
+    }
     FP8EXT_DISPATCH_DTYPE(a->x_dtype, FP8EXT_DISPATCH_FMT(a->fmt, {
         const T *x = static_cast<const T *>(a->x);
-        if (a->qt) {  // both casts, one CUDA block per 128 x 128 tile
+        if (a->qt && a->block_cols == a->cols && a->stride_ct == 0) {
+            const dim3 grid(static_cast<unsigned>((a->cols + 127) / 128), static_cast<unsigned>((a->rows + 127) / 128));
+            if ((a->rows + 127) / 128 > 65535 || a->rows > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
+            int32_t *bits = reinterpret_cast<int32_t *>(a->scale_inv_t);
+            col_amax_kernel<T><<<grid, kThreads, 0, s>>>(x, bits, a->rows, a->cols);
+            cast_cols_t_kernel<T, FMT><<<grid, kThreads, 0, s>>>(x, bits, a->qt, a->rows, a->cols, a->pow2_scale,
+                                                                 a->amax_epsilon);
+            col_scale_inv_kernel<FMT><<<static_cast<unsigned>((a->cols + 255) / 256), 256, 0, s>>>(
+                a->scale_inv_t, a->cols, 1, a->pow2_scale, a->amax_epsilon);
+            quantize_rows_kernel<T, FMT><<<static_cast<unsigned>(a->rows), kThreads, 0, s>>>(
+                x, a->q, a->scale_inv, a->cols, a->stride_r, a->pow2_scale, a->amax_epsilon);
+        } else if (a->qt) {  // both casts, one CUDA block per 128 x 128 tile
             const dim3 grid(static_cast<unsigned>((a->cols + 127) / 128), static_cast<unsigned>((a->rows + 127) / 128));
             if ((a->rows + 127) / 128 > 65535) return cudaErrorInvalidConfiguration;
             if (a->block_rows == 128)

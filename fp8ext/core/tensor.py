@@ -31,7 +31,7 @@ import torch
 
 from .formats import FP8Format
 from ..ops import amax as _amax
-from ..ops import cast_transpose, cast_transpose_dbias, quantize_blocks_t, quantize_blocks_unchecked, scale_from_amax
+from ..ops import cast_transpose, cast_transpose_dbias, quantize_blocks_t, scale_from_amax
 from .recipe import CurrentScaling, Float8BlockScaling, Float8RowwiseScaling
 
 __all__ = ["FP8Tensor", "Quantizer", "TENSOR", "ROW", "BLOCK_1x128", "BLOCK_128x128", "role_quantizers"]
@@ -139,11 +139,9 @@ class Quantizer:
 
     def _quantize_scaled(self, t2d: torch.Tensor) -> FP8Tensor:
         kind, fmt, pow2, eps = self.granularity, self.fmt, self.power_2_scale, self.amax_epsilon
-        if kind == ROW:  # a column's scale needs the whole column: the transposed cast is a pass of its own
-            q, s = quantize_blocks_unchecked(t2d, fmt, kind, pow2, eps)
-            qt, st = quantize_blocks_unchecked(t2d.t().contiguous(), fmt, kind, pow2, eps)
-        else:  # both casts from one pass over t2d (row counts here are multiples of 16: see _pad_rows)
-            q, s, qt, st = quantize_blocks_t(t2d, fmt, kind, pow2, eps)
+        # both casts in one call (row counts here are multiples of 16: see linear_autograd._pad_rows); row-wise, a
+        # column's scale needs the whole column, so its transposed cast takes passes of its own
+        q, s, qt, st = quantize_blocks_t(t2d, fmt, kind, pow2, eps)
         return FP8Tensor(q, qt, s, fmt, kind, st)
 
     def quantize_dbias(self, t2d: torch.Tensor):

@@ -375,16 +375,6 @@ def _quantize_blocks(x, f: FP8Format, kind: str, fn: str, pow2: bool = False, ep
     return quantize_blocks_eager(x, f, kind, bool(pow2), eps, device)
 
 
-def quantize_blocks_unchecked(x: torch.Tensor, f: FP8Format, kind: str, pow2: bool, eps: float
-                              ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(q, scale_inv) of quantize_rowwise / quantize_blockwise for a contiguous 2-D torch tensor, without the public
-    wrapper's argument checks (C checks x): the library's quantizers call this; under torch.compile it is the torch
-    op."""
-    if torch.compiler.is_compiling():
-        return torch.ops.fp8ext.quantize_blocks(x, f.code, kind, pow2, eps)
-    return quantize_blocks_eager(x, f, kind, pow2, eps, x.device)
-
-
 def scale_buffer(kind: str, rows: int, cols: int, device) -> Tuple[torch.Tensor, int, int]:
     """(buffer, stride_r, stride_c) of the float32 scale_inv buffer of `kind` blocks ("row", "1x128", "128x128") over
     a [rows, cols] tensor, in the memory layout cuBLASLt reads (see quantize_blockwise)."""
@@ -406,8 +396,8 @@ def scale_inv_view(buf: torch.Tensor, kind: str, cols: int) -> torch.Tensor:
 
 
 def quantize_blocks_t(x: torch.Tensor, f: FP8Format, kind: str, pow2: bool, eps: float):
-    """(q, scale_inv, qt, scale_inv_t): x in "1x128" or "128x128" blocks and its transposed cast (x^T in 1 x 128
-    tiles of its own, or the same 128 x 128 blocks transposed) from one pass over x (csrc/cast.h); x contiguous,
+    """(q, scale_inv, qt, scale_inv_t): x in "row", "1x128" or "128x128" blocks and its transposed cast (x^T with a
+    scale per row, in 1 x 128 tiles of its own, or the same 128 x 128 blocks transposed; csrc/cast.h); x contiguous,
     2-D, its row count a multiple of 16 on a GPU. Under torch.compile the torch op."""
     if torch.compiler.is_compiling():
         return torch.ops.fp8ext.quantize_blocks_t(x, f.code, kind, pow2, eps)
@@ -421,15 +411,17 @@ def quantize_blocks_t_eager(x: torch.Tensor, f: FP8Format, kind: str, pow2: bool
     buf_t, srt, sct = scale_buffer(kind, cols, rows, dev)
     q = torch.empty((rows, cols), dtype=f.torch_dtype, device=dev)
     qt = torch.empty((cols, rows), dtype=f.torch_dtype, device=dev)
-    _C.quantize_blocks(dl(x), _to_dl(q.view(torch.uint8)), _to_dl(buf), f.code, 1 if kind == "1x128" else 128, 128,
-                       sr, sc, stream=stream_of(dev), pow2_scale=pow2, amax_epsilon=eps,
+    br, bc = {"row": (1, cols), "1x128": (1, 128), "128x128": (128, 128)}[kind]
+    _C.quantize_blocks(dl(x), _to_dl(q.view(torch.uint8)), _to_dl(buf), f.code, br, bc, sr, sc,
+                       stream=stream_of(dev), pow2_scale=pow2, amax_epsilon=eps,
                        qt=_to_dl(qt.view(torch.uint8)), scale_inv_t=_to_dl(buf_t), stride_rt=srt, stride_ct=sct)
     return q, scale_inv_view(buf, kind, cols), qt, scale_inv_view(buf_t, kind, rows)
 
 
 def quantize_blocks_eager(x, f: FP8Format, kind: str, pow2: bool, eps: float, device: torch.device
                           ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(q, scale_inv) of quantize_blocks_unchecked, eagerly, x any DLPack array on `device` (fp8ext._C checks x)."""
+    """(q, scale_inv) of quantize_rowwise / quantize_blockwise, eagerly, x any DLPack array on `device` (fp8ext._C
+    checks x)."""
     rows, cols = x.shape
     br, bc = {"row": (1, cols), "1x128": (1, 128), "128x128": (128, 128)}[kind]
     buf, sr, sc = scale_buffer(kind, rows, cols, device)

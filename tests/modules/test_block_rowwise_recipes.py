@@ -331,20 +331,25 @@ def test_two_processes_over_gloo_train_with_block_scaling_as_one_does(tmp_path, 
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind", ["1x128", "128x128"])
-@pytest.mark.parametrize("shape", [(16, 8), (144, 136), (256, 384), (272, 1000)])
+@pytest.mark.parametrize("kind", ["1x128", "128x128", "row"])
+@pytest.mark.parametrize("shape", [(16, 8), (144, 136), (256, 384), (272, 1000), (128, 128)])
 def test_one_pass_transposed_cast_equals_casting_the_transpose(device, kind, shape):
-    """fp8ext.ops.quantize_blocks_t (the kernel the block recipe's casts use) against quantize_blockwise of x and of
-    x^T made by torch: partial tiles at both edges, bf16 and float32."""
+    """fp8ext.ops.quantize_blocks_t (the kernels the block and row-wise recipes' casts use) against quantize_blockwise
+    / quantize_rowwise of x and of x^T made by torch: partial tiles at both edges, bf16, float16 and float32."""
     from fp8ext.ops import quantize_blocks_t
     torch.manual_seed(7)
-    block = (1, 128) if kind == "1x128" else (128, 128)
-    for dtype in (torch.bfloat16, torch.float32):
-        x = (torch.randn(shape) * torch.logspace(-3, 3, shape[1])).to(device, dtype)
+
+    def ref(t):
+        if kind == "row":
+            return fp8ext.quantize_rowwise(t.contiguous(), fp8ext.E4M3, power_2_scale=True)
+        block = (1, 128) if kind == "1x128" else (128, 128)
+        return fp8ext.quantize_blockwise(t.contiguous(), fp8ext.E4M3, block, power_2_scale=True)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = (torch.randn(shape) * torch.logspace(-3, 3 if dtype != torch.float16 else 1, shape[1])).to(device, dtype)
         x[:, 3] = 0  # an all-zero column: a zero 1 x 128 tile of x^T
         q, s, qt, st = quantize_blocks_t(x, fp8ext.E4M3, kind, True, 0.0)
-        q_ref, s_ref = fp8ext.quantize_blockwise(x, fp8ext.E4M3, block, power_2_scale=True)
-        qt_ref, st_ref = fp8ext.quantize_blockwise(x.t().contiguous(), fp8ext.E4M3, block, power_2_scale=True)
+        q_ref, s_ref = ref(x)
+        qt_ref, st_ref = ref(x.t())
         assert_same_bytes(q, q_ref, "q")
         assert_same_bytes(qt, qt_ref, "qt")
         assert torch.equal(s, s_ref) and s.stride() == s_ref.stride(), "scale_inv"
@@ -364,6 +369,7 @@ def test_transposed_cast_refuses_bad_outputs():
     with pytest.raises(ValueError, match=r"scale_inv_t \(8 floats\) is too small"):
         _C.quantize_blocks(cap(x), cap(q), cap(s), 0, 1, 128, 1, 32, qt=cap(torch.empty(256, 32, dtype=torch.uint8)),
                            scale_inv_t=cap(torch.zeros(8)), stride_rt=1, stride_ct=256)
-    with pytest.raises(ValueError, match=r"needs 1 x 128 or 128 x 128 blocks"):
+    with pytest.raises(ValueError, match=r"row-wise scale_inv_t must be contiguous"):
         _C.quantize_blocks(cap(x), cap(q), cap(torch.zeros(32)), 0, 1, 256, 1, 0,
-                           qt=cap(torch.empty(256, 32, dtype=torch.uint8)), scale_inv_t=cap(torch.zeros(256)))
+                           qt=cap(torch.empty(256, 32, dtype=torch.uint8)), scale_inv_t=cap(torch.zeros(512)),
+                           stride_rt=2, stride_ct=0)
