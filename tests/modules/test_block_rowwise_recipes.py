@@ -270,11 +270,12 @@ def test_state_dict_round_trips_and_a_converted_layer_loads_under_another_recipe
         assert torch.equal(b(x), ya)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("recipe", RECIPES[::3], ids=IDS[::3])
-def test_compiled_layer_equals_eager_bit_for_bit(recipe):
+def test_compiled_layer_equals_eager_bit_for_bit(device, recipe):
     torch.manual_seed(6)
-    layer = fp8ext.Linear(256, 128)
-    x = torch.randn(32, 256, requires_grad=True)
+    layer = fp8ext.Linear(256, 128, device=device)
+    x = torch.randn(32, 256, device=device, requires_grad=True)
 
     def step(fn, xi):
         xi.grad = layer.weight.grad = layer.bias.grad = None
