@@ -120,9 +120,10 @@ typedef struct {
     float amax_epsilon; /* each block's amax is raised to at least this (TE's amax_epsilon; 0: unchanged) */
     /* NULL, or also the transposed cast qt [cols, rows] (on the GPU rows % 16 == 0): for 1 x 128 blocks x^T in
      * 1 x 128 tiles of its own (128 rows of one column of x share a scale), for 128 x 128 blocks the same blocks'
-     * bytes transposed, both from one pass over x; for 1 x cols blocks with stride_ct == 0 (row-wise) x^T with one
-     * scale per row of x^T, i.e. per column of x (a pass for the columns' amaxes first). Block (rb, cb) of x^T has
-     * its scale_inv at scale_inv_t[rb * stride_rt + cb * stride_ct]. */
+     * bytes transposed, both from one pass over x; for 1 x cols blocks with stride_ct == 0 and stride_rt == 1
+     * (row-wise) x^T with one scale per row of x^T, i.e. per column of x (a pass for the columns' amaxes first, kept
+     * in scale_inv_t meanwhile). Other block shapes take no qt. Block (rb, cb) of x^T has its scale_inv at
+     * scale_inv_t[rb * stride_rt + cb * stride_ct]. */
     uint8_t *qt;
     float *scale_inv_t;
     int64_t stride_rt, stride_ct;

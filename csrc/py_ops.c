@@ -457,7 +457,14 @@ static int check_block_index(const char *fn, const char *arg, int64_t cap, int64
 static int get_transposed(PyObject *qt_o, PyObject *st_o, long long srt, long long sct, const fp8ext_view *x,
                           Py_ssize_t stream, const char *fn, fp8ext_view *qt, fp8ext_view *st,
                           fp8ext_quantize_blocks_args *a) {
-    const int rowwise = a->block_cols == a->cols && sct == 0;
+    /* which transposed cast: row-wise (1 x cols blocks with stride_ct 0: one scale per row of x^T), or x^T in 1 x 128
+     * tiles / the 128 x 128 blocks transposed */
+    const int rowwise = a->block_rows == 1 && a->block_cols == a->cols && sct == 0;
+    if (!rowwise && a->block_cols != 128) {
+        PyErr_Format(PyExc_ValueError, "%s(): qt (the transposed cast) needs 1 x 128 or 128 x 128 blocks, or 1 x cols "
+                     "blocks with stride_ct 0 (row-wise)", fn);
+        return -1;
+    }
     if (get_output(qt_o, FP8EXT_KIND_U8, x, "x", stream, fn, "qt", qt) < 0 ||
         get_output(st_o, FP8EXT_KIND_F32, x, "x", stream, fn, "scale_inv_t", st) < 0)
         return -1;
@@ -466,7 +473,7 @@ static int get_transposed(PyObject *qt_o, PyObject *st_o, long long srt, long lo
                      (long long)a->rows);
         return -1;
     }
-    if (x->device_type != 1 /* kDLCPU */ && (a->rows % 16 || (uintptr_t)qt->data % 16)) {
+    if (x->device_type != 1 /* DLPack kDLCPU */ && (a->rows % 16 || (uintptr_t)qt->data % 16)) {
         PyErr_Format(PyExc_ValueError, "%s(): on a GPU the transposed cast needs a row count that is a multiple of 16 "
                      "(got %lld) and a 16-byte aligned qt", fn, (long long)a->rows);
         return -1;

@@ -303,15 +303,17 @@ extern "C" int fp8ext_cuda_quantize_blocks(const fp8ext_quantize_blocks_args *a,
     if (a->rows == 0 || a->cols == 0) return cudaSuccess;
     if (a->cols % 8 || !aligned(a->x, 16) || !aligned(a->q, 8)) return cudaErrorMisalignedAddress;
     cudaStream_t s = static_cast<cudaStream_t>(stream);
-    if (a->qt && (a->rows % 16 || !aligned(a->qt, 16))) return cudaErrorInvalidValue;
-    if (a->qt && a->block_cols == a->cols && a->stride_ct == 0) {  // row-wise: the column pass first
+    const bool rowwise_t = a->qt && a->block_rows == 1 && a->block_cols == a->cols && a->stride_ct == 0;
+    if (a->qt && (a->rows % 16 || !aligned(a->qt, 16) || (!rowwise_t && a->block_cols != 128)))
+        return cudaErrorInvalidValue;
+    if (rowwise_t) {  // row-wise: the column pass first
         if (a->stride_rt != 1) return cudaErrorInvalidValue;
         cudaError_t e = cudaMemsetAsync(a->scale_inv_t, 0, static_cast<size_t>(a->cols) * sizeof(float), s);
         if (e != cudaSuccess) return e;
     }
     FP8EXT_DISPATCH_DTYPE(a->x_dtype, FP8EXT_DISPATCH_FMT(a->fmt, {
         const T *x = static_cast<const T *>(a->x);
-        if (a->qt && a->block_cols == a->cols && a->stride_ct == 0) {
+        if (rowwise_t) {
             const dim3 grid(static_cast<unsigned>((a->cols + 127) / 128), static_cast<unsigned>((a->rows + 127) / 128));
             if ((a->rows + 127) / 128 > 65535 || a->rows > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
             int32_t *bits = reinterpret_cast<int32_t *>(a->scale_inv_t);

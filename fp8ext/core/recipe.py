@@ -105,6 +105,12 @@ class CurrentScaling:
 Float8CurrentScaling = CurrentScaling  # Transformer Engine's name
 
 
+def _check_epsilon(eps, name: str) -> None:
+    """amax_epsilon: a number in [0, the float32 maximum] (the casts take it as a float32)."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0.0 <= eps <= 3.4028234663852886e38:
+        raise ValueError(f"{name}: amax_epsilon must be a finite number >= 0 that fits a float32, got {eps!r}")
+
+
 @dataclass(frozen=True)
 class QParams:
     """How one tensor role of Float8BlockScaling computes its scales (Transformer Engine's QParams): power_2_scale
@@ -115,8 +121,7 @@ class QParams:
     amax_epsilon: float = 0.0
 
     def __post_init__(self):
-        if not (isinstance(self.amax_epsilon, (int, float)) and 0.0 <= self.amax_epsilon < float("inf")):
-            raise ValueError(f"QParams: amax_epsilon must be a finite number >= 0, got {self.amax_epsilon!r}")
+        _check_epsilon(self.amax_epsilon, "QParams")
 
 
 @dataclass(frozen=True)
@@ -209,9 +214,7 @@ class Float8RowwiseScaling:
     def __post_init__(self):
         _refuse_fp8_attention(self)
         _check_format(self.fp8_format, "Float8RowwiseScaling")
-        if not (isinstance(self.amax_epsilon, (int, float)) and 0.0 <= self.amax_epsilon < float("inf")):
-            raise ValueError(f"Float8RowwiseScaling: amax_epsilon must be a finite number >= 0, got "
-                             f"{self.amax_epsilon!r}")
+        _check_epsilon(self.amax_epsilon, "Float8RowwiseScaling")
 
 
 def _check_format(fmt, name: str) -> None:

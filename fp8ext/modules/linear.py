@@ -252,14 +252,14 @@ class FP8Linear(nn.Module):
         changed in any way, `.data` writes included, is never served stale); is_first_microbatch=True casts and
         keeps the cast, False reuses the kept one across the micro-batches of a step. A kept cast is still
         recast when the weight provably changed (another tensor, an in-place update such as an optimizer step
-        or load_state_dict, another format or scale slot, inference mode)."""
+        or load_state_dict, another format, quantizer or scale slot, inference mode)."""
         w = self.weight
         keep = is_first_microbatch is not None and not torch.compiler.is_compiling() and not (
             w.is_cuda and torch.cuda.is_current_stream_capturing())
         if not keep:
             self._weight_cache = None
             return _cast(w.detach(), quantizer)
-        key = (id(w), w.data_ptr(), w._version, quantizer.fmt.code, id(quantizer.scale),
+        key = (id(w), w.data_ptr(), w._version, quantizer.fmt.code, id(quantizer.scale), id(quantizer),
                torch.is_inference_mode_enabled())
         c = self._weight_cache
         if is_first_microbatch is False and c is not None and c[0] == key:

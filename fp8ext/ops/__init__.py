@@ -383,7 +383,7 @@ def scale_buffer(kind: str, rows: int, cols: int, device) -> Tuple[torch.Tensor,
     if kind == "128x128":
         ld = -(-cols // 128 // 4) * 4  # one float per 128 columns, rows padded to a multiple of 4 floats
         return torch.zeros((-(-rows // 128), ld), dtype=torch.float32, device=device), ld, 1
-    return torch.empty((rows,), dtype=torch.float32, device=device), 1, 0
+    return torch.ones((rows,), dtype=torch.float32, device=device), 1, 0  # (rows of no values keep scale_inv 1)
 
 
 def scale_inv_view(buf: torch.Tensor, kind: str, cols: int) -> torch.Tensor:

@@ -25,7 +25,8 @@ def test_block_recipe_has_transformer_engines_names_and_defaults():
     r = Float8BlockScaling()
     assert r.fp8_format is Format.E4M3
     assert (r.x_block_scaling_dim, r.w_block_scaling_dim, r.grad_block_scaling_dim) == (1, 2, 1)
-    assert r.fp8_quant_fwd_inp == r.fp8_quant_fwd_weight == r.fp8_quant_bwd_grad == QParams(power_2_scale=True)
+    pow2 = os.environ.get("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "0") != "1"  # TE's switch, read as TE reads it
+    assert r.fp8_quant_fwd_inp == r.fp8_quant_fwd_weight == r.fp8_quant_bwd_grad == QParams(power_2_scale=pow2)
     assert r.fp8_gemm_fprop == r.fp8_gemm_dgrad == r.fp8_gemm_wgrad == MMParams(use_split_accumulator=True)
     assert fp8ext.Float8BlockScaling is Float8BlockScaling and hash(r) == hash(Float8BlockScaling())
     q = Float8RowwiseScaling()
@@ -51,6 +52,9 @@ def test_rowwise_recipe_and_qparams_refuse_bad_values():
         QParams(amax_epsilon=-1.0)
     with pytest.raises(ValueError, match="amax_epsilon must be a finite number"):
         Float8RowwiseScaling(amax_epsilon=float("nan"))
+    for bad in (True, 1e39):
+        with pytest.raises(ValueError, match="Float8RowwiseScaling: amax_epsilon must be a finite number"):
+            Float8RowwiseScaling(amax_epsilon=bad)
     with pytest.raises(ValueError, match="pure E5M2"):
         Float8RowwiseScaling(fp8_format=Format.E5M2)
 
@@ -149,7 +153,7 @@ IDS = ["block", "block-hybrid-1x128w", "block-f32-scales", "rowwise", "rowwise-h
 @pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
 def test_fp8linear_step_equals_the_composition_of_the_ops_bit_for_bit(device, recipe):
     torch.manual_seed(1)
-    m, k, n = 64, 384, 256  # K and N not multiples of 256: partial 128x128 rows of blocks
+    m, k, n = 192, 272, 144  # K and N not multiples of 128: partial tiles and blocks at their edges
     layer = fp8ext.Linear(k, n, device=device, params_dtype=torch.bfloat16)
     x = (torch.randn(m, k, device=device) * torch.logspace(-2, 2, k, device=device)).bfloat16().requires_grad_()
     dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
@@ -334,27 +338,66 @@ def test_two_processes_over_gloo_train_with_block_scaling_as_one_does(tmp_path, 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["1x128", "128x128", "row"])
 @pytest.mark.parametrize("shape", [(16, 8), (144, 136), (256, 384), (272, 1000), (128, 128)])
-def test_one_pass_transposed_cast_equals_casting_the_transpose(device, kind, shape):
+@pytest.mark.parametrize("fmt, pow2, eps", [(fp8ext.E4M3, True, 0.0), (fp8ext.E5M2, False, 1e-3)],
+                         ids=["e4m3-pow2", "e5m2-f32-eps"])
+def test_one_pass_transposed_cast_equals_casting_the_transpose(device, kind, shape, fmt, pow2, eps):
     """fp8ext.ops.quantize_blocks_t (the kernels the block and row-wise recipes' casts use) against quantize_blockwise
-    / quantize_rowwise of x and of x^T made by torch: partial tiles at both edges, bf16, float16 and float32."""
+    / quantize_rowwise of x and of x^T made by torch: partial tiles at both edges, bf16, float16 and float32, an
+    all-zero column, a column holding NaN and Inf (its tiles get scale 1)."""
     from fp8ext.ops import quantize_blocks_t
     torch.manual_seed(7)
 
     def ref(t):
         if kind == "row":
-            return fp8ext.quantize_rowwise(t.contiguous(), fp8ext.E4M3, power_2_scale=True)
+            return fp8ext.quantize_rowwise(t.contiguous(), fmt, power_2_scale=pow2, amax_epsilon=eps)
         block = (1, 128) if kind == "1x128" else (128, 128)
-        return fp8ext.quantize_blockwise(t.contiguous(), fp8ext.E4M3, block, power_2_scale=True)
+        return fp8ext.quantize_blockwise(t.contiguous(), fmt, block, power_2_scale=pow2, amax_epsilon=eps)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         x = (torch.randn(shape) * torch.logspace(-3, 3 if dtype != torch.float16 else 1, shape[1])).to(device, dtype)
         x[:, 3] = 0  # an all-zero column: a zero 1 x 128 tile of x^T
-        q, s, qt, st = quantize_blocks_t(x, fp8ext.E4M3, kind, True, 0.0)
+        x[1, 5], x[2, 5] = float("nan"), float("-inf")
+        q, s, qt, st = quantize_blocks_t(x, fmt, kind, pow2, eps)
         q_ref, s_ref = ref(x)
         qt_ref, st_ref = ref(x.t())
         assert_same_bytes(q, q_ref, "q")
         assert_same_bytes(qt, qt_ref, "qt")
         assert torch.equal(s, s_ref) and s.stride() == s_ref.stride(), "scale_inv"
         assert torch.equal(st, st_ref) and st.stride() == st_ref.stride(), "scale_inv_t"
+
+
+def test_row_wise_transposed_cast_of_no_rows_has_unit_scales():
+    from fp8ext.ops import quantize_blocks_t
+    q, s, qt, st = quantize_blocks_t(torch.zeros(0, 32), fp8ext.E4M3, "row", True, 0.0)
+    assert q.shape == (0, 32) and qt.shape == (32, 0) and torch.equal(st, torch.ones(32))
+
+
+def test_custom_ops_fake_implementations_match_the_real_ones():
+    """What torch.compile traces (the fake implementations' shapes and strides) is what the ops return."""
+    from fp8ext.formats import E4M3
+    for kind in ("row", "1x128", "128x128"):
+        for shape in ((16, 8), (144, 136), (256, 384)):
+            x = torch.randn(shape, dtype=torch.bfloat16)
+            torch.library.opcheck(torch.ops.fp8ext.quantize_blocks_t.default, (x, E4M3.code, kind, True, 0.0))
+            torch.library.opcheck(torch.ops.fp8ext.quantize_blocks.default, (x, E4M3.code, kind, True, 0.0))
+
+
+def test_a_kept_weight_cast_is_not_reused_under_another_recipe():
+    torch.manual_seed(8)
+    layer = fp8ext.Linear(256, 128)
+    x = torch.randn(32, 256)
+    outs = {}
+    for name, recipe in (("block", Float8BlockScaling()), ("rowwise", Float8RowwiseScaling()),
+                         ("block-f32", Float8BlockScaling(fp8_quant_fwd_weight=QParams()))):
+        with fp8ext.fp8_autocast(fp8_recipe=recipe):
+            layer(x, is_first_microbatch=True)
+        with fp8ext.fp8_autocast(fp8_recipe=recipe):
+            fresh = layer(x)
+        outs[name] = fresh
+    for name, recipe in (("rowwise", Float8RowwiseScaling()), ("block", Float8BlockScaling())):
+        with fp8ext.fp8_autocast(fp8_recipe=Float8BlockScaling(fp8_quant_fwd_weight=QParams())):
+            layer(x, is_first_microbatch=True)  # keeps a cast with float32 block scales
+        with fp8ext.fp8_autocast(fp8_recipe=recipe):
+            assert torch.equal(layer(x, is_first_microbatch=False), outs[name]), name
 
 
 def test_transposed_cast_refuses_bad_outputs():
@@ -370,6 +413,16 @@ def test_transposed_cast_refuses_bad_outputs():
     with pytest.raises(ValueError, match=r"scale_inv_t \(8 floats\) is too small"):
         _C.quantize_blocks(cap(x), cap(q), cap(s), 0, 1, 128, 1, 32, qt=cap(torch.empty(256, 32, dtype=torch.uint8)),
                            scale_inv_t=cap(torch.zeros(8)), stride_rt=1, stride_ct=256)
+    x128, q128 = torch.randn(128, 128), torch.empty(128, 128, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"needs 1 x 128 or 128 x 128 blocks, or 1 x cols"):  # 1 x cols, stride_ct 1
+        _C.quantize_blocks(cap(x), cap(q), cap(torch.zeros(32)), 0, 1, 256, 1, 0,
+                           qt=cap(torch.empty(256, 32, dtype=torch.uint8)), scale_inv_t=cap(torch.zeros(256)),
+                           stride_rt=1, stride_ct=1)
+    # 128 x 128 blocks over 128 columns with stride_ct 0 are blocks, not rows: one scale for x^T's one block
+    st1, s4 = torch.zeros(1), torch.zeros(4)
+    _C.quantize_blocks(cap(x128), cap(q128), cap(s4), 0, 128, 128, 4, 1,
+                       qt=cap(torch.empty(128, 128, dtype=torch.uint8)), scale_inv_t=cap(st1), stride_rt=1, stride_ct=0)
+    assert st1.item() == s4[0].item() == fp8ext.quantize_blockwise(x128, block=(128, 128))[1].item()
     with pytest.raises(ValueError, match=r"row-wise scale_inv_t must be contiguous"):
         _C.quantize_blocks(cap(x), cap(q), cap(torch.zeros(32)), 0, 1, 256, 1, 0,
                            qt=cap(torch.empty(256, 32, dtype=torch.uint8)), scale_inv_t=cap(torch.zeros(512)),
