@@ -113,7 +113,7 @@ void fp8ext_cpu_cast_transpose_dbias(const fp8ext_cast_transpose_dbias_args *a) 
 /* The transposed cast of quantize_blocks (cast.h): x^T in 1 x 128 tiles, or the 128 x 128 blocks transposed. */
 static void quantize_blocks_transposed(const fp8ext_quantize_blocks_args *a) {
     const int64_t br = a->block_rows, bc = a->block_cols;
-    if (br == 1 && bc == a->cols && a->stride_ct == 0) {  /* row-wise: each column of x is a row of x^T with its own scale */
+    if (br == 1 && bc == a->cols && a->stride_ct == 0) {  /* row-wise: each column of x is a row of x^T, one scale */
         for (int64_t c = 0; c < a->cols; ++c) {
             int32_t m = 0;
             for (int64_t r = 0; r < a->rows; ++r) {
@@ -121,8 +121,10 @@ static void quantize_blocks_transposed(const fp8ext_quantize_blocks_args *a) {
                 if (b > m) m = b;
             }
             const float scale = fp8_block_scale(fp8_bits_f32((uint32_t)m), a->fmt, a->pow2_scale, a->amax_epsilon);
-            for (int64_t r = 0; r < a->rows; ++r)
-                a->qt[c * a->rows + r] = fp8_quantize_rne(load_elem(a->x, a->x_dtype, r * a->cols + c), scale, a->fmt, 1);
+            for (int64_t r = 0; r < a->rows; ++r) {
+                const float v = load_elem(a->x, a->x_dtype, r * a->cols + c);
+                a->qt[c * a->rows + r] = fp8_quantize_rne(v, scale, a->fmt, 1);
+            }
             a->scale_inv_t[c * a->stride_rt] = 1.0f / scale;
         }
         return;
