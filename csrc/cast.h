@@ -127,6 +127,11 @@ typedef struct {
     uint8_t *qt;
     float *scale_inv_t;
     int64_t stride_rt, stride_ct;
+    /* GPU only, with qt, 1 x 128 blocks and a bf16 or float16 x: FP8EXT_PROLOGUE_RMSNORM (rstd [rows], gamma [cols]
+     * float32, gamma 16-byte aligned) or FP8EXT_PROLOGUE_SWIGLU (x holds rows of 2 * cols values, gate then up): the
+     * casts are those of the step's output, rounded to x's dtype (as fp8ext_cast_transpose_args's prologues). */
+    int prologue;
+    const float *rstd, *gamma;
 } fp8ext_quantize_blocks_args;
 
 /* Block-scaled small formats in one pass (csrc/kernels/quantize_mx.cu), GPU only: fp8ext/mx.py's torch code is

@@ -489,22 +489,55 @@ static int get_transposed(PyObject *qt_o, PyObject *st_o, long long srt, long lo
     return 0;
 }
 
+/* quantize_blocks' prologue (cast.h): RMSNorm (rstd, gamma) or SwiGLU, for the 1 x 128 casts of a bf16 or float16 x
+ * with its transposed cast, on a GPU. */
+static int get_blocks_prologue(int prologue, PyObject *rstd_o, PyObject *g_o, const fp8ext_view *x, int has_qt,
+                               Py_ssize_t stream, const char *fn, fp8ext_view *rstd, fp8ext_view *g,
+                               fp8ext_quantize_blocks_args *a) {
+    if (prologue != FP8EXT_PROLOGUE_RMSNORM && prologue != FP8EXT_PROLOGUE_SWIGLU) {
+        PyErr_Format(PyExc_ValueError, "%s(): prologue must be 0 (none), %d (RMSNorm) or %d (SwiGLU), got %d", fn,
+                     FP8EXT_PROLOGUE_RMSNORM, FP8EXT_PROLOGUE_SWIGLU, prologue);
+        return -1;
+    }
+    const int dt = fp8ext_view_dtype(x);
+    if (x->device_type == 1 || !has_qt || a->block_rows != 1 || a->block_cols != 128 ||
+        (dt != FP8EXT_BF16 && dt != FP8EXT_F16)) {
+        PyErr_Format(PyExc_ValueError, "%s(): a prologue needs a bf16 or float16 x on a GPU, 1 x 128 blocks and the "
+                     "transposed cast (qt)", fn);
+        return -1;
+    }
+    a->prologue = prologue;
+    if (prologue != FP8EXT_PROLOGUE_RMSNORM) return 0;
+    if (get_f32_vector(rstd_o, a->rows, x, stream, fn, "rstd", rstd) < 0 ||
+        get_f32_vector(g_o, a->cols, x, stream, fn, "gamma", g) < 0)
+        return -1;
+    if ((uintptr_t)g->data % 16) {
+        PyErr_Format(PyExc_ValueError, "%s(): gamma must start on a 16-byte boundary", fn);
+        return -1;
+    }
+    a->rstd = rstd->data, a->gamma = g->data;
+    return 0;
+}
+
 /* quantize_blocks(x, out, scale_inv, fmt, block_rows, block_cols, stride_r, stride_c, stream=0, pow2_scale=False,
- *                 amax_epsilon=0.0, qt=None, scale_inv_t=None, stride_rt=0, stride_ct=0)
+ *                 amax_epsilon=0.0, qt=None, scale_inv_t=None, stride_rt=0, stride_ct=0, prologue=0, rstd=None,
+ *                 gamma=None)
  * scale_inv is the whole float32 buffer; block (rb, cb)'s scale_inv goes to [rb * stride_r + cb * stride_c]; qt and
- * scale_inv_t likewise for the transposed cast (cast.h). */
+ * scale_inv_t likewise for the transposed cast; prologue: the casts of RMSNorm's or SwiGLU's output (cast.h; with
+ * SwiGLU x is [rows, 2 * cols] and out [rows, cols]). */
 static PyObject *py_quantize_blocks(PyObject *module, PyObject *args, PyObject *kwargs) {
     static const char *fn = "quantize_blocks";
     static char *kwlist[] = {"x", "out", "scale_inv", "fmt", "block_rows", "block_cols", "stride_r", "stride_c",
                              "stream", "pow2_scale", "amax_epsilon", "qt", "scale_inv_t", "stride_rt", "stride_ct",
-                             NULL};
-    PyObject *x_o, *out_o, *s_o, *qt_o = Py_None, *st_o = Py_None;
-    int fmt, pow2 = 0;
+                             "prologue", "rstd", "gamma", NULL};
+    PyObject *x_o, *out_o, *s_o, *qt_o = Py_None, *st_o = Py_None, *rstd_o = Py_None, *g_o = Py_None;
+    int fmt, pow2 = 0, prologue = 0;
     long long br, bc, sr, sc, srt = 0, sct = 0;
     Py_ssize_t stream = 0;
     double eps = 0.0;
-    if (!fp8ext_parse_args(args, kwargs, "OOOiLLLL|npdOOLL:quantize_blocks", kwlist, &x_o, &out_o, &s_o, &fmt, &br,
-                           &bc, &sr, &sc, &stream, &pow2, &eps, &qt_o, &st_o, &srt, &sct))
+    if (!fp8ext_parse_args(args, kwargs, "OOOiLLLL|npdOOLLiOO:quantize_blocks", kwlist, &x_o, &out_o, &s_o, &fmt,
+                           &br, &bc, &sr, &sc, &stream, &pow2, &eps, &qt_o, &st_o, &srt, &sct, &prologue, &rstd_o,
+                           &g_o))
         return NULL;
     if (!(eps >= 0.0 && eps <= 3.40282347e38)) {
         PyErr_Format(PyExc_ValueError, "%s(): amax_epsilon must be a finite float32 >= 0, got %g", fn, eps);
@@ -514,7 +547,7 @@ static PyObject *py_quantize_blocks(PyObject *module, PyObject *args, PyObject *
         PyErr_Format(PyExc_ValueError, "%s(): qt and scale_inv_t come together", fn);
         return NULL;
     }
-    fp8ext_view x = {0}, out = {0}, sv = {0}, qt = {0}, st = {0};
+    fp8ext_view x = {0}, out = {0}, sv = {0}, qt = {0}, st = {0}, rstd = {0}, g = {0};
     PyObject *ret = NULL;
     fp8ext_quantize_blocks_args a = {0};
     if (fp8ext_check_fmt(fmt, fn) < 0 || get_input(x_o, stream, fn, "x", &x) < 0) goto done;
@@ -523,6 +556,14 @@ static PyObject *py_quantize_blocks(PyObject *module, PyObject *args, PyObject *
         goto done;
     }
     a.rows = x.shape[0], a.cols = x.shape[1];
+    if (prologue == FP8EXT_PROLOGUE_SWIGLU) {  /* x holds gate, then up: the casts are of [rows, cols / 2] */
+        if (a.cols % 16) {
+            PyErr_Format(PyExc_ValueError, "%s(): with SwiGLU, x needs a column count that is a multiple of 16 (gate, "
+                         "then up), got %lld", fn, (long long)a.cols);
+            goto done;
+        }
+        a.cols /= 2;
+    }
     if (a.cols == 0) {
         PyErr_Format(PyExc_ValueError, "%s(): x must have at least one column", fn);
         goto done;
@@ -538,12 +579,18 @@ static PyObject *py_quantize_blocks(PyObject *module, PyObject *args, PyObject *
         goto done;
     }
     a.block_rows = br, a.block_cols = bc;
-    if (get_output(out_o, FP8EXT_KIND_U8, &x, "x", stream, fn, "out", &out) < 0 ||
-        fp8ext_check_same_shape(&out, &x, fn, "out", "x") < 0 ||
-        get_output(s_o, FP8EXT_KIND_F32, &x, "x", stream, fn, "scale_inv", &sv) < 0 ||
+    if (get_output(out_o, FP8EXT_KIND_U8, &x, "x", stream, fn, "out", &out) < 0) goto done;
+    if (out.ndim != 2 || out.shape[0] != a.rows || out.shape[1] != a.cols) {
+        PyErr_Format(PyExc_ValueError, "%s(): out must have shape [%lld, %lld]", fn, (long long)a.rows,
+                     (long long)a.cols);
+        goto done;
+    }
+    if (get_output(s_o, FP8EXT_KIND_F32, &x, "x", stream, fn, "scale_inv", &sv) < 0 ||
         check_block_index(fn, "scale_inv", sv.numel, a.rows > 0 ? (a.rows + br - 1) / br : 0, (a.cols + bc - 1) / bc,
                           sr, sc) < 0 ||
         (qt_o != Py_None && get_transposed(qt_o, st_o, srt, sct, &x, stream, fn, &qt, &st, &a) < 0) ||
+        (prologue != 0 &&
+         get_blocks_prologue(prologue, rstd_o, g_o, &x, qt_o != Py_None, stream, fn, &rstd, &g, &a) < 0) ||
         (qt_o == Py_None ? fp8ext_check_disjoint(fn, 2, 3, (const fp8ext_view *const[]){&out, &sv, &x},
                                                  (const char *const[]){"out", "scale_inv", "x"})
                          : fp8ext_check_disjoint(fn, 4, 5, (const fp8ext_view *const[]){&out, &sv, &qt, &st, &x},
@@ -556,7 +603,7 @@ static PyObject *py_quantize_blocks(PyObject *module, PyObject *args, PyObject *
     if (fp8ext_run_op(module, &x, stream, fn, cpu_quantize_blocks, cuda_quantize_blocks, &a) < 0) goto done;
     ret = Py_NewRef(Py_None);
 done:
-    FP8EXT_RELEASE_ALL(&x, &out, &sv, &qt, &st);
+    FP8EXT_RELEASE_ALL(&x, &out, &sv, &qt, &st, &rstd, &g);
     return ret;
 }
 
@@ -584,7 +631,7 @@ PyMethodDef fp8ext_op_methods[] = {
      "cast_transpose_dbias_workspace(rows, cols) -> (tiles, cols): the float32 workspace's shape."},
     {"quantize_blocks", (PyCFunction)(void (*)(void))py_quantize_blocks, METH_VARARGS | METH_KEYWORDS,
      "quantize_blocks(x, out, scale_inv, fmt, block_rows, block_cols, stride_r, stride_c, stream=0, pow2_scale=False, "
-     "amax_epsilon=0.0, qt=None, scale_inv_t=None, stride_rt=0, stride_ct=0)\n"
+     "amax_epsilon=0.0, qt=None, scale_inv_t=None, stride_rt=0, stride_ct=0, prologue=0, rstd=None, gamma=None)\n"
      "Block scaling: per block scale = fmt.max / amax, out = fp8(x * scale), scale_inv = 1 / scale."},
     {NULL, NULL, 0, NULL},
 };

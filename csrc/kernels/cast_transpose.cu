@@ -27,6 +27,7 @@
 // atomics: the result does not depend on thread timing, and equals the CPU reference bit for bit. Extra
 // traffic: 8 bytes per 64 elements of x (workspace written and read) plus dbias itself.
 #include "common.cuh"
+#include "prologue.cuh"
 
 namespace fp8ext {
 namespace {
@@ -55,44 +56,6 @@ __device__ __forceinline__ void store_piece(uint8_t *dst, uint32_t lo, uint32_t 
         for (int k = 0; k < 4; ++k) {
             dst[k] = static_cast<uint8_t>(lo >> (8 * k));
             dst[4 + k] = static_cast<uint8_t>(hi >> (8 * k));
-        }
-    }
-}
-
-// The prologue's output (fp8ext.h) for the V values of x's row r from column c, rounded to T: f holds the first
-// operand unpacked (x; SwiGLU and its gradient: gate), a2 the second (up), a3 the third (the gradient dy); up_side:
-// the gradient's columns are d_up (the row's second half), otherwise d_gate.
-template <typename T, int PRO>
-__device__ __forceinline__ void prologue_vec(float *f, const uint4 &a2, const uint4 &a3, bool up_side, int64_t r,
-                                            int64_t c, const float *__restrict__ rstd,
-                                            const float *__restrict__ gamma) {
-    constexpr int V = Elem<T>::kVec;
-    if constexpr (PRO == FP8EXT_PROLOGUE_RMSNORM) {
-        const float rs = __ldg(rstd + r);
-#pragma unroll
-        for (int j = 0; j < V; j += 4) {
-            const float4 g = __ldg(reinterpret_cast<const float4 *>(gamma + c + j));
-            f[j] = round_to<T>((f[j] * rs) * g.x);
-            f[j + 1] = round_to<T>((f[j + 1] * rs) * g.y);
-            f[j + 2] = round_to<T>((f[j + 2] * rs) * g.z);
-            f[j + 3] = round_to<T>((f[j + 3] * rs) * g.w);
-        }
-    } else if constexpr (PRO == FP8EXT_PROLOGUE_SWIGLU) {
-        float u[V];
-        Elem<T>::unpack(a2, u);
-#pragma unroll
-        for (int j = 0; j < V; ++j) f[j] = round_to<T>(silu_times(f[j], u[j]));
-    } else if constexpr (PRO == FP8EXT_PROLOGUE_DSWIGLU) {
-        float d[V];
-        Elem<T>::unpack(a3, d);
-        if (up_side) {  // (block-uniform: a tile lies on one side)
-#pragma unroll
-            for (int j = 0; j < V; ++j) f[j] = round_to<T>(dswiglu_up(f[j], d[j]));
-        } else {
-            float u[V];
-            Elem<T>::unpack(a2, u);
-#pragma unroll
-            for (int j = 0; j < V; ++j) f[j] = round_to<T>(dswiglu_gate(f[j], u[j], d[j]));
         }
     }
 }

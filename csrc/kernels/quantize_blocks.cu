@@ -13,6 +13,7 @@
 //             mostly from L2.
 // Requires cols % 8 == 0 and a 16-byte aligned x (the Python wrapper checks, the GEMM needs more).
 #include "common.cuh"
+#include "prologue.cuh"
 
 namespace fp8ext {
 namespace {
@@ -138,12 +139,40 @@ __device__ __forceinline__ float tile_at(const T *tile, const T *x, int64_t r0, 
     }
 }
 
-template <typename T, int FMT, bool kSquare>
+// 8 values already rounded to T, packed back into T's 16 bytes (exact).
+template <typename T> __device__ __forceinline__ uint4 pack8(const float *f);
+template <> __device__ __forceinline__ uint4 pack8<__nv_bfloat16>(const float *f) {
+    uint32_t w[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const __nv_bfloat162 h = __floats2bfloat162_rn(f[2 * j], f[2 * j + 1]);
+        w[j] = *reinterpret_cast<const uint32_t *>(&h);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+template <> __device__ __forceinline__ uint4 pack8<__half>(const float *f) {
+    uint32_t w[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const __half2 h = __floats2half2_rn(f[2 * j], f[2 * j + 1]);
+        w[j] = *reinterpret_cast<const uint32_t *>(&h);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+template <> __device__ __forceinline__ uint4 pack8<float>(const float *) { return make_uint4(0, 0, 0, 0); }
+
+// PRO (16-bit x, 1 x 128 tiles): the tile is the prologue's output (prologue.cuh; RMSNorm: rstd [rows] and gamma
+// [cols] float32; SwiGLU: x holds rows of 2 * cols values, gate then up), computed as it is loaded and kept in shared
+// memory for the column pass: the unfused step's bytes, never written to memory.
+template <typename T, int FMT, bool kSquare, int PRO = FP8EXT_PROLOGUE_NONE>
 __global__ void __launch_bounds__(kThreads) quantize_tile_t_kernel(
     const T *__restrict__ x, uint8_t *__restrict__ q, float *__restrict__ scale_inv, uint8_t *__restrict__ qt,
     float *__restrict__ scale_inv_t, int64_t rows, int64_t cols, int64_t stride_r, int64_t stride_c,
-    int64_t stride_rt, int64_t stride_ct, int pow2, float eps) {
+    int64_t stride_rt, int64_t stride_ct, int pow2, float eps, const float *__restrict__ rstd = nullptr,
+    const float *__restrict__ gamma = nullptr) {
     constexpr bool kShared = sizeof(T) == 2;
+    static_assert(PRO == FP8EXT_PROLOGUE_NONE || (kShared && !kSquare), "prologues: 16-bit x, 1 x 128 tiles");
+    const int64_t ld = PRO == FP8EXT_PROLOGUE_SWIGLU ? 2 * cols : cols;  // x's row length
     constexpr int kChunks = 128 * 16 / kThreads;
     __shared__ __align__(16) T tile[kShared ? 128 * kTileLd : 8];
     __shared__ int32_t half_max[2][128];
@@ -159,9 +188,18 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_t_kernel(
         const int64_t r = r0 + tr, c = c0 + tc;
         float *fi = f[kHold ? i : 0];
         uint4 raw = make_uint4(0, 0, 0, 0);
-        if (r < rows && c < cols) raw = __ldcs(reinterpret_cast<const uint4 *>(x + r * cols + c));
-        if constexpr (kShared) *reinterpret_cast<uint4 *>(tile + tr * kTileLd + tc) = raw;
+        if (r < rows && c < cols) raw = __ldcs(reinterpret_cast<const uint4 *>(x + r * ld + c));
         Elem<T>::unpack(raw, fi);
+        if constexpr (PRO != FP8EXT_PROLOGUE_NONE) {
+            if (r < rows && c < cols) {
+                uint4 up = make_uint4(0, 0, 0, 0);
+                if constexpr (PRO == FP8EXT_PROLOGUE_SWIGLU)
+                    up = __ldcs(reinterpret_cast<const uint4 *>(x + r * ld + cols + c));
+                prologue_vec<T, PRO>(fi, up, up, false, r, c, rstd, gamma);
+                raw = pack8<T>(fi);
+            }
+        }
+        if constexpr (kShared) *reinterpret_cast<uint4 *>(tile + tr * kTileLd + tc) = raw;
         if constexpr (!kShared) {  // float32: the second 16 bytes of the chunk
             uint4 raw2 = make_uint4(0, 0, 0, 0);
             if (r < rows && c < cols) raw2 = __ldcs(reinterpret_cast<const uint4 *>(x + r * cols + c) + 1);
@@ -327,7 +365,23 @@ extern "C" int fp8ext_cuda_quantize_blocks(const fp8ext_quantize_blocks_args *a,
         } else if (a->qt) {  // both casts, one CUDA block per 128 x 128 tile
             const dim3 grid(static_cast<unsigned>((a->cols + 127) / 128), static_cast<unsigned>((a->rows + 127) / 128));
             if ((a->rows + 127) / 128 > 65535) return cudaErrorInvalidConfiguration;
-            if (a->block_rows == 128)
+            if (a->prologue != FP8EXT_PROLOGUE_NONE) {
+                if constexpr (sizeof(T) == 2) {
+                    if (a->block_rows != 1) return cudaErrorInvalidValue;
+                    if (a->prologue == FP8EXT_PROLOGUE_RMSNORM)
+                        quantize_tile_t_kernel<T, FMT, false, FP8EXT_PROLOGUE_RMSNORM><<<grid, kThreads, 0, s>>>(
+                            x, a->q, a->scale_inv, a->qt, a->scale_inv_t, a->rows, a->cols, a->stride_r, a->stride_c,
+                            a->stride_rt, a->stride_ct, a->pow2_scale, a->amax_epsilon, a->rstd, a->gamma);
+                    else if (a->prologue == FP8EXT_PROLOGUE_SWIGLU)
+                        quantize_tile_t_kernel<T, FMT, false, FP8EXT_PROLOGUE_SWIGLU><<<grid, kThreads, 0, s>>>(
+                            x, a->q, a->scale_inv, a->qt, a->scale_inv_t, a->rows, a->cols, a->stride_r, a->stride_c,
+                            a->stride_rt, a->stride_ct, a->pow2_scale, a->amax_epsilon);
+                    else
+                        return cudaErrorInvalidValue;
+                } else {
+                    return cudaErrorInvalidValue;
+                }
+            } else if (a->block_rows == 128)
                 quantize_tile_t_kernel<T, FMT, true><<<grid, kThreads, 0, s>>>(
                     x, a->q, a->scale_inv, a->qt, a->scale_inv_t, a->rows, a->cols, a->stride_r, a->stride_c,
                     a->stride_rt, a->stride_ct, a->pow2_scale, a->amax_epsilon);

@@ -22,8 +22,12 @@ and its read by the cast (8 bytes moved become 6: read x twice, write x8 and x8^
 Taken by the layer-norm modules and fp8ext's transformer on a GPU in eager training with delayed scaling
 (fused.TRAINING, no autocast dtype change, a token count that is a multiple of 16, rows of at most 8192 for RMSNorm,
 FP8Linear layers without hooks, fp8ext.debug off); everything else takes the unfused composition, with the same
-results. Current scaling needs the output's amax before its cast, one
-more pass over it, which is what the composition does. On a CPU the same function computes the step with the
+results. With block scaling (Float8BlockScaling, bf16 or float16 activations) the RMSNorm and SwiGLU casts are fused
+the same way, each 128 x 128 tile of the step's output computed once and cast into both 1 x 128 layouts
+(csrc/kernels/quantize_blocks.cu); LayerNormMLP's one-node path and SwiGLU's gradient cast stay per tensor (block
+scaling runs fc1 and fc2 as two fused layers, and SwiGLU's backward, then the cast). Current and row-wise scaling
+need the output's amax (per tensor, per column) before its cast, one more pass over it, which is what the
+composition does. On a CPU the same function computes the step with the
 reference definitions of fp8ext.fused (the tests use it there).
 """
 
@@ -36,14 +40,14 @@ from torch.autograd.function import once_differentiable
 
 from .. import _C
 from ..core import debug
-from ..ops import fused
+from ..ops import fused, quantize_blocks_t_eager
 from ..core._boundary import dl, dl_fp8, stream_of
 from ..core.context import activation_dtype, current_context
 from .linear import FP8Linear
 from .linear_autograd import LinearFunction, forward_gemm, linear_backward
 from ..core.profiling import profiled
-from ..core.recipe import DelayedScaling
-from ..core.tensor import FP8Tensor, Quantizer
+from ..core.recipe import DelayedScaling, Float8BlockScaling
+from ..core.tensor import BLOCK_1x128, FP8Tensor, Quantizer
 
 RMSNORM, SWIGLU, DSWIGLU = 1, 2, 3  # csrc/cast.h's FP8EXT_PROLOGUE_RMSNORM, _SWIGLU, _DSWIGLU
 ENABLED = True  # False: the layer-norm modules run their steps separately (for comparisons and debugging)
@@ -69,6 +73,10 @@ def _cast_with_prologue(op, x2, g, eps, quantizer: Quantizer, dy=None):
     if op == RMSNORM:
         rstd = torch.empty(m, dtype=torch.float32, device=dev)
         _C.rms_norm_fwd(dl(x2), dl(g), None, dl(rstd), float(eps), stream)
+    if quantizer.granularity == BLOCK_1x128:  # block scaling: both 1 x 128 casts of the step's output, one kernel
+        q, s, qt, st = quantize_blocks_t_eager(x2, fmt, BLOCK_1x128, quantizer.power_2_scale, quantizer.amax_epsilon,
+                                               op, rstd, g)
+        return FP8Tensor(q, qt, s, fmt, BLOCK_1x128, st), rstd
     x8 = torch.empty((m, k), dtype=fmt.torch_dtype, device=dev)
     x8t = torch.empty((k, m), dtype=fmt.torch_dtype, device=dev)
     sinv = torch.empty((), dtype=torch.float32, device=dev)
@@ -115,13 +123,19 @@ def has_hooks(module: torch.nn.Module) -> bool:
                 or getattr(glob, "_global_forward_pre_hooks", None))
 
 
-def _eligible(x: torch.Tensor, width: int, linears, reference: bool) -> bool:
+def _eligible(x: torch.Tensor, width: int, linears, reference: bool, block_ok: bool = False) -> bool:
     """Whether this call is one the fused paths take (see the module docstring): x [..., width] feeding the first
-    of `linears` (FP8Linear, without forward hooks), inside fp8_autocast with delayed scaling."""
+    of `linears` (FP8Linear, without forward hooks), inside fp8_autocast with delayed scaling, or block scaling
+    (block_ok: 1 x 128 input tiles, a bf16 or float16 x on a GPU)."""
     if not all(isinstance(lin, FP8Linear) and not has_hooks(lin) for lin in linears):
         return False  # e.g. fp8ext.inference's quantized layers, or a layer sharded or observed through hooks
     ctx = current_context()
-    if ctx is None or not ctx.enabled or ctx.calibrating or not isinstance(ctx.recipe, DelayedScaling):
+    if ctx is None or not ctx.enabled or ctx.calibrating:
+        return False
+    block = block_ok and isinstance(ctx.recipe, Float8BlockScaling) and ctx.recipe.x_block_scaling_dim == 1
+    if not (block or isinstance(ctx.recipe, DelayedScaling)):
+        return False
+    if block and getattr(x, "dtype", None) not in (torch.bfloat16, torch.float16) and not reference:
         return False
     if not ENABLED or not fused.TRAINING or torch.compiler.is_compiling() or debug.enabled():
         return False
@@ -148,7 +162,7 @@ def fused_input_linear(linear: FP8Linear, op: int, x: torch.Tensor, gamma: Optio
     if torch.compiler.is_compiling():  # nothing of this path is traced: the separate steps' ops are
         return None
     k = linear.in_features
-    if not _eligible(x, 2 * k if op == SWIGLU else k, (linear,), reference):
+    if not _eligible(x, 2 * k if op == SWIGLU else k, (linear,), reference, block_ok=True):
         return None
     if op == RMSNORM and (gamma is None or gamma.numel() != k or k > 8192):
         return None

@@ -404,8 +404,11 @@ def quantize_blocks_t(x: torch.Tensor, f: FP8Format, kind: str, pow2: bool, eps:
     return quantize_blocks_t_eager(x, f, kind, pow2, eps)
 
 
-def quantize_blocks_t_eager(x: torch.Tensor, f: FP8Format, kind: str, pow2: bool, eps: float):
-    rows, cols = x.shape
+def quantize_blocks_t_eager(x: torch.Tensor, f: FP8Format, kind: str, pow2: bool, eps: float, prologue: int = 0,
+                            rstd: Optional[torch.Tensor] = None, gamma: Optional[torch.Tensor] = None):
+    """quantize_blocks_t eagerly; with a prologue (GPU, "1x128", bf16/float16 x; csrc/cast.h) the casts are those of
+    RMSNorm(x) with rstd and gamma (prologue 1) or of SwiGLU(x), x holding gate then up (prologue 2)."""
+    rows, cols = x.shape[0], x.shape[1] // (2 if prologue == 2 else 1)
     dev = x.device
     buf, sr, sc = scale_buffer(kind, rows, cols, dev)
     buf_t, srt, sct = scale_buffer(kind, cols, rows, dev)
@@ -414,7 +417,9 @@ def quantize_blocks_t_eager(x: torch.Tensor, f: FP8Format, kind: str, pow2: bool
     br, bc = {"row": (1, cols), "1x128": (1, 128), "128x128": (128, 128)}[kind]
     _C.quantize_blocks(dl(x), _to_dl(q.view(torch.uint8)), _to_dl(buf), f.code, br, bc, sr, sc,
                        stream=stream_of(dev), pow2_scale=pow2, amax_epsilon=eps,
-                       qt=_to_dl(qt.view(torch.uint8)), scale_inv_t=_to_dl(buf_t), stride_rt=srt, stride_ct=sct)
+                       qt=_to_dl(qt.view(torch.uint8)), scale_inv_t=_to_dl(buf_t), stride_rt=srt, stride_ct=sct,
+                       prologue=prologue, rstd=None if rstd is None else _to_dl(rstd),
+                       gamma=None if gamma is None else _to_dl(gamma))
     return q, scale_inv_view(buf, kind, cols), qt, scale_inv_view(buf_t, kind, rows)
 
 

@@ -427,3 +427,98 @@ def test_transposed_cast_refuses_bad_outputs():
         _C.quantize_blocks(cap(x), cap(q), cap(torch.zeros(32)), 0, 1, 256, 1, 0,
                            qt=cap(torch.empty(256, 32, dtype=torch.uint8)), scale_inv_t=cap(torch.zeros(512)),
                            stride_rt=2, stride_ct=0)
+
+
+# ---- RMSNorm and SwiGLU computed inside the block casts -----------------------------------------------------
+
+def _norm_modules(kind, device):
+    torch.manual_seed(9)
+    if kind == "linear":
+        def make():
+            return fp8ext.LayerNormLinear(256, 128, normalization="RMSNorm", params_dtype=torch.bfloat16, device=device)
+    else:
+        def make():
+            return fp8ext.LayerNormMLP(256, 384, normalization="RMSNorm", activation="swiglu", bias=kind == "mlp_bias",
+                                       params_dtype=torch.bfloat16, device=device)
+    a, b = make(), make()
+    with torch.no_grad():
+        for p in a.parameters():
+            p.copy_(torch.randn_like(p) * 0.05 + (1.0 if p.dim() == 1 else 0.0))
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+@pytest.mark.parametrize("op", ["rmsnorm", "swiglu"])
+def test_block_scaled_fused_cast_reference_path_is_the_separate_steps(op):
+    """On the CPU the fused path (reference=True) computes the step with the reference definitions and casts it with
+    the block quantizer: the output and the weight's gradient of the step followed by FP8Linear, bit for bit."""
+    from fp8ext import fused
+    from fp8ext.modules import _fused_linear as FL
+    torch.manual_seed(10)
+    k = 256
+    lin_a = fp8ext.Linear(k, 128, params_dtype=torch.bfloat16)
+    lin_b = fp8ext.Linear(k, 128, params_dtype=torch.bfloat16)
+    lin_b.load_state_dict(lin_a.state_dict())
+    x = torch.randn(32, 2 * k if op == "swiglu" else k, dtype=torch.bfloat16)
+    gamma = torch.rand(k) + 0.5
+    recipe = Float8BlockScaling()
+    with fp8ext.fp8_autocast(fp8_recipe=recipe):
+        if op == "rmsnorm":
+            ya = FL.fused_input_linear(lin_a, FL.RMSNORM, x, gamma, 1e-5, reference=True)
+            yb = lin_b(fused.rms_norm_train_reference(x, gamma, 1e-5, x.dtype)[0])
+        else:
+            ya = FL.fused_input_linear(lin_a, FL.SWIGLU, x, reference=True)
+            yb = lin_b(fused.swiglu_reference(x))
+    assert ya is not None and torch.equal(ya, yb)
+    dy = torch.randn_like(ya)
+    ya.backward(dy)
+    yb.backward(dy)
+    assert torch.equal(lin_a.weight.grad, lin_b.weight.grad)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA device and fp8ext built with CUDA")
+@pytest.mark.parametrize("kind", ["linear", "mlp", "mlp_bias"])
+def test_layernorm_modules_on_the_gpu_fuse_the_block_casts_and_equal_their_separate_steps(kind, monkeypatch):
+    """LayerNormLinear and LayerNormMLP under Float8BlockScaling compute RMSNorm and SwiGLU inside the block casts of
+    the next GEMM's input on a GPU, and give the output and every gradient of the same module run step by step."""
+    from fp8ext.modules import _fused_linear as FL
+    fused_m, sep_m = _norm_modules(kind, "cuda")
+    calls = []
+    real = FL._cast_with_prologue
+    monkeypatch.setattr(FL, "_cast_with_prologue", lambda op, *a, **kw: calls.append(op) or real(op, *a, **kw))
+    x = torch.randn(4, 48, 256, device="cuda", dtype=torch.bfloat16) * 2
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    for step in range(2):
+        with fp8ext.fp8_autocast(fp8_recipe=Float8BlockScaling()):
+            ya = fused_m(xa)
+            FL.ENABLED = False
+            try:
+                yb = sep_m(xb)
+            finally:
+                FL.ENABLED = True
+        dy = torch.randn_like(ya)
+        ya.backward(dy)
+        yb.backward(dy)
+        assert torch.equal(ya, yb), step
+        assert torch.equal(xa.grad, xb.grad), step
+        for (name, pa), pb in zip(fused_m.named_parameters(), sep_m.parameters()):
+            assert torch.equal(pa.grad, pb.grad), (step, name)
+        for t in (xa, xb, *fused_m.parameters(), *sep_m.parameters()):
+            t.grad = None
+    per_step = [FL.RMSNORM] if kind == "linear" else [FL.RMSNORM, FL.SWIGLU]
+    assert calls == per_step * 2, "the block casts took the fused path (SwiGLU's gradient cast stays separate)"
+
+
+def test_block_prologue_refuses_what_it_cannot_take():
+    from fp8ext import _C
+    cap = torch._C._to_dlpack
+    x = torch.randn(32, 256, dtype=torch.bfloat16)
+    q, s = torch.empty(32, 256, dtype=torch.uint8), torch.zeros(2, 32)
+    qt, st = torch.empty(256, 32, dtype=torch.uint8), torch.zeros(256)
+    with pytest.raises(ValueError, match=r"a prologue needs a bf16 or float16 x on a GPU"):
+        _C.quantize_blocks(cap(x), cap(q), cap(s), 0, 1, 128, 1, 32, qt=cap(qt), scale_inv_t=cap(st), stride_rt=1,
+                           stride_ct=256, prologue=1)
+    with pytest.raises(ValueError, match=r"prologue must be 0 \(none\), 1 \(RMSNorm\) or 2 \(SwiGLU\), got 3"):
+        _C.quantize_blocks(cap(x), cap(q), cap(s), 0, 1, 128, 1, 32, qt=cap(qt), scale_inv_t=cap(st), stride_rt=1,
+                           stride_ct=256, prologue=3)
