@@ -24,8 +24,8 @@ Taken by the layer-norm modules and fp8ext's transformer on a GPU in eager train
 FP8Linear layers without hooks, fp8ext.debug off); everything else takes the unfused composition, with the same
 results. With block scaling (Float8BlockScaling, bf16 or float16 activations) the RMSNorm and SwiGLU casts are fused
 the same way, each 128 x 128 tile of the step's output computed once and cast into both 1 x 128 layouts
-(csrc/kernels/quantize_blocks.cu); LayerNormMLP's one-node path and SwiGLU's gradient cast stay per tensor (block
-scaling runs fc1 and fc2 as two fused layers, and SwiGLU's backward, then the cast). Current and row-wise scaling
+(csrc/kernels/quantize_blocks.cu); SwiGLU's gradient is computed by its own kernel there, then cast. Current and
+row-wise scaling
 need the output's amax (per tensor, per column) before its cast, one more pass over it, which is what the
 composition does. On a CPU the same function computes the step with the
 reference definitions of fp8ext.fused (the tests use it there).
@@ -74,6 +74,8 @@ def _cast_with_prologue(op, x2, g, eps, quantizer: Quantizer, dy=None):
         rstd = torch.empty(m, dtype=torch.float32, device=dev)
         _C.rms_norm_fwd(dl(x2), dl(g), None, dl(rstd), float(eps), stream)
     if quantizer.granularity == BLOCK_1x128:  # block scaling: both 1 x 128 casts of the step's output, one kernel
+        if op == DSWIGLU:  # (not fused: SwiGLU's gradient kernel, then the casts)
+            return quantizer.quantize(fused.swiglu_backward_gpu(x2, dy)), None
         q, s, qt, st = quantize_blocks_t_eager(x2, fmt, BLOCK_1x128, quantizer.power_2_scale, quantizer.amax_epsilon,
                                                op, rstd, g)
         return FP8Tensor(q, qt, s, fmt, BLOCK_1x128, st), rstd
@@ -186,14 +188,16 @@ class _FusedMLPFunction(torch.autograd.Function):
         h = forward_gemm(x8, p1.w8, dtype, None, m)  # [m, 2 f]
         a8, _ = _cast_with_prologue(SWIGLU, h, None, 0.0, p2.input)
         y = forward_gemm(a8, p2.w8, dtype, b2, m)
-        ctx.save_for_backward(x2, g, rstd, x8.data_t, x8.scale_inv, p1.w8.data_t, p1.w8.scale_inv, a8.scale_inv,
-                              p2.w8.scale_inv)
+        x_t, w1_t, a_t, w2_t = x8.t(), p1.w8.t(), a8.t(), p2.w8.t()  # what the backward GEMMs read
+        ctx.save_for_backward(x2, g, rstd, x_t.data, x_t.scale_inv, w1_t.data, w1_t.scale_inv, a_t.scale_inv,
+                              w2_t.scale_inv)
         # Intermediates (no input or output of this node) kept as attributes, so that backward can release each once
         # used: h (the largest) after SwiGLU's gradient, fc2's FP8 operands after its GEMMs. Saved tensors would live
         # until the whole node's backward returns, above the separate layers' peak.
-        ctx.fc2_fp8, ctx.h = (a8.data_t, p2.w8.data_t), h
+        ctx.fc2_fp8, ctx.h = (a_t.data, w2_t.data), h
         p1.w8 = p2.w8 = None  # the row-wise weight copies go now (backward reads the transposed ones kept above)
         ctx.plans, ctx.m, ctx.dtype, ctx.fmt, ctx.shape = plans, m, dtype, x8.fmt, x.shape
+        ctx.layouts = (x_t.layout, w1_t.layout, a_t.layout, w2_t.layout)
         return y.reshape(*x.shape[:-1], w2.shape[0])
 
     @staticmethod
@@ -209,17 +213,19 @@ class _FusedMLPFunction(torch.autograd.Function):
         need_x, need_g, need_w1, need_w2, need_b2 = ctx.needs_input_grad[:5]
         p1, p2 = ctx.plans
         fmt, m, dtype = ctx.fmt, ctx.m, ctx.dtype
+        lx, lw1, la, lw2 = ctx.layouts
         upstream = need_x or need_g or need_w1
-        d_a, dw2, db2 = linear_backward(p2, dy, FP8Tensor(a8t, None, a_sinv, fmt), FP8Tensor(w2_8t, None, w2_sinv, fmt),
-                                        (upstream, need_w2, need_b2), m=m, dx_dtype=dtype)
+        d_a, dw2, db2 = linear_backward(p2, dy, FP8Tensor(a8t, None, a_sinv, fmt, la),
+                                        FP8Tensor(w2_8t, None, w2_sinv, fmt, lw2), (upstream, need_w2, need_b2), m=m,
+                                        dx_dtype=dtype)
         del a8t, w2_8t
         dx = dgamma = dw1 = None
         if upstream:
             rows, cols = h.shape
             dh8, _ = _cast_with_prologue(DSWIGLU, h, None, 0.0, p1.grad, dy=d_a.reshape(rows, cols // 2))
             del h, d_a
-            d_ln, dw1, _ = linear_backward(p1, None, FP8Tensor(x8t, None, x_sinv, fmt),
-                                           FP8Tensor(w1_8t, None, w1_sinv, fmt), (need_x or need_g, need_w1, False),
+            d_ln, dw1, _ = linear_backward(p1, None, FP8Tensor(x8t, None, x_sinv, fmt, lx),
+                                           FP8Tensor(w1_8t, None, w1_sinv, fmt, lw1), (need_x or need_g, need_w1, False),
                                            m=m, dx_dtype=dtype, dy8=dh8)
             del dh8
             if d_ln is not None:
@@ -239,7 +245,7 @@ def fused_mlp(fc1: FP8Linear, fc2: FP8Linear, x: torch.Tensor, gamma: torch.Tens
     k, f = fc1.in_features, fc2.in_features
     if fc1.bias is not None or fc1.return_bias or fc1.out_features != 2 * f or k > 8192 or gamma.numel() != k:
         return None
-    if not _eligible(x, k, (fc1, fc2), reference):
+    if not _eligible(x, k, (fc1, fc2), reference, block_ok=True):
         return None
     recipe = current_context().recipe
     p1 = fc1.fp8_plan(recipe, x, is_first_microbatch, prologue=Prologue(RMSNORM, eps, "LayerNormMLP"))

@@ -506,8 +506,32 @@ def test_layernorm_modules_on_the_gpu_fuse_the_block_casts_and_equal_their_separ
             assert torch.equal(pa.grad, pb.grad), (step, name)
         for t in (xa, xb, *fused_m.parameters(), *sep_m.parameters()):
             t.grad = None
-    per_step = [FL.RMSNORM] if kind == "linear" else [FL.RMSNORM, FL.SWIGLU]
-    assert calls == per_step * 2, "the block casts took the fused path (SwiGLU's gradient cast stays separate)"
+    per_step = {"linear": [FL.RMSNORM], "mlp": [FL.RMSNORM, FL.SWIGLU, FL.DSWIGLU], "mlp_bias": [FL.RMSNORM, FL.SWIGLU]}
+    assert calls == per_step[kind] * 2, "the block casts took the fused paths"
+
+
+def test_block_scaled_fused_mlp_reference_path_is_the_separate_steps():
+    """LayerNormMLP's one-node path (RMSNorm, fc1, SwiGLU, fc2) under Float8BlockScaling on the CPU (reference=True):
+    the output and both weights' gradients of the steps run one after the other, bit for bit."""
+    from fp8ext import fused
+    from fp8ext.modules import _fused_linear as FL
+    torch.manual_seed(11)
+    layers = [(fp8ext.Linear(256, 768, bias=False, params_dtype=torch.bfloat16),
+               fp8ext.Linear(384, 256, params_dtype=torch.bfloat16)) for _ in range(2)]
+    for a, b in zip(layers[0], layers[1]):
+        b.load_state_dict(a.state_dict())
+    x = torch.randn(32, 256, dtype=torch.bfloat16)
+    gamma = torch.rand(256) + 0.5
+    with fp8ext.fp8_autocast(fp8_recipe=Float8BlockScaling()):
+        ya = FL.fused_mlp(*layers[0], x, gamma, 1e-5, reference=True)
+        fc1, fc2 = layers[1]
+        yb = fc2(fused.swiglu_reference(fc1(fused.rms_norm_train_reference(x, gamma, 1e-5, x.dtype)[0])))
+    assert ya is not None and torch.equal(ya, yb)
+    dy = torch.randn_like(ya)
+    ya.backward(dy)
+    yb.backward(dy)
+    for (a, b), what in zip(zip(layers[0], layers[1]), ("fc1", "fc2")):
+        assert torch.equal(a.weight.grad, b.weight.grad), what
 
 
 def test_block_prologue_refuses_what_it_cannot_take():
