@@ -1,10 +1,11 @@
 """FP8 training recipes side by side in one run: bf16, DelayedScaling, CurrentScaling, Float8BlockScaling and
 Float8RowwiseScaling.
 
-    python benchmarks/bench_recipes.py [--sections linear block error train] [--train_steps 300]
+    python benchmarks/bench_recipes.py [--sections linear host block error train] [--train_steps 300]
 
 linear  FP8Linear fwd+bwd (the weight recast every step) at bench_linear's shapes: ms per step (CUDA events, median
         of interleaved rounds), speed against bf16 and step time against delayed scaling's.
+host    host time per step (no synchronisation) at 4096 x 1024 x 1024, where it decides the step time.
 block   two Llama-3-8B-size layers (benchmarks/bench_block.py's, 2 x 2048 tokens, fwd+bwd+SGD), eager: ms per step,
         speed against bf16.
 error   forward output of one layer (4096 x 4096, 4096 tokens) against float64: Gaussian inputs, and inputs with 8
@@ -27,7 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _harness import save  # noqa: E402
 
 import fp8ext  # noqa: E402
-from fp8ext._bench import device_header, rounds, table  # noqa: E402
+from fp8ext._bench import device_header, host_us, rounds, table  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHAPES = [(4096, 1024, 1024), (8192, 4096, 4096), (8192, 4096, 16384), (16384, 8192, 8192)]
@@ -65,6 +66,27 @@ def linear_section() -> list:
               flush=True)
         del x, gy, lin, f8, impls
         torch.cuda.empty_cache()
+    return rows
+
+
+def host_section() -> list:
+    """Host time per FP8Linear step (fwd+bwd, no synchronisation: what the CPU spends launching) at a small shape,
+    where it decides the step time, per recipe next to bf16."""
+    m, k, n = 4096, 1024, 1024
+    torch.manual_seed(0)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    lin = nn.Linear(k, n, bias=True, device="cuda", dtype=torch.bfloat16)
+    f8 = fp8ext.FP8Linear(k, n, bias=True, device="cuda", params_dtype=torch.bfloat16)
+    rows = [{"recipe": "bf16", "host us/step": host_us(lambda: lin(x).backward(gy))}]
+    for name, recipe in RECIPES.items():
+        def step(recipe=recipe):
+            with fp8ext.fp8_autocast(fp8_recipe=recipe):
+                y = f8(x)
+            y.backward(gy)
+        rows.append({"recipe": name, "host us/step": host_us(step)})
+    for r in rows:
+        r["vs delayed"] = r["host us/step"] / rows[1]["host us/step"]
     return rows
 
 
@@ -148,8 +170,8 @@ def train_section(steps: int, timeout: int) -> list:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sections", nargs="+", default=["linear", "block", "error", "train"],
-                    choices=["linear", "block", "error", "train"])
+    ap.add_argument("--sections", nargs="+", default=["linear", "host", "block", "error", "train"],
+                    choices=["linear", "host", "block", "error", "train"])
     ap.add_argument("--train_steps", type=int, default=300, help="small preset steps for the validation loss")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per training run")
     args = ap.parse_args()
@@ -159,7 +181,7 @@ def main() -> int:
     head = device_header()
     print(f"# recipes side by side; {head['device']} ({head['sms']} SMs), torch {head['torch']}, {head['date']}")
     results = {"header": head}
-    sections = {"linear": linear_section, "block": block_section, "error": error_section,
+    sections = {"linear": linear_section, "host": host_section, "block": block_section, "error": error_section,
                 "train": lambda: train_section(args.train_steps, args.timeout)}
     for name in args.sections:
         print(f"== {name}", flush=True)

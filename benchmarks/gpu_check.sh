@@ -96,9 +96,9 @@ ROWS
             tail -20 "$OUT/bench_stream_bw_build.log"; status=1
         fi ;;
     recipes)
-        # FP8 recipes side by side (RECIPE_SECTIONS picks: linear block error train)
+        # FP8 recipes side by side (RECIPE_SECTIONS picks: linear host block error train)
         echo "== bench_recipes"
-        $PY benchmarks/bench_recipes.py --sections ${RECIPE_SECTIONS:-linear block error train} 2>&1 | tee "$OUT/bench_recipes.log" || status=1 ;;
+        $PY benchmarks/bench_recipes.py --sections ${RECIPE_SECTIONS:-linear host block error train} 2>&1 | tee "$OUT/bench_recipes.log" || status=1 ;;
     quantize|gemm|linear|weight_only|decode_attention|block|fused_cast)
         echo "== bench_$step"
         $PY benchmarks/bench_$step.py 2>&1 | tee "$OUT/bench_$step.log" || status=1 ;;

@@ -39,7 +39,7 @@ from ..ops._gemm import bias_epilogue
 from ..core.context import activation_dtype, current_context, get_scaling_manager
 from .linear_autograd import COMPOSED, HIGH_PRECISION, ONE_CALL, LinearFunction, LinearPlan
 from ..core.profiling import profiled
-from ..core.recipe import DelayedScaling
+from ..core.recipe import CurrentScaling, DelayedScaling
 from ..core.tensor import FP8Tensor, Quantizer, role_quantizers
 
 __all__ = ["FP8Linear", "Linear"]
@@ -142,7 +142,7 @@ class FP8Linear(nn.Module):
         self._leases = {}  # id(manager) -> the finalizer that releases this layer's slots there
         self._manager = None  # the manager of the last recipe used (for get_extra_state)
         self._pending_fp8_state = pending  # loaded extra state, applied when the layer gets its slots
-        self._lean = None  # (recipe, quantizers) of the fast path, set by the first FP8 step with delayed scaling
+        self._lean = None  # (recipe, quantizers) of the fast path, set by the first FP8 step (delayed or current)
 
     def reset_parameters(self) -> None:
         """nn.Linear's initialisation, or init_method(weight) and a zero bias when init_method was given."""
@@ -277,7 +277,7 @@ class FP8Linear(nn.Module):
         if ctx is not None and ctx.enabled and is_first_microbatch is None and not ctx.calibrating and _FAST_PATH \
                 and not torch.compiler.is_compiling() and not _capturing():
             lean = self._lean
-            if lean is not None and lean[0] is ctx.recipe and lean[1][0].current():
+            if lean is not None and (lean[0] is ctx.recipe or lean[0] == ctx.recipe) and lean[1][0].current():
                 y = self._lean_forward(input, lean[1])
                 if y is not None:
                     return y
@@ -328,6 +328,8 @@ class FP8Linear(nn.Module):
                     self._lean = (recipe, quantizers)
         else:  # current, row-wise or block scaling: each cast scales by its tensor's (rows', blocks') own amax
             quantizers = role_quantizers(recipe)
+            if isinstance(recipe, CurrentScaling) and not torch.compiler.is_compiling():
+                self._lean = (recipe, quantizers)  # per-tensor current scaling takes the fast path too
         if debug.enabled():
             self._debug_checks(input, quantizers)
         w8 = self._weight_fp8(quantizers[1], is_first_microbatch)
@@ -342,7 +344,8 @@ class FP8Linear(nn.Module):
             return None
         w = self.weight
         k = self.in_features
-        device = quantizers[0].scale.device
+        mgr = quantizers[0].manager
+        device = w.device if mgr is None else quantizers[0].scale.device
         if input.dtype not in _LEAN_DTYPES or w.dtype not in _LEAN_DTYPES or input.device != device or \
                 w.device != device or not input.is_contiguous() or not w.is_contiguous() or input.dim() == 0 or \
                 input.shape[-1] != k:
@@ -356,7 +359,8 @@ class FP8Linear(nn.Module):
         bias = None if self.return_bias else self.bias
         fuse_bias = bias_epilogue(bias, out_dtype) and bias.is_contiguous()
         main_grad = self._main_grad() if self.fuse_wgrad_accumulation and torch.is_grad_enabled() else None
-        quantizers[0].manager.dirty = True
+        if mgr is not None:
+            mgr.dirty = True
         plan = LinearPlan(ONE_CALL, quantizers, w, bias, out_dtype=out_dtype, main_grad=main_grad,
                           fuse_bias=fuse_bias)
         y = LinearFunction.apply(input, w, bias, plan)

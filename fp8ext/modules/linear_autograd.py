@@ -202,7 +202,8 @@ class HIGH_PRECISION:
 
 
 # ---- ONE_CALL: one C call per pass -----------------------------------------------------------------------
-# In the common training case (eager, delayed scaling, the weight recast every step, contiguous input, a token
+# In the common training case (eager, delayed or per-tensor current scaling, the weight recast every step, contiguous
+# input, a token
 # count that is a multiple of 16, fp8ext.debug off) FP8Linear skips the composed path and runs each pass as one
 # fp8ext._C call (csrc/py_linear.c): the forward's two cast_transposes and its GEMM, the backward's cast_transpose
 # (cast_transpose_dbias with a bias) and its two GEMMs. The FP8 tensors live in two byte buffers per pass (one
@@ -228,8 +229,23 @@ def _operand(buf: torch.Tensor, offset: int, rows: int, cols: int, fmt, saved: t
     return FP8Tensor(data, None, _saved_sinv(saved, i), fmt)
 
 
+def _current_scales(tensors, quantizer, stream):
+    """Current scaling on the fast path: for each tensor, its amax and the scale computed from it on the device
+    (the composed path's ops.amax and scale_from_amax, same kernels), as ((scale, amax) capsules, ...) for the C
+    call that casts with them; the cast then records each amax into its own cell again (unchanged)."""
+    buf = torch.zeros(3 * len(tensors), dtype=torch.float32, device=tensors[0].device)  # amaxes, scales, scale_invs
+    n, caps = len(tensors), []
+    for i, t in enumerate(tensors):
+        amax, scale = _to_dl(buf[i]), _to_dl(buf[n + i])
+        _C.amax(_to_dl(t), amax, stream=stream)
+        _C.scale_from_amax(amax, scale, _to_dl(buf[2 * n + i]), quantizer.fmt.code, quantizer.margin, stream=stream)
+        caps.append((scale, amax))
+    return caps
+
+
 class ONE_CALL:
-    """FP8Linear's fast path (see above): each pass one fp8ext._C call."""
+    """FP8Linear's fast path (see above): each pass one fp8ext._C call (with current scaling, after each tensor's
+    amax and scale: two more small kernels per tensor)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, gamma):
@@ -244,7 +260,10 @@ class ONE_CALL:
         stream, ws = pass_stream(dev)
         b = bias if plan.fuse_bias else None
         fmt = plan.input.fmt
-        (xs, xa), (wsc, wa) = plan.input.capsules, plan.weight.capsules  # current: FP8Linear checked
+        if plan.input.manager is None:  # current scaling
+            (xs, xa), (wsc, wa) = _current_scales((x.view(m, k), weight), plan.input, stream)
+        else:
+            (xs, xa), (wsc, wa) = plan.input.capsules, plan.weight.capsules  # current: FP8Linear checked
         if not _C.linear_fwd(_to_dl(x.view(m, k)), _to_dl(weight), _to_dl(saved), _to_dl(scratch), _to_dl(y), xs, xa,
                              wsc, wa, fmt.code, None if b is None else _to_dl(b), ws, stream):
             _gemm(_operand(scratch, 0, m, k, fmt, saved, 0), _operand(scratch, rmk, n, k, fmt, saved, 1),
@@ -277,8 +296,11 @@ class ONE_CALL:
             dw = main_grad
         else:
             dw = torch.empty((n, k), dtype=plan.w_dtype, device=dev) if need_dw else None
-        gs, ga = plan.grad.slot_capsules()
         stream, ws = pass_stream(dev)
+        if plan.grad.manager is None:  # current scaling
+            (gs, ga), = _current_scales((dy2,), plan.grad, stream)
+        else:
+            gs, ga = plan.grad.slot_capsules()
         ffmt, bfmt = plan.input.fmt, plan.grad.fmt
         if not _C.linear_bwd(_to_dl(dy2), _to_dl(saved), _to_dl(scratch), m, k, n, ffmt.code, gs, ga, bfmt.code,
                              None if dx is None else _to_dl(dx), None if dw is None else _to_dl(dw),

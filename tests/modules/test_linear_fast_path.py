@@ -56,6 +56,46 @@ def same(a, b, what):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("fuse_wgrad", [False, True], ids=["grad", "main_grad"])
+@pytest.mark.parametrize("margin", [0, 2])
+def test_current_scaling_fast_path_matches_composed_path_bit_for_bit(device, dtype, bias, fuse_wgrad, margin,
+                                                                     monkeypatch):
+    """Per-tensor current scaling on the fast path (each tensor's amax and scale by two small kernels, then the one
+    C call per pass): every output and gradient of the composed path, bit for bit; a new but equal recipe object
+    each step (as `fp8_recipe=CurrentScaling()` inline gives) still takes it."""
+    fast, slow = twins(device, dtype, bias, fuse_wgrad)
+    g = torch.Generator().manual_seed(2)
+    xs = [(torch.randn(2, 24, 64, generator=g) * (1 + i)).to(device, dtype) for i in range(3)]
+    gys = [(torch.randn(2, 24, 32, generator=g) * 1e-3).to(device, dtype) for _ in range(3)]
+    calls = []
+    real = L._C.linear_fwd
+    monkeypatch.setattr(L._C, "linear_fwd", lambda *a: calls.append(1) or real(*a))
+    outs = {}
+    for fast_path, layer in ((True, fast), (False, slow)):
+        monkeypatch.setattr(L, "_FAST_PATH", fast_path)
+        out = []
+        for x, gy in zip(xs, gys):
+            x = x.clone().requires_grad_(True)
+            with fp8ext.fp8_autocast(fp8_recipe=fp8ext.CurrentScaling(fp8_format=HYBRID, margin=margin)):
+                y = layer(x)
+            y.backward(gy)
+            out.append((y.detach(), x.grad, [None if p.grad is None else p.grad.clone() for p in layer.parameters()],
+                        getattr(layer.weight, "main_grad", None)))
+            for p in layer.parameters():
+                p.grad = None
+        outs[fast_path] = out
+    assert len(calls) == len(xs) - 1, "the first step takes the composed path, every later one the fast path"
+    for i, (f, s) in enumerate(zip(outs[True], outs[False])):
+        same(f[0], s[0], f"step {i}: output")
+        same(f[1], s[1], f"step {i}: input gradient")
+        for j, (gf, gs) in enumerate(zip(f[2], s[2])):
+            same(gf, gs, f"step {i}: gradient of parameter {j}")
+        same(f[3], s[3], f"step {i}: main_grad")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("fuse_wgrad", [False, True], ids=["grad", "main_grad"])
 def test_fast_path_matches_composed_path_bit_for_bit(device, dtype, bias, fuse_wgrad, monkeypatch):
     fast, slow = twins(device, dtype, bias, fuse_wgrad)
     g = torch.Generator().manual_seed(1)
@@ -98,9 +138,14 @@ def test_inputs_the_fast_path_leaves_to_the_composed_one(device, monkeypatch):
         with torch.no_grad():
             layer(x)  # no gradient needed: still the fast path
         assert len(calls) == 2
-    with fp8ext.fp8_autocast(fp8_recipe=fp8ext.CurrentScaling()):
+    with fp8ext.fp8_autocast(fp8_recipe=fp8ext.Float8BlockScaling()):
         layer(x)
+        layer(x)  # block scales: the composed path
     assert len(calls) == 2
+    with fp8ext.fp8_autocast(fp8_recipe=fp8ext.CurrentScaling()):
+        layer(x)  # a new recipe: composed, then fast
+        layer(x)
+    assert len(calls) == 3, "per-tensor current scaling takes the fast path too"
 
 
 def _call_args():
