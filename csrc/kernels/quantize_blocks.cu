@@ -139,6 +139,27 @@ __device__ __forceinline__ float tile_at(const T *tile, const T *x, int64_t r0, 
     }
 }
 
+// The column pass's stores: column c0 + cl of the tile, rows h * 64 ... + 63 (those below `rows`), cast with `scale`
+// into row c0 + cl of qt, 16 bytes at a time.
+template <typename T, int FMT, bool kShared>
+__device__ __forceinline__ void store_column_t(const T *tile, const T *__restrict__ x, uint8_t *__restrict__ qt,
+                                               int64_t r0, int64_t c0, int64_t rows, int64_t cols, int h, int cl,
+                                               float scale) {
+    const int64_t c = c0 + cl, rb = r0 + h * 64;
+#pragma unroll 1
+    for (int g = 0; g < 4; ++g) {
+        if (rb + g * 16 >= rows) break;
+        float v[16];
+#pragma unroll
+        for (int u = 0; u < 16; ++u) v[u] = tile_at<T, kShared>(tile, x, r0, c0, rows, cols, h * 64 + g * 16 + u, cl);
+        uint32_t w[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+            w[u] = cvt2<FMT>(v[4 * u], v[4 * u + 1], scale, 1) | (cvt2<FMT>(v[4 * u + 2], v[4 * u + 3], scale, 1) << 16);
+        *reinterpret_cast<uint4 *>(qt + c * rows + rb + g * 16) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+}
+
 // 8 values already rounded to T, packed back into T's 16 bytes (exact).
 template <typename T> __device__ __forceinline__ uint4 pack8(const float *f);
 template <> __device__ __forceinline__ uint4 pack8<__nv_bfloat16>(const float *f) {
@@ -159,7 +180,6 @@ template <> __device__ __forceinline__ uint4 pack8<__half>(const float *f) {
     }
     return make_uint4(w[0], w[1], w[2], w[3]);
 }
-template <> __device__ __forceinline__ uint4 pack8<float>(const float *) { return make_uint4(0, 0, 0, 0); }
 
 // PRO (16-bit x, 1 x 128 tiles): the tile is the prologue's output (prologue.cuh; RMSNorm: rstd [rows] and gamma
 // [cols] float32; SwiGLU: x holds rows of 2 * cols values, gate then up), computed as it is loaded and kept in shared
@@ -234,7 +254,7 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_t_kernel(
     }
     // the column pass
     const int cl = threadIdx.x & 127, h = threadIdx.x >> 7;
-    const int64_t c = c0 + cl, rb = r0 + h * 64;
+    const int64_t c = c0 + cl;
     float scale;
     if constexpr (kSquare) {
         __syncthreads();
@@ -251,18 +271,7 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_t_kernel(
         if (h == 0 && c < cols) scale_inv_t[c * stride_rt + blockIdx.y * stride_ct] = 1.0f / scale;
     }
     if (c >= cols) return;
-#pragma unroll 1
-    for (int g = 0; g < 4; ++g) {
-        if (rb + g * 16 >= rows) break;
-        float v[16];
-#pragma unroll
-        for (int u = 0; u < 16; ++u) v[u] = tile_at<T, kShared>(tile, x, r0, c0, rows, cols, h * 64 + g * 16 + u, cl);
-        uint32_t w[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u)
-            w[u] = cvt2<FMT>(v[4 * u], v[4 * u + 1], scale, 1) | (cvt2<FMT>(v[4 * u + 2], v[4 * u + 3], scale, 1) << 16);
-        *reinterpret_cast<uint4 *>(qt + c * rows + rb + g * 16) = make_uint4(w[0], w[1], w[2], w[3]);
-    }
+    store_column_t<T, FMT, kShared>(tile, x, qt, r0, c0, rows, cols, h, cl, scale);
 }
 
 // Row-wise scaling's transposed cast: x^T with one scale per row of x^T, i.e. per column of x over all its rows.
@@ -310,27 +319,39 @@ __global__ void __launch_bounds__(kThreads) cast_cols_t_kernel(const T *__restri
     const int64_t r0 = static_cast<int64_t>(blockIdx.y) * 128, c0 = static_cast<int64_t>(blockIdx.x) * 128;
     if constexpr (kShared) load_tile(x, tile, r0, c0, rows, cols);
     const int cl = threadIdx.x & 127, h = threadIdx.x >> 7;
-    const int64_t c = c0 + cl, rb = r0 + h * 64;
+    const int64_t c = c0 + cl;
     if (c >= cols) return;
     const float scale = fp8_block_scale(__int_as_float(amax_bits[c]), FMT, pow2, eps);
-#pragma unroll 1
-    for (int g = 0; g < 4; ++g) {
-        if (rb + g * 16 >= rows) break;
-        float v[16];
-#pragma unroll
-        for (int u = 0; u < 16; ++u) v[u] = tile_at<T, kShared>(tile, x, r0, c0, rows, cols, h * 64 + g * 16 + u, cl);
-        uint32_t w[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u)
-            w[u] = cvt2<FMT>(v[4 * u], v[4 * u + 1], scale, 1) | (cvt2<FMT>(v[4 * u + 2], v[4 * u + 3], scale, 1) << 16);
-        *reinterpret_cast<uint4 *>(qt + c * rows + rb + g * 16) = make_uint4(w[0], w[1], w[2], w[3]);
-    }
+    store_column_t<T, FMT, kShared>(tile, x, qt, r0, c0, rows, cols, h, cl, scale);
 }
 
 template <int FMT>
 __global__ void col_scale_inv_kernel(float *__restrict__ s, int64_t cols, int64_t stride, int pow2, float eps) {
     const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (c < cols) s[c * stride] = 1.0f / fp8_block_scale(s[c * stride], FMT, pow2, eps);
+}
+
+// quantize_blocks' prologue launches (16-bit x, 1 x 128 tiles; cast.h), a template so that other element types
+// instantiate nothing.
+template <typename T, int FMT>
+cudaError_t launch_tile_prologue(const fp8ext_quantize_blocks_args *a, dim3 grid, cudaStream_t s) {
+    if constexpr (sizeof(T) != 2) {
+        return cudaErrorInvalidValue;
+    } else {
+        const T *x = static_cast<const T *>(a->x);
+        if (a->block_rows != 1) return cudaErrorInvalidValue;
+        if (a->prologue == FP8EXT_PROLOGUE_RMSNORM)
+            quantize_tile_t_kernel<T, FMT, false, FP8EXT_PROLOGUE_RMSNORM><<<grid, kThreads, 0, s>>>(
+                x, a->q, a->scale_inv, a->qt, a->scale_inv_t, a->rows, a->cols, a->stride_r, a->stride_c,
+                a->stride_rt, a->stride_ct, a->pow2_scale, a->amax_epsilon, a->rstd, a->gamma);
+        else if (a->prologue == FP8EXT_PROLOGUE_SWIGLU)
+            quantize_tile_t_kernel<T, FMT, false, FP8EXT_PROLOGUE_SWIGLU><<<grid, kThreads, 0, s>>>(
+                x, a->q, a->scale_inv, a->qt, a->scale_inv_t, a->rows, a->cols, a->stride_r, a->stride_c,
+                a->stride_rt, a->stride_ct, a->pow2_scale, a->amax_epsilon);
+        else
+            return cudaErrorInvalidValue;
+        return cudaSuccess;
+    }
 }
 
 }  // namespace
@@ -366,21 +387,8 @@ extern "C" int fp8ext_cuda_quantize_blocks(const fp8ext_quantize_blocks_args *a,
             const dim3 grid(static_cast<unsigned>((a->cols + 127) / 128), static_cast<unsigned>((a->rows + 127) / 128));
             if ((a->rows + 127) / 128 > 65535) return cudaErrorInvalidConfiguration;
             if (a->prologue != FP8EXT_PROLOGUE_NONE) {
-                if constexpr (sizeof(T) == 2) {
-                    if (a->block_rows != 1) return cudaErrorInvalidValue;
-                    if (a->prologue == FP8EXT_PROLOGUE_RMSNORM)
-                        quantize_tile_t_kernel<T, FMT, false, FP8EXT_PROLOGUE_RMSNORM><<<grid, kThreads, 0, s>>>(
-                            x, a->q, a->scale_inv, a->qt, a->scale_inv_t, a->rows, a->cols, a->stride_r, a->stride_c,
-                            a->stride_rt, a->stride_ct, a->pow2_scale, a->amax_epsilon, a->rstd, a->gamma);
-                    else if (a->prologue == FP8EXT_PROLOGUE_SWIGLU)
-                        quantize_tile_t_kernel<T, FMT, false, FP8EXT_PROLOGUE_SWIGLU><<<grid, kThreads, 0, s>>>(
-                            x, a->q, a->scale_inv, a->qt, a->scale_inv_t, a->rows, a->cols, a->stride_r, a->stride_c,
-                            a->stride_rt, a->stride_ct, a->pow2_scale, a->amax_epsilon);
-                    else
-                        return cudaErrorInvalidValue;
-                } else {
-                    return cudaErrorInvalidValue;
-                }
+                const cudaError_t e = launch_tile_prologue<T, FMT>(a, grid, s);
+                if (e != cudaSuccess) return e;
             } else if (a->block_rows == 128)
                 quantize_tile_t_kernel<T, FMT, true><<<grid, kThreads, 0, s>>>(
                     x, a->q, a->scale_inv, a->qt, a->scale_inv_t, a->rows, a->cols, a->stride_r, a->stride_c,
