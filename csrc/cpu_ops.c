@@ -204,3 +204,12 @@ void fp8ext_cpu_scale_from_amax(const fp8ext_scale_from_amax_args *a) {
     *a->scale = s;
     *a->scale_inv = 1.0f / s;
 }
+
+void fp8ext_cpu_current_scale(const fp8ext_current_scale_args *a) {
+    *a->amax = 0.0f;
+    const fp8ext_amax_args am = {.x = a->x, .x_dtype = a->x_dtype, .n = a->n, .amax_out = a->amax};
+    fp8ext_cpu_amax(&am);
+    const fp8ext_scale_from_amax_args sc = {.amax = a->amax, .scale = a->scale, .scale_inv = a->scale_inv,
+                                            .fmt_max = a->fmt_max, .margin_factor = a->margin_factor};
+    fp8ext_cpu_scale_from_amax(&sc);
+}

@@ -8,18 +8,24 @@
  *
  * Buffers (uint8, allocated by the caller with torch; offsets are multiples of 256 bytes):
  *   saved   0, 256, 512       the float32 scale_inv of x, W and dy (dy's written by the backward call), each
- *                             on its own 256 bytes (cuBLASLt refuses scale pointers of some alignments)
+ *                             on its own 256 bytes (cuBLASLt refuses scale pointers of some alignments); with
+ *                             current scaling (margin given), that tensor's amax and scale follow it (+4, +8)
  *           [768, +M*K)       x8^T  [K, M]   (kept for the wgrad GEMM)
  *           [768 + R(M*K), +N*K) W8^T [K, N] (kept for the dgrad GEMM)
  *   forward scratch  [0, M*K) x8 [M, K], [R(M*K), +N*K) W8 [N, K]    (dropped after the forward)
  *   backward scratch [0, M*N) dy8 [M, N], [R(M*N), +M*N) dy8^T [N, M]
  * R(n) rounds n up to a multiple of 256. M, K and N must be nonzero multiples of 16 (cuBLASLt's FP8 rule,
  * and the wgrad GEMM contracts over M). Scales are per tensor, one float32 each, on the tensors' device.
+ * Delayed scaling passes each tensor's scale and amax cell; current scaling passes None for them and the margin:
+ * each tensor's amax and scale are then computed from the tensor by the call itself (fp8ext_current_scale: three
+ * small launches per tensor, nothing read back), into the saved buffer's slots above.
  * On the CPU the casts run (the bit-exact reference) and the call returns False: fp8ext.linear emulates the
  * GEMMs. On a GPU everything is enqueued on `stream` and the call returns True.
  */
+#include <math.h>
 #include <string.h>
 
+#include "fp8_numerics.h"
 #include "fp8ext.h"
 #include "gemm.h"
 #include "module_state.h"
@@ -31,6 +37,8 @@
 #define SINV_STRIDE 256                      /* bytes between two scale_invs of the saved buffer */
 #define SINV_BYTES (3 * SINV_STRIDE)         /* the scale_invs of x, W and dy, then x8^T */
 #define SINV(buf, i) ((float *)((buf) + SINV_STRIDE * (i))) /* scale_inv i of a saved buffer: 0 x, 1 W, 2 dy */
+#define CUR_AMAX(buf, i) (SINV(buf, i) + 1)                   /* current scaling: tensor i's amax, then its scale */
+#define CUR_SCALE(buf, i) (SINV(buf, i) + 2)
 
 static int64_t round_up(int64_t n) { return (n + LIN_ALIGN - 1) / LIN_ALIGN * LIN_ALIGN; }
 
@@ -146,13 +154,54 @@ static int raise_gemm(const char *fn, const char *which, const fp8ext_gemm_statu
 }
 #endif
 
-/* Up to two cast_transposes then up to two GEMMs, on x's device. 1 when the GEMMs ran (GPU), 0 when only the
- * casts did (CPU), -1 with an exception. */
+/* Current scaling (margin not None): each tensor's amax and scale in the saved buffer's slot i. */
+static void current_args(fp8ext_current_scale_args *c, const fp8ext_view *x, uint8_t *saved, int i, long long fmt,
+                         double margin) {
+    *c = (fp8ext_current_scale_args){.x = x->data, .x_dtype = fp8ext_view_dtype(x), .n = x->numel,
+                                     .amax = CUR_AMAX(saved, i), .scale = CUR_SCALE(saved, i),
+                                     .scale_inv = SINV(saved, i),
+                                     .fmt_max = fp8_decode((uint8_t)fp8_max_code((int)fmt), (int)fmt),
+                                     .margin_factor = (float)pow(2.0, margin)};
+}
+
+/* The margin argument: None (delayed scaling: the scales are given) or a number in [0, 64) (current scaling). */
+static int get_margin(PyObject *o, const char *fn, int *current, double *margin) {
+    *current = o != Py_None;
+    if (!*current) return 0;
+    *margin = PyFloat_AsDouble(o);
+    if (*margin == -1.0 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s(): margin must be None or a number, got %.100s", fn, Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    if (!(*margin >= 0.0 && *margin < 64.0)) {
+        PyErr_Format(PyExc_ValueError, "%s(): margin must be in [0, 64), got %g", fn, *margin);
+        return -1;
+    }
+    return 0;
+}
+
+/* With current scaling the scale and amax arguments are None (the call computes them); otherwise each is given. */
+static int check_scale_args(PyObject *const *args, int n, int current, const char *fn, const char *const *names) {
+    for (int i = 0; i < n; ++i)
+        if ((args[i] == Py_None) != current) {
+            PyErr_Format(PyExc_ValueError, current ? "%s(): %s must be None with a margin (current scaling)"
+                                                   : "%s(): %s is required without a margin (delayed scaling)",
+                         fn, names[i]);
+            return -1;
+        }
+    return 0;
+}
+
+/* Up to two current scalings, up to two cast_transposes then up to two GEMMs, on x's device. 1 when the GEMMs
+ * ran (GPU), 0 when only the casts did (CPU), -1 with an exception. */
 static int run(PyObject *module, const char *fn, const fp8ext_view *where, Py_ssize_t stream, fp8ext_view *ws,
-               int n_casts, const fp8ext_cast_transpose_args *casts, const fp8ext_cast_transpose_dbias_args *dbias,
-               int n_gemms, fp8ext_gemm_args *gemms, const char *const *gemm_names) {
+               int n_cur, const fp8ext_current_scale_args *cur, int n_casts, const fp8ext_cast_transpose_args *casts,
+               const fp8ext_cast_transpose_dbias_args *dbias, int n_gemms, fp8ext_gemm_args *gemms,
+               const char *const *gemm_names) {
     if (where->device_type == kDLCPU) {
         Py_BEGIN_ALLOW_THREADS
+        for (int i = 0; i < n_cur; ++i) fp8ext_cpu_current_scale(&cur[i]);
         for (int i = 0; i < n_casts; ++i) fp8ext_cpu_cast_transpose(&casts[i]);
         if (dbias) fp8ext_cpu_cast_transpose_dbias(dbias);
         Py_END_ALLOW_THREADS
@@ -169,6 +218,7 @@ static int run(PyObject *module, const char *fn, const fp8ext_view *where, Py_ss
     int err = 0, failed = -1;
     fp8ext_gemm_status s = {0};
     Py_BEGIN_ALLOW_THREADS
+    for (int i = 0; i < n_cur && !err; ++i) err = fp8ext_cuda_current_scale(&cur[i], (void *)stream, scope.num_sms);
     for (int i = 0; i < n_casts && !err; ++i) err = fp8ext_cuda_cast_transpose(&casts[i], (void *)stream, scope.num_sms);
     if (dbias && !err) err = fp8ext_cuda_cast_transpose_dbias(dbias, (void *)stream, scope.num_sms);
     for (int i = 0; i < n_gemms && !err && failed < 0; ++i) {
@@ -182,7 +232,7 @@ static int run(PyObject *module, const char *fn, const fp8ext_view *where, Py_ss
     if (failed >= 0) return raise_gemm(fn, gemm_names[failed], &s, &gemms[failed]);
     return 1;
 #else
-    (void)module, (void)stream, (void)ws, (void)n_gemms, (void)gemms, (void)gemm_names;
+    (void)module, (void)stream, (void)ws, (void)n_cur, (void)cur, (void)n_gemms, (void)gemms, (void)gemm_names;
     PyErr_Format(PyExc_RuntimeError, "%s(): got tensors on cuda:%d, but this fp8ext was built without CUDA", fn,
                  where->device_id);
     return -1;
@@ -194,15 +244,21 @@ static int get_workspace(PyObject *o, const fp8ext_view *x, Py_ssize_t stream, c
     return get_bytes(o, x, 1, stream, fn, "workspace", ws);
 }
 
-/* linear_fwd(x, w, saved, scratch, y, x_scale, x_amax, w_scale, w_amax, fmt, bias, workspace, stream) -> bool */
+/* linear_fwd(x, w, saved, scratch, y, x_scale, x_amax, w_scale, w_amax, fmt, bias, workspace, stream[, margin])
+ * -> bool */
 static PyObject *py_linear_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     static const char *fn = "linear_fwd";
-    if (nargs != 13) {
-        PyErr_Format(PyExc_TypeError, "%s() takes 13 arguments, got %zd", fn, nargs);
+    if (nargs != 13 && nargs != 14) {
+        PyErr_Format(PyExc_TypeError, "%s() takes 13 arguments (14 with a margin), got %zd", fn, nargs);
         return NULL;
     }
     long long fmt, stream_ll;
-    if (get_int(args[9], fn, "fmt", &fmt) < 0 || get_int(args[12], fn, "stream", &stream_ll) < 0) return NULL;
+    int current;
+    double margin = 0.0;
+    if (get_int(args[9], fn, "fmt", &fmt) < 0 || get_int(args[12], fn, "stream", &stream_ll) < 0 ||
+        get_margin(nargs == 14 ? args[13] : Py_None, fn, &current, &margin) < 0 ||
+        check_scale_args(args + 5, 4, current, fn, (const char *const[]){"x_scale", "x_amax", "w_scale", "w_amax"}) < 0)
+        return NULL;
     const Py_ssize_t stream = (Py_ssize_t)stream_ll;
     fp8ext_view x = {0}, w = {0}, saved = {0}, scratch = {0}, y = {0}, xs = {0}, xa = {0}, wsc = {0}, wa = {0};
     fp8ext_view bias = {0}, ws = {0};
@@ -222,10 +278,12 @@ static PyObject *py_linear_fwd(PyObject *module, PyObject *const *args, Py_ssize
     if (get_bytes(args[2], &x, SINV_BYTES + rmk + n * k, stream, fn, "saved", &saved) < 0 ||
         get_bytes(args[3], &x, rmk + n * k, stream, fn, "scratch", &scratch) < 0 ||
         get_matrix(args[4], &x, m, n, stream, fn, "y", &y) < 0 || fp8ext_check_writable(&y, fn, "y") < 0 ||
-        get_scale(args[5], &x, stream, fn, "x_scale", &xs) < 0 || get_scalar(args[6], &x, stream, fn, "x_amax", &xa) < 0 ||
-        get_scale(args[7], &x, stream, fn, "w_scale", &wsc) < 0 || get_scalar(args[8], &x, stream, fn, "w_amax", &wa) < 0 ||
-        fp8ext_check_writable(&xa, fn, "x_amax") < 0 || fp8ext_check_writable(&wa, fn, "w_amax") < 0 ||
         get_workspace(args[11], &x, stream, fn, &ws) < 0)
+        goto done;
+    if (!current &&
+        (get_scale(args[5], &x, stream, fn, "x_scale", &xs) < 0 || get_scalar(args[6], &x, stream, fn, "x_amax", &xa) < 0 ||
+         get_scale(args[7], &x, stream, fn, "w_scale", &wsc) < 0 || get_scalar(args[8], &x, stream, fn, "w_amax", &wa) < 0 ||
+         fp8ext_check_writable(&xa, fn, "x_amax") < 0 || fp8ext_check_writable(&wa, fn, "w_amax") < 0))
         goto done;
     if (args[10] != Py_None) {
         if (fp8ext_view_get(args[10], stream, fn, "bias", &bias) < 0 || fp8ext_check_contiguous(&bias, fn, "bias") < 0 ||
@@ -244,18 +302,22 @@ static PyObject *py_linear_fwd(PyObject *module, PyObject *const *args, Py_ssize
                                                     "x_scale", "w_scale", "bias"}) < 0)
         goto done;
     uint8_t *sv = saved.data, *sc = scratch.data;
+    fp8ext_current_scale_args cur[2];
+    if (current) current_args(&cur[0], &x, sv, 0, fmt, margin), current_args(&cur[1], &w, sv, 1, fmt, margin);
     fp8ext_cast_transpose_args casts[2] = {
         {.x = x.data, .x_dtype = fp8ext_view_dtype(&x), .rows = m, .cols = k, .q = sc, .qt = sv + SINV_BYTES, .fmt = (int)fmt,
-         .scale_ptr = xs.data, .amax_out = xa.data, .scale_inv_out = SINV(sv, 0), .saturate = 1},
+         .scale_ptr = current ? CUR_SCALE(sv, 0) : xs.data, .amax_out = current ? CUR_AMAX(sv, 0) : xa.data,
+         .scale_inv_out = SINV(sv, 0), .saturate = 1},
         {.x = w.data, .x_dtype = fp8ext_view_dtype(&w), .rows = n, .cols = k, .q = sc + rmk, .qt = sv + SINV_BYTES + rmk,
-         .fmt = (int)fmt, .scale_ptr = wsc.data, .amax_out = wa.data, .scale_inv_out = SINV(sv, 1), .saturate = 1},
+         .fmt = (int)fmt, .scale_ptr = current ? CUR_SCALE(sv, 1) : wsc.data,
+         .amax_out = current ? CUR_AMAX(sv, 1) : wa.data, .scale_inv_out = SINV(sv, 1), .saturate = 1},
     };
     fp8ext_gemm_args g;
     gemm_args(&g, m, n, k, sc, (int)fmt, SINV(sv, 0), sc + rmk, (int)fmt, SINV(sv, 1), &y);
     g.fast_accum = 1; /* the forward GEMM, as Transformer Engine's */
     if (bias.capsule) g.bias = bias.data, g.bias_type = bias.kind == FP8EXT_KIND_F16 ? FP8EXT_F16 : FP8EXT_BF16;
     static const char *const names[] = {"forward"};
-    const int r = run(module, fn, &x, stream, &ws, 2, casts, NULL, 1, &g, names);
+    const int r = run(module, fn, &x, stream, &ws, current ? 2 : 0, cur, 2, casts, NULL, 1, &g, names);
     if (r >= 0) ret = Py_NewRef(r ? Py_True : Py_False);
 done:
     FP8EXT_RELEASE_ALL(&x, &w, &saved, &scratch, &y, &xs, &xa, &wsc, &wa, &bias, &ws);
@@ -263,19 +325,22 @@ done:
 }
 
 /* linear_bwd(dy, saved, scratch, m, k, n, fwd_fmt, g_scale, g_amax, bwd_fmt, dx, dw, accumulate, workspace, stream,
- *            db) -> bool. dx [M, K] or None; dw [N, K] or None (accumulate: dw += the weight gradient, e.g. a
+ *            db[, margin]) -> bool. dx [M, K] or None; dw [N, K] or None (accumulate: dw += the weight gradient, e.g. a
  * float32 main_grad); db: None, or float32 [N] set to the bias gradient (the column sums of dy) by the cast itself
  * (cast_transpose_dbias; its per-tile sums go in the scratch buffer after dy8^T, R(M*N) + R(4 * ceil(M/64) * N)). */
 static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     static const char *fn = "linear_bwd";
-    if (nargs != 16) {
-        PyErr_Format(PyExc_TypeError, "%s() takes 16 arguments, got %zd", fn, nargs);
+    if (nargs != 16 && nargs != 17) {
+        PyErr_Format(PyExc_TypeError, "%s() takes 16 arguments (17 with a margin), got %zd", fn, nargs);
         return NULL;
     }
     long long m, k, n, ffmt, bfmt, stream_ll;
+    int current;
+    double margin = 0.0;
     if (get_int(args[3], fn, "m", &m) < 0 || get_int(args[4], fn, "k", &k) < 0 || get_int(args[5], fn, "n", &n) < 0 ||
         get_int(args[6], fn, "fwd_fmt", &ffmt) < 0 || get_int(args[9], fn, "bwd_fmt", &bfmt) < 0 ||
-        get_int(args[14], fn, "stream", &stream_ll) < 0)
+        get_int(args[14], fn, "stream", &stream_ll) < 0 || get_margin(nargs == 17 ? args[16] : Py_None, fn, &current, &margin) < 0 ||
+        check_scale_args(args + 7, 2, current, fn, (const char *const[]){"g_scale", "g_amax"}) < 0)
         return NULL;
     const int accumulate = PyObject_IsTrue(args[12]);
     if (accumulate < 0) return NULL;
@@ -294,8 +359,11 @@ static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize
     if (get_matrix(args[0], NULL, m, n, stream, fn, "dy", &dy) < 0 ||
         get_bytes(args[1], &dy, SINV_BYTES + rmk + n * k, stream, fn, "saved", &saved) < 0 ||
         get_bytes(args[2], &dy, scratch_bytes, stream, fn, "scratch", &scratch) < 0 ||
-        get_scale(args[7], &dy, stream, fn, "g_scale", &gs) < 0 || get_scalar(args[8], &dy, stream, fn, "g_amax", &ga) < 0 ||
-        fp8ext_check_writable(&ga, fn, "g_amax") < 0 || get_workspace(args[13], &dy, stream, fn, &ws) < 0)
+        get_workspace(args[13], &dy, stream, fn, &ws) < 0)
+        goto done;
+    if (!current &&
+        (get_scale(args[7], &dy, stream, fn, "g_scale", &gs) < 0 || get_scalar(args[8], &dy, stream, fn, "g_amax", &ga) < 0 ||
+         fp8ext_check_writable(&ga, fn, "g_amax") < 0))
         goto done;
     if (args[10] != Py_None &&
         (get_matrix(args[10], &dy, m, k, stream, fn, "dx", &dx) < 0 || fp8ext_check_writable(&dx, fn, "dx") < 0))
@@ -320,9 +388,12 @@ static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize
                                                     "g_scale"}) < 0)
         goto done;
     uint8_t *sv = saved.data, *sc = scratch.data;
+    fp8ext_current_scale_args cur;
+    if (current) current_args(&cur, &dy, sv, 2, bfmt, margin);
     fp8ext_cast_transpose_args cast = {.x = dy.data, .x_dtype = fp8ext_view_dtype(&dy), .rows = m, .cols = n, .q = sc,
-                                       .qt = sc + rmn, .fmt = (int)bfmt, .scale_ptr = gs.data, .amax_out = ga.data,
-                                       .scale_inv_out = SINV(sv, 2), .saturate = 1};
+                                       .qt = sc + rmn, .fmt = (int)bfmt, .scale_ptr = current ? CUR_SCALE(sv, 2) : gs.data,
+                                       .amax_out = current ? CUR_AMAX(sv, 2) : ga.data, .scale_inv_out = SINV(sv, 2),
+                                       .saturate = 1};
     const fp8ext_cast_transpose_dbias_args cast_db = {.ct = cast, .dbias = db.data, .dbias_dtype = FP8EXT_F32,
                                                       .workspace = (float *)(sc + 2 * rmn)};
     fp8ext_gemm_args g[2];
@@ -337,8 +408,9 @@ static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize
         g[ng].accumulate = accumulate;
         names[ng++] = "wgrad";
     }
-    const int r = want_db ? run(module, fn, &dy, stream, &ws, 0, NULL, &cast_db, ng, g, names)
-                        : run(module, fn, &dy, stream, &ws, 1, &cast, NULL, ng, g, names);
+    const int nc = current ? 1 : 0;
+    const int r = want_db ? run(module, fn, &dy, stream, &ws, nc, &cur, 0, NULL, &cast_db, ng, g, names)
+                        : run(module, fn, &dy, stream, &ws, nc, &cur, 1, &cast, NULL, ng, g, names);
     if (r >= 0) ret = Py_NewRef(r ? Py_True : Py_False);
 done:
     FP8EXT_RELEASE_ALL(&dy, &saved, &scratch, &gs, &ga, &dx, &dw, &ws, &db);
@@ -355,13 +427,15 @@ int fp8ext_linear_add_layout(PyObject *module) {
 
 PyMethodDef fp8ext_linear_methods[] = {
     {"linear_fwd", (PyCFunction)(void (*)(void))py_linear_fwd, METH_FASTCALL,
-     "linear_fwd(x, w, saved, scratch, y, x_scale, x_amax, w_scale, w_amax, fmt, bias, workspace, stream) -> bool\n"
+     "linear_fwd(x, w, saved, scratch, y, x_scale, x_amax, w_scale, w_amax, fmt, bias, workspace, stream[,\n"
+     "           margin]) -> bool\n"
      "An FP8 linear layer's forward pass in one call: cast_transpose of x and w into the saved and scratch byte\n"
      "buffers (layout in py_linear.c), then y = x8 @ w8^T (+ bias) on a GPU. False on the CPU: the GEMM is left\n"
-     "to the caller."},
+     "to the caller. margin None: the scales and amax cells are given (delayed scaling); a number: they are None\n"
+     "and each tensor's amax and scale are computed from it first (current scaling)."},
     {"linear_bwd", (PyCFunction)(void (*)(void))py_linear_bwd, METH_FASTCALL,
      "linear_bwd(dy, saved, scratch, m, k, n, fwd_fmt, g_scale, g_amax, bwd_fmt, dx, dw, accumulate, workspace,\n"
-     "           stream, db) -> bool\n"
+     "           stream, db[, margin]) -> bool\n"
      "An FP8 linear layer's backward pass in one call: cast_transpose (with the bias gradient into db) of dy, then\n"
      "the dgrad and wgrad GEMMs on a\n"
      "GPU. False on the CPU: the GEMMs are left to the caller."},

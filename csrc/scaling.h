@@ -46,6 +46,19 @@ typedef struct {
     float margin_factor;
 } fp8ext_scale_from_amax_args;
 
+/* Current scaling of one tensor from the tensor itself: *amax = max|x| (over n elements of x_dtype, at least 1),
+ * then scale and scale_inv as fp8ext_scale_from_amax. The three values are overwritten, never accumulated. */
+typedef struct {
+    const void *x;
+    int x_dtype;
+    int64_t n;
+    float *amax;
+    float *scale;
+    float *scale_inv;
+    float fmt_max;
+    float margin_factor;
+} fp8ext_current_scale_args;
+
 /* The CUDA launchers below (csrc/kernels/) take a cudaStream_t as `stream` and the device's multiprocessor count as
  * `num_sms` (a launcher may ignore it), and return cudaSuccess (0) or the launch error. The CPU functions are
  * the bit-exact reference (csrc/cpu_ops.c): pure computation, no allocation, no failure. */
@@ -53,6 +66,8 @@ void fp8ext_cpu_scale_update(const fp8ext_scale_update_args *a);
 int fp8ext_cuda_scale_update(const fp8ext_scale_update_args *a, void *stream, int num_sms);
 void fp8ext_cpu_scale_from_amax(const fp8ext_scale_from_amax_args *a);
 int fp8ext_cuda_scale_from_amax(const fp8ext_scale_from_amax_args *a, void *stream, int num_sms);
+void fp8ext_cpu_current_scale(const fp8ext_current_scale_args *a);
+int fp8ext_cuda_current_scale(const fp8ext_current_scale_args *a, void *stream, int num_sms);
 
 #ifdef __cplusplus
 }

@@ -8,6 +8,7 @@
 //                     version with one thread per tensor walking its history serially took ~0.3 ms per
 //                     step for a 1024-step history (a dependent load/store chain); this one is a few us.
 //   scale_from_amax   current scaling of one tensor: one thread.
+//   current_scale     current scaling from the tensor itself: its amax (amax.cu's kernels), then scale_from_amax.
 //   write_reciprocal  scale_inv = 1 / scale for the casts of an empty tensor (nothing else to launch).
 #include <cfloat>
 
@@ -82,6 +83,18 @@ extern "C" int fp8ext_cuda_scale_update(const fp8ext_scale_update_args *a, void 
 extern "C" int fp8ext_cuda_scale_from_amax(const fp8ext_scale_from_amax_args *a, void *stream, int /*num_sms*/) {
     fp8ext::scale_from_amax_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(*a);
     return cudaGetLastError();
+}
+
+// Current scaling from the tensor: zero the amax cell, the amax kernels (amax.cu), then scale_from_amax_kernel;
+// three launches on one stream, nothing read back to the host (graph-safe).
+extern "C" int fp8ext_cuda_current_scale(const fp8ext_current_scale_args *a, void *stream, int num_sms) {
+    cudaError_t e = cudaMemsetAsync(a->amax, 0, sizeof(float), static_cast<cudaStream_t>(stream));
+    if (e != cudaSuccess) return e;
+    const fp8ext_amax_args am = {a->x, a->x_dtype, a->n, a->amax};
+    const int r = fp8ext_cuda_amax(&am, stream, num_sms);
+    if (r != cudaSuccess) return r;
+    const fp8ext_scale_from_amax_args sc = {a->amax, a->scale, a->scale_inv, a->fmt_max, a->margin_factor};
+    return fp8ext_cuda_scale_from_amax(&sc, stream, num_sms);
 }
 
 extern "C" int fp8ext_cuda_write_reciprocal(const float *scale_ptr, float scale_value, float *out, void *stream) {

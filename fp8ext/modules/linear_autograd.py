@@ -229,23 +229,10 @@ def _operand(buf: torch.Tensor, offset: int, rows: int, cols: int, fmt, saved: t
     return FP8Tensor(data, None, _saved_sinv(saved, i), fmt)
 
 
-def _current_scales(tensors, quantizer, stream):
-    """Current scaling on the fast path: for each tensor, its amax and the scale computed from it on the device
-    (the composed path's ops.amax and scale_from_amax, same kernels), as ((scale, amax) capsules, ...) for the C
-    call that casts with them; the cast then records each amax into its own cell again (unchanged)."""
-    buf = torch.zeros(3 * len(tensors), dtype=torch.float32, device=tensors[0].device)  # amaxes, scales, scale_invs
-    n, caps = len(tensors), []
-    for i, t in enumerate(tensors):
-        amax, scale = _to_dl(buf[i]), _to_dl(buf[n + i])
-        _C.amax(_to_dl(t), amax, stream=stream)
-        _C.scale_from_amax(amax, scale, _to_dl(buf[2 * n + i]), quantizer.fmt.code, quantizer.margin, stream=stream)
-        caps.append((scale, amax))
-    return caps
-
-
 class ONE_CALL:
-    """FP8Linear's fast path (see above): each pass one fp8ext._C call (with current scaling, after each tensor's
-    amax and scale: two more small kernels per tensor)."""
+    """FP8Linear's fast path (see above): each pass one fp8ext._C call. Delayed scaling passes the scaling slots'
+    capsules; current scaling passes the margin instead, and the call computes each tensor's amax and scale first
+    (the composed path's amax and scale_from_amax kernels, into the saved buffer)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, gamma):
@@ -260,12 +247,12 @@ class ONE_CALL:
         stream, ws = pass_stream(dev)
         b = bias if plan.fuse_bias else None
         fmt = plan.input.fmt
-        if plan.input.manager is None:  # current scaling
-            (xs, xa), (wsc, wa) = _current_scales((x.view(m, k), weight), plan.input, stream)
+        if plan.input.manager is None:  # current scaling: the call computes the scales
+            (xs, xa), (wsc, wa), margin = (None, None), (None, None), plan.input.margin
         else:
-            (xs, xa), (wsc, wa) = plan.input.capsules, plan.weight.capsules  # current: FP8Linear checked
+            (xs, xa), (wsc, wa), margin = plan.input.capsules, plan.weight.capsules, None  # FP8Linear checked them
         if not _C.linear_fwd(_to_dl(x.view(m, k)), _to_dl(weight), _to_dl(saved), _to_dl(scratch), _to_dl(y), xs, xa,
-                             wsc, wa, fmt.code, None if b is None else _to_dl(b), ws, stream):
+                             wsc, wa, fmt.code, None if b is None else _to_dl(b), ws, stream, margin):
             _gemm(_operand(scratch, 0, m, k, fmt, saved, 0), _operand(scratch, rmk, n, k, fmt, saved, 1),
                   plan.out_dtype, b, True, out=y)
         if bias is not None and not plan.fuse_bias:
@@ -297,14 +284,14 @@ class ONE_CALL:
         else:
             dw = torch.empty((n, k), dtype=plan.w_dtype, device=dev) if need_dw else None
         stream, ws = pass_stream(dev)
-        if plan.grad.manager is None:  # current scaling
-            (gs, ga), = _current_scales((dy2,), plan.grad, stream)
+        if plan.grad.manager is None:  # current scaling: the call computes the scale
+            gs, ga, margin = None, None, plan.grad.margin
         else:
-            gs, ga = plan.grad.slot_capsules()
+            (gs, ga), margin = plan.grad.slot_capsules(), None
         ffmt, bfmt = plan.input.fmt, plan.grad.fmt
         if not _C.linear_bwd(_to_dl(dy2), _to_dl(saved), _to_dl(scratch), m, k, n, ffmt.code, gs, ga, bfmt.code,
                              None if dx is None else _to_dl(dx), None if dw is None else _to_dl(dw),
-                             main_grad is not None, ws, stream, None if db32 is None else _to_dl(db32)):
+                             main_grad is not None, ws, stream, None if db32 is None else _to_dl(db32), margin):
             rmk = _round_up(m * k)
             if dx is not None:
                 w_t = _operand(saved, _SINV_BYTES + rmk, k, n, ffmt, saved, 1)

@@ -196,3 +196,52 @@ def test_c_entry_points_check_their_arguments(which, change, message):
         args[i] = args[2] if v == "saved" else v
     with pytest.raises((ValueError, TypeError), match=message):
         (fp8ext._C.linear_fwd if which == "fwd" else fp8ext._C.linear_bwd)(*args)
+
+
+def _slots(saved, i):
+    """Slot i of a saved buffer as float32 (scale_inv, amax, scale): x 0, W 1, dy 2 (py_linear.c's layout)."""
+    return saved[256 * i:256 * i + 12].view(torch.float32).tolist()
+
+
+@pytest.mark.parametrize("margin", [0, 1.5])
+def test_c_entry_points_compute_current_scales_from_the_tensors(margin):
+    """With a margin and no scale arguments each tensor's amax, scale and scale_inv are computed by the call
+    itself: max|t|, then fmt_max / amax / 2^margin, and the casts use them (the codes of quantize with that scale)."""
+    fwd, bwd = _call_args()
+    torch.manual_seed(0)
+    x, w, dy = torch.randn(32, 64) * 3, torch.randn(48, 64) / 7, torch.randn(32, 48) * 1e-4
+    saved = torch.full((768 + 32 * 64 + 48 * 64,), 0xFF, dtype=torch.uint8)  # NaNs: nothing read before written
+    scratch = torch.empty(32 * 64 + 48 * 64 + 256, dtype=torch.uint8)
+    fwd[0], fwd[1], fwd[2], fwd[3] = _dl(x), _dl(w), _dl(saved), _dl(scratch)
+    fwd[5:9] = [None] * 4
+    assert fp8ext._C.linear_fwd(*fwd, margin) is False
+    bwd[0], bwd[1], bwd[7], bwd[8] = _dl(dy), _dl(saved), None, None
+    assert fp8ext._C.linear_bwd(*bwd, margin) is False
+    for i, (t, fmt) in enumerate([(x, fp8ext.E4M3), (w, fp8ext.E4M3), (dy, fp8ext.E5M2)]):
+        scale_inv, amax, scale = _slots(saved, i)
+        want_amax = t.abs().max().item()
+        want_scale = torch.tensor(fmt.max / want_amax / 2.0 ** margin, dtype=torch.float32).item()
+        assert amax == want_amax and scale == want_scale, (i, amax, scale)
+        assert scale_inv == torch.tensor(1.0, dtype=torch.float32).div(torch.tensor(scale)).item()
+    q = fp8ext.quantize(x, fp8ext.E4M3, scale=torch.tensor(_slots(saved, 0)[2]))
+    assert torch.equal(scratch[:32 * 64].view(32, 64), q.view(torch.uint8)), "x's cast used the computed scale"
+
+
+CURRENT_ERRORS = [
+    ("fwd", {13: 1.0}, "x_scale must be None with a margin"),
+    ("fwd", {13: None, 5: None}, "x_scale is required without a margin"),
+    ("fwd", {5: None, 6: None, 7: None, 8: None, 13: -1.0}, r"margin must be in \[0, 64\)"),
+    ("fwd", {5: None, 6: None, 7: None, 8: None, 13: "1"}, "margin must be None or a number"),
+    ("bwd", {16: 0.0}, "g_scale must be None with a margin"),
+    ("bwd", {7: None, 8: None, 16: float("nan")}, r"margin must be in \[0, 64\)"),
+]
+
+
+@pytest.mark.parametrize("which,change,message", CURRENT_ERRORS)
+def test_c_entry_points_check_their_current_scaling_arguments(which, change, message):
+    fwd, bwd = _call_args()
+    args = (fwd if which == "fwd" else bwd) + [None]
+    for i, v in change.items():
+        args[i] = v
+    with pytest.raises((ValueError, TypeError), match=message):
+        (fp8ext._C.linear_fwd if which == "fwd" else fp8ext._C.linear_bwd)(*args)
