@@ -326,8 +326,9 @@ done:
 
 /* linear_bwd(dy, saved, scratch, m, k, n, fwd_fmt, g_scale, g_amax, bwd_fmt, dx, dw, accumulate, workspace, stream,
  *            db[, margin]) -> bool. dx [M, K] or None; dw [N, K] or None (accumulate: dw += the weight gradient, e.g. a
- * float32 main_grad); db: None, or float32 [N] set to the bias gradient (the column sums of dy) by the cast itself
- * (cast_transpose_dbias; its per-tile sums go in the scratch buffer after dy8^T, R(M*N) + R(4 * ceil(M/64) * N)). */
+ * float32 main_grad); db: None, or [N] in float32 or dy's dtype, set to the bias gradient (the column sums of dy in
+ * float32, rounded once to db's dtype) by the cast itself (cast_transpose_dbias; its per-tile sums go in the scratch
+ * buffer after dy8^T, R(M*N) + R(4 * ceil(M/64) * N)). */
 static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     static const char *fn = "linear_bwd";
     if (nargs != 16 && nargs != 17) {
@@ -371,10 +372,13 @@ static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize
     if (args[11] != Py_None &&
         (get_matrix(args[11], &dy, n, k, stream, fn, "dw", &dw) < 0 || fp8ext_check_writable(&dw, fn, "dw") < 0))
         goto done;
-    if (want_db && (fp8ext_view_get(args[15], stream, fn, "db", &db) < 0 ||
-                    fp8ext_check_kind(&db, FP8EXT_KIND_F32, fn, "db") < 0 || fp8ext_check_contiguous(&db, fn, "db") < 0 ||
+    if (want_db && (fp8ext_view_get(args[15], stream, fn, "db", &db) < 0 || fp8ext_check_contiguous(&db, fn, "db") < 0 ||
                     fp8ext_check_writable(&db, fn, "db") < 0 || fp8ext_check_same_device(&db, &dy, fn, "db", "dy") < 0))
         goto done;
+    if (want_db && (db.kind != FP8EXT_KIND_F32 && db.kind != dy.kind)) {
+        PyErr_Format(PyExc_TypeError, "%s(): db must be float32 or dy's dtype", fn);
+        goto done;
+    }
     if (want_db && (db.ndim != 1 || db.shape[0] != n)) {
         PyErr_Format(PyExc_ValueError, "%s(): db must have shape [%lld]", fn, (long long)n);
         goto done;
@@ -394,7 +398,8 @@ static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize
                                        .qt = sc + rmn, .fmt = (int)bfmt, .scale_ptr = current ? CUR_SCALE(sv, 2) : gs.data,
                                        .amax_out = current ? CUR_AMAX(sv, 2) : ga.data, .scale_inv_out = SINV(sv, 2),
                                        .saturate = 1};
-    const fp8ext_cast_transpose_dbias_args cast_db = {.ct = cast, .dbias = db.data, .dbias_dtype = FP8EXT_F32,
+    const fp8ext_cast_transpose_dbias_args cast_db = {.ct = cast, .dbias = db.data,
+                                                      .dbias_dtype = fp8ext_view_dtype(&db),
                                                       .workspace = (float *)(sc + 2 * rmn)};
     fp8ext_gemm_args g[2];
     const char *names[2];

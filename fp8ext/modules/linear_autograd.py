@@ -276,7 +276,9 @@ class ONE_CALL:
         # dy8 and dy8^T, then (with a bias) the float32 per-64-row-tile column sums of cast_transpose_dbias
         scratch = torch.empty(2 * rmn + 4 * ((m + 63) // 64) * n if want_db else rmn + m * n, dtype=torch.uint8,
                               device=dev)
-        db32 = torch.empty((n,), dtype=torch.float32, device=dev) if want_db else None
+        # the bias gradient: float32 column sums rounded once to the bias's dtype by the cast (when it is dy's dtype)
+        db_dtype = plan.b_dtype if plan.b_dtype == dy2.dtype else torch.float32
+        db = torch.empty((n,), dtype=db_dtype, device=dev) if want_db else None
         dx = torch.empty((m, k), dtype=ctx.x_dtype, device=dev) if need_dx else None
         main_grad = plan.main_grad
         if main_grad is not None:
@@ -291,7 +293,7 @@ class ONE_CALL:
         ffmt, bfmt = plan.input.fmt, plan.grad.fmt
         if not _C.linear_bwd(_to_dl(dy2), _to_dl(saved), _to_dl(scratch), m, k, n, ffmt.code, gs, ga, bfmt.code,
                              None if dx is None else _to_dl(dx), None if dw is None else _to_dl(dw),
-                             main_grad is not None, ws, stream, None if db32 is None else _to_dl(db32), margin):
+                             main_grad is not None, ws, stream, None if db is None else _to_dl(db), margin):
             rmk = _round_up(m * k)
             if dx is not None:
                 w_t = _operand(saved, _SINV_BYTES + rmk, k, n, ffmt, saved, 1)
@@ -300,7 +302,8 @@ class ONE_CALL:
                 x_t = _operand(saved, _SINV_BYTES, k, m, ffmt, saved, 0)
                 _gemm(_operand(scratch, rmn, n, m, bfmt, saved, 2), x_t, dw.dtype, out=dw,
                       accumulate=main_grad is not None)
-        db = db32.to(plan.b_dtype) if want_db else None
+        if want_db and db.dtype != plan.b_dtype:
+            db = db.to(plan.b_dtype)  # the float32 sum, for a bias of another dtype than dy's
         if main_grad is not None:
             dw = _wgrad_placeholder(plan.weight_ref)
         return None if dx is None else dx.view(ctx.x_shape), dw, db, None, None
