@@ -11,6 +11,9 @@ Float8TensorStorage, torchao's Float8TrainingTensor):
                BLOCK_128x128 (see fp8ext.gemm)
     scale_inv_t  data_t's own scale_inv where the layout is not TENSOR (a row-wise or 1 x 128 scale of the
                transposed tensor is not the transpose of the tensor's: data_t is a cast of its own), else None
+    scale      the per-tensor scale the cast multiplied by (a float32 tensor frozen at the cast), kept only when the
+               caller asked (Quantizer.quantize(keep_scale=True)): with it the same bytes can be cast again from the
+               high-precision tensor later (FP8Linear's backward recasts instead of saving FP8 copies), else None
 A plain class with __slots__, not a torch.Tensor subclass: building one costs a few attribute stores and no
 dispatch, which matters on a layer's host path.
 
@@ -43,12 +46,13 @@ _to_dl = torch._C._to_dlpack
 class FP8Tensor:
     """FP8 data with its transposed copy (or None), its scale_inv, its format and its scale layout (see above)."""
 
-    __slots__ = ("data", "data_t", "scale_inv", "fmt", "layout", "scale_inv_t")
+    __slots__ = ("data", "data_t", "scale_inv", "fmt", "layout", "scale_inv_t", "scale")
 
     def __init__(self, data: torch.Tensor, data_t: Optional[torch.Tensor], scale_inv: torch.Tensor, fmt: FP8Format,
-                 layout: str = TENSOR, scale_inv_t: Optional[torch.Tensor] = None):
+                 layout: str = TENSOR, scale_inv_t: Optional[torch.Tensor] = None, *,
+                 scale: Optional[torch.Tensor] = None):
         self.data, self.data_t, self.scale_inv, self.fmt, self.layout = data, data_t, scale_inv, fmt, layout
-        self.scale_inv_t = scale_inv_t
+        self.scale_inv_t, self.scale = scale_inv_t, scale
 
     @property
     def shape(self) -> torch.Size:
@@ -124,18 +128,28 @@ class Quantizer:
             scale, _ = scale_from_amax(_amax(t2d), self.fmt, self.margin)
         return scale
 
-    def quantize(self, t2d: torch.Tensor) -> FP8Tensor:
+    def quantize(self, t2d: torch.Tensor, keep_scale: bool = False) -> FP8Tensor:
         """t2d [rows, cols] cast to FP8 with its transposed copy: per tensor in one pass (cast_transpose), the amax
         recorded in the slot (delayed scaling); per row or 1 x 128 tile, t2d and its transpose each cast with their
         own scales (quantize_rowwise / quantize_blockwise); per 128 x 128 block, the transposed copy is the cast's
-        bytes transposed, with the block scales transposed."""
+        bytes transposed, with the block scales transposed. keep_scale (per tensor only): the FP8Tensor keeps the
+        scale it was cast with (a slot's scale copied, since the manager updates the slot in place), for recast()."""
         if self.granularity != TENSOR:
             return self._quantize_scaled(t2d)
         scale, amax = self.slot_views()
+        kept = scale.clone() if keep_scale and scale is not None else None
         scale = self._scale_for(t2d, scale)
         scale_inv = torch.empty((), dtype=torch.float32, device=t2d.device)
         q, qt = cast_transpose(t2d, self.fmt, scale, amax_out=amax, scale_inv_out=scale_inv)
-        return FP8Tensor(q, qt, scale_inv, self.fmt)
+        kept = (kept if kept is not None else scale) if keep_scale else None
+        return FP8Tensor(q, qt, scale_inv, self.fmt, scale=kept)
+
+    @staticmethod
+    def recast_t(t2d: torch.Tensor, fmt: FP8Format, scale: torch.Tensor, scale_inv: torch.Tensor) -> FP8Tensor:
+        """The transposed FP8 operand of an earlier per-tensor cast of t2d, made again from t2d with the scale that
+        cast used (FP8Tensor.scale): the same bytes, no amax recorded (the first cast did)."""
+        _, qt = cast_transpose(t2d, fmt, scale)
+        return FP8Tensor(qt, None, scale_inv, fmt)
 
     def _quantize_scaled(self, t2d: torch.Tensor) -> FP8Tensor:
         kind, fmt, pow2, eps = self.granularity, self.fmt, self.power_2_scale, self.amax_epsilon

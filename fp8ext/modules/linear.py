@@ -37,7 +37,8 @@ from ..core import debug
 from ..core._boundary import stream_of
 from ..ops._gemm import bias_epilogue
 from ..core.context import activation_dtype, current_context, get_scaling_manager
-from .linear_autograd import COMPOSED, HIGH_PRECISION, ONE_CALL, LinearFunction, LinearPlan
+from .linear_autograd import (COMPOSED, HIGH_PRECISION, ONE_CALL, LinearFunction, LinearPlan,
+                              recast_in_backward)
 from ..core.profiling import profiled
 from ..core.recipe import CurrentScaling, DelayedScaling
 from ..core.tensor import FP8Tensor, Quantizer, role_quantizers
@@ -50,9 +51,9 @@ _FAST_PATH = True  # tests switch it off to compare FP8Linear's two eager paths 
 _graphs_possible = torch.cuda.is_available()
 
 
-def _cast(t2d: torch.Tensor, quantizer: Quantizer) -> FP8Tensor:
+def _cast(t2d: torch.Tensor, quantizer: Quantizer, keep_scale: bool = False) -> FP8Tensor:
     """t2d's FP8 cast by `quantizer` (the weight's casts go through here: tests count them)."""
-    return quantizer.quantize(t2d)
+    return quantizer.quantize(t2d, keep_scale)
 
 
 def _capturing() -> bool:
@@ -256,9 +257,9 @@ class FP8Linear(nn.Module):
         w = self.weight
         keep = is_first_microbatch is not None and not torch.compiler.is_compiling() and not (
             w.is_cuda and torch.cuda.is_current_stream_capturing())
-        if not keep:
+        if not keep:  # cast for this call only; compiled, its scale is kept for backward's recast of W8^T
             self._weight_cache = None
-            return _cast(w.detach(), quantizer)
+            return _cast(w.detach(), quantizer, recast_in_backward())
         key = (id(w), w.data_ptr(), w._version, quantizer.fmt.code, id(quantizer.scale), id(quantizer),
                torch.is_inference_mode_enabled())
         c = self._weight_cache

@@ -28,10 +28,10 @@ from ..core import debug
 from ..core._boundary import refuse_broadcast
 from ..ops._gemm import bias_epilogue, pass_stream
 from ..ops._gemm import gemm_fp8 as _gemm
-from ..core.tensor import BLOCK_1x128, BLOCK_128x128, TENSOR, FP8Tensor
+from ..core.tensor import BLOCK_1x128, BLOCK_128x128, TENSOR, FP8Tensor, Quantizer
 
 __all__ = ["LinearPlan", "LinearFunction", "COMPOSED", "ONE_CALL", "HIGH_PRECISION", "forward_gemm",
-           "linear_backward"]
+           "recast_in_backward", "linear_backward"]
 
 _to_dl = torch._C._to_dlpack
 _BLOCKS = (BLOCK_1x128, BLOCK_128x128)
@@ -104,7 +104,7 @@ def linear_backward(plan: LinearPlan, dy: Optional[torch.Tensor], x_t: FP8Tensor
             raise RuntimeError("FP8Linear backward: a bias gradient needs dy itself, not its FP8 cast")
         g8 = dy8
     else:
-        dy2 = dy.reshape(-1, w_t.shape[1])
+        dy2 = dy.reshape(-1, dy.shape[-1])  # n, the output features (w_t is None when no dx is wanted)
         if not dy2.is_contiguous():
             dy2 = dy2.contiguous()
         if debug.enabled():
@@ -140,6 +140,16 @@ def _wgrad_placeholder(weight):
     return None
 
 
+def recast_in_backward() -> bool:
+    """Whether the composed path saves x and W with their forward scales and casts x8^T and W8^T again in backward
+    (per-tensor scales, no prologue) instead of saving the FP8 copies: under torch.compile, as torchao does. There
+    the partitioner sees a high-precision x that the layers reading it share (q/k/v, gate/up) and may recompute from
+    the norm before them, and W is the parameter itself: on a 1B Llama this keeps 380 MiB per layer less than one
+    FP8 x8^T per layer plus W8^T (benchmarks/saved_activations.py). In eager mode nothing else may hold x, and one
+    FP8 copy is half of it: the FP8 copies are saved."""
+    return torch.compiler.is_compiling()
+
+
 class COMPOSED:
     """The casts and the GEMMs as separate ops: FP8Tensors from the plan's quantizers, forward_gemm, linear_backward.
     Tensor ops only, so that torch.compile can trace it."""
@@ -152,27 +162,49 @@ class COMPOSED:
             x2 = x.reshape(-1, weight.shape[1])
             if not x2.is_contiguous():
                 x2 = x2.contiguous()
-            x8, kept = plan.input.quantize(_pad_rows(x2)), ()
+            x8, kept = plan.input.quantize(_pad_rows(x2), recast_in_backward()), ()
         else:  # kept: what the prologue's backward reads
             x8, kept = plan.prologue.cast(x, gamma, plan.input)
             x2 = kept[0]
         m = x2.shape[0]
         y = forward_gemm(x8, plan.w8, plan.out_dtype, bias, m)
-        x_t, w_t = x8.t(), plan.w8.t()
-        ctx.save_for_backward(x_t.data, x_t.scale_inv, w_t.data, w_t.scale_inv, *kept)
-        # backward reads the saved transposed copy; the row-wise weight copy is freed now, not kept through ctx.plan
+        ctx.recast = plan.prologue is None and x8.scale is not None and plan.w8.scale is not None
+        if ctx.recast:  # see recast_in_backward: x, W (no new memory) and two scales; backward casts x8^T, W8^T again
+            ctx.save_for_backward(x, x8.scale, x8.scale_inv, weight, plan.w8.scale, plan.w8.scale_inv)
+        else:
+            x_t, w_t = x8.t(), plan.w8.t()
+            ctx.save_for_backward(x_t.data, x_t.scale_inv, w_t.data, w_t.scale_inv, *kept)
+        # backward reads what was saved; the row-wise weight copy is freed now, not kept through ctx.plan
+        ctx.m, ctx.x_shape, ctx.x_dtype, ctx.fmt = m, x.shape, x.dtype, x8.fmt
+        ctx.layouts = (x8.layout, plan.w8.layout)
         plan.w8 = None
-        ctx.m, ctx.x_shape, ctx.x_dtype, ctx.fmt, ctx.layouts = m, x.shape, x.dtype, x8.fmt, (x8.layout, w_t.layout)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
+    def _recast_operands(ctx, need_x: bool, need_w: bool):
+        """(x_t, w_t) cast again from the saved x and W with their forward scales (the bytes forward made), each
+        only where its GEMM runs: x8^T for the weight gradient, W8^T for the input gradient."""
+        x, x_scale, x_sinv, weight, w_scale, w_sinv = ctx.saved_tensors
+        x_t = w_t = None
+        if need_w:
+            x2 = x.reshape(-1, weight.shape[1])
+            x_t = Quantizer.recast_t(_pad_rows(x2 if x2.is_contiguous() else x2.contiguous()), ctx.fmt, x_scale,
+                                     x_sinv)
+        if need_x:
+            w_t = Quantizer.recast_t(weight.detach(), ctx.fmt, w_scale, w_sinv)
+        return x_t, w_t, ()
+
+    @staticmethod
     def backward(ctx, dy):
-        x8t, x_sinv, w8t, w_sinv, *kept = ctx.saved_tensors
         plan = ctx.plan
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_g = len(ctx.needs_input_grad) > 4 and ctx.needs_input_grad[4]  # RMSNorm's gamma
-        x_t = FP8Tensor(x8t, None, x_sinv, ctx.fmt, ctx.layouts[0])
-        w_t = FP8Tensor(w8t, None, w_sinv, ctx.fmt, ctx.layouts[1])
+        if ctx.recast:
+            x_t, w_t, kept = COMPOSED._recast_operands(ctx, need_x or need_g, need_w or plan.main_grad is not None)
+        else:
+            x8t, x_sinv, w8t, w_sinv, *kept = ctx.saved_tensors
+            x_t = FP8Tensor(x8t, None, x_sinv, ctx.fmt, ctx.layouts[0])
+            w_t = FP8Tensor(w8t, None, w_sinv, ctx.fmt, ctx.layouts[1])
         dx, dw, db = linear_backward(plan, dy, x_t, w_t, (need_x or need_g, need_w, need_b), m=ctx.m,
                                      dx_dtype=ctx.x_dtype)
         dgamma = None
