@@ -31,7 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 VARIANTS = ["bf16-eager", "bf16-compiled", "fp8ext-eager", "fp8ext-current-eager", "fp8ext-compiled",
-            "torchao-compiled"]
+            "fp8ext-recast-compiled", "torchao-compiled"]
 FULL = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
             num_key_value_heads=8, vocab_size=32000)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -55,8 +55,8 @@ def build(args, variant: str):
     if variant.startswith("fp8ext"):
         recipe = fp8ext.Float8CurrentScaling() if "current" in variant else fp8ext.DelayedScaling()
         fp8ext.convert_to_fp8(model, filter_fn=blocks_only)
-        if "compiled" in variant:
-            fp8ext.prepare_fp8(model, recipe)
+        if "compiled" in variant:  # recast: keep x and W for backward and cast them again there (less memory)
+            fp8ext.prepare_fp8(model, recipe, recast_in_backward="recast" in variant)
         context = lambda: fp8ext.fp8_autocast(enabled=True, fp8_recipe=recipe)  # noqa: E731
     elif variant.startswith("torchao"):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training

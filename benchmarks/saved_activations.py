@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 VARIANTS = ["bf16", "fp8ext-delayed", "fp8ext-current"]
-COMPILED = ["bf16-compiled", "fp8ext-compiled", "torchao-compiled"]
+COMPILED = ["bf16-compiled", "fp8ext-compiled", "fp8ext-recast-compiled", "torchao-compiled"]
 WIDTHS = {"small": dict(hidden_size=256, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=2),
           "1b": dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=16, num_key_value_heads=8)}
 COLUMNS = ["fp8", "fp8 W", "bf16", "fp32", "other"]
@@ -54,7 +54,7 @@ def build(variant: str, width: str, layers: int, seq_len: int):
         recipe = fp8ext.Float8CurrentScaling() if variant == "fp8ext-current" else fp8ext.DelayedScaling()
         fp8ext.convert_to_fp8(model, filter_fn=blocks_only)
         if variant.endswith("compiled"):
-            fp8ext.prepare_fp8(model, recipe)
+            fp8ext.prepare_fp8(model, recipe, recast_in_backward="recast" in variant)
         context = lambda: fp8ext.fp8_autocast(enabled=True, fp8_recipe=recipe)  # noqa: E731
     elif variant.startswith("torchao"):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training

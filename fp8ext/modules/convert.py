@@ -60,16 +60,22 @@ def convert_to_fp8(module: nn.Module, filter_fn: Optional[Callable[[nn.Module, s
     return root
 
 
-def prepare_fp8(module: nn.Module, fp8_recipe=None) -> nn.Module:
+def prepare_fp8(module: nn.Module, fp8_recipe=None, *, recast_in_backward: bool = False) -> nn.Module:
     """Gives every FP8Linear in `module` its slots in the recipe's scaling manager now (each layer on its
     weight's device), instead of on its first forward. Optional: under torch.compile the layers register
     eagerly on their first step (a graph break there); after prepare_fp8 even the first step compiles as one
-    graph (fullgraph=True works)."""
+    graph (fullgraph=True works).
+    recast_in_backward=True: under torch.compile each layer keeps its high-precision input and weight for backward
+    and casts them to FP8 again there (as torchao does), instead of keeping FP8 copies: less memory where layers
+    share an input, some more time (on a 1B Hugging Face Llama: peak 30.5 -> 28.6 GiB, 5.7 % fewer tokens/s).
+    Per-tensor scaling without a fused norm or activation only; eager steps are unchanged."""
     from ..core.context import _DEFAULT_RECIPE
     from ..core.recipe import DelayedScaling
     recipe = fp8_recipe if fp8_recipe is not None else _DEFAULT_RECIPE
+    layers = [m for m in module.modules() if isinstance(m, FP8Linear)]
+    for m in layers:
+        m.fp8_recast_in_backward = bool(recast_in_backward)
     if isinstance(recipe, DelayedScaling):
-        layers = [m for m in module.modules() if isinstance(m, FP8Linear)]
         for m in layers:
             m.init_fp8(recipe)
         # Registering may grow the manager's buffers, which makes the views the earlier layers took stale (a

@@ -116,6 +116,8 @@ class FP8Linear(nn.Module):
     move to and from nn.Linear.
     """
 
+    fp8_recast_in_backward = False  # compiled: keep x and W, recast them in backward (prepare_fp8 sets it)
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
                  params_dtype: Optional[torch.dtype] = None, *, dtype: Optional[torch.dtype] = None,
                  init_method=None, return_bias: bool = False, name: Optional[str] = None,
@@ -259,7 +261,7 @@ class FP8Linear(nn.Module):
             w.is_cuda and torch.cuda.is_current_stream_capturing())
         if not keep:  # cast for this call only; compiled, its scale is kept for backward's recast of W8^T
             self._weight_cache = None
-            return _cast(w.detach(), quantizer, recast_in_backward())
+            return _cast(w.detach(), quantizer, recast_in_backward(self.fp8_recast_in_backward))
         key = (id(w), w.data_ptr(), w._version, quantizer.fmt.code, id(quantizer.scale), id(quantizer),
                torch.is_inference_mode_enabled())
         c = self._weight_cache
@@ -336,7 +338,8 @@ class FP8Linear(nn.Module):
         w8 = self._weight_fp8(quantizers[1], is_first_microbatch)
         main_grad = self._main_grad() if self.fuse_wgrad_accumulation and torch.is_grad_enabled() else None
         return LinearPlan(COMPOSED, quantizers, self.weight, None if self.return_bias else self.bias,
-                          out_dtype=activation_dtype(input), w8=w8, main_grad=main_grad, prologue=prologue)
+                          out_dtype=activation_dtype(input), w8=w8, main_grad=main_grad, prologue=prologue,
+                          recast=self.fp8_recast_in_backward)
 
     def _lean_forward(self, input, quantizers):
         """The fast path's forward (fp8ext.linear_autograd's ONE_CALL), or None when this input needs the composed

@@ -9,6 +9,7 @@ the SwiGLU-in-the-cast path); what differs between them is the LinearPlan, built
     input, weight, grad   the Quantizers of the layer's three tensor roles (fp8ext.tensor)
     w8         the weight's FP8 cast (COMPOSED; kept across micro-batches by FP8Linear when asked)
     out_dtype, main_grad (and the weight it belongs to), the weight's and the bias's dtypes
+    recast     under torch.compile, save x and W and cast them again in backward (see recast_in_backward)
     prologue   None, or the step computed inside the input's cast (fp8ext._fused_linear's Prologue: RMSNorm, whose
                gamma is the Function's fifth input, or SwiGLU)
 The three GEMMs of a step (module docstring of fp8ext.linear) are written once here: forward_gemm and
@@ -41,14 +42,15 @@ class LinearPlan:
     """Everything of one linear call that autograd does not differentiate (see the module docstring)."""
 
     __slots__ = ("backend", "input", "weight", "grad", "w8", "out_dtype", "main_grad", "weight_ref", "w_dtype",
-                 "b_dtype", "prologue", "fuse_bias")
+                 "b_dtype", "prologue", "fuse_bias", "recast")
 
     def __init__(self, backend, quantizers, weight: torch.Tensor, bias: Optional[torch.Tensor], *,
                  out_dtype: Optional[torch.dtype] = None, w8: Optional[FP8Tensor] = None,
-                 main_grad: Optional[torch.Tensor] = None, prologue=None, fuse_bias: bool = False):
+                 main_grad: Optional[torch.Tensor] = None, prologue=None, fuse_bias: bool = False,
+                 recast: bool = False):
         self.backend = backend
         self.input, self.weight, self.grad = quantizers
-        self.w8, self.out_dtype, self.prologue, self.fuse_bias = w8, out_dtype, prologue, fuse_bias
+        self.w8, self.out_dtype, self.prologue, self.fuse_bias, self.recast = w8, out_dtype, prologue, fuse_bias, recast
         self.main_grad, self.weight_ref = main_grad, (weight if main_grad is not None else None)
         self.w_dtype, self.b_dtype = weight.dtype, (bias.dtype if bias is not None else None)
 
@@ -140,14 +142,15 @@ def _wgrad_placeholder(weight):
     return None
 
 
-def recast_in_backward() -> bool:
+def recast_in_backward(requested: bool) -> bool:
     """Whether the composed path saves x and W with their forward scales and casts x8^T and W8^T again in backward
-    (per-tensor scales, no prologue) instead of saving the FP8 copies: under torch.compile, as torchao does. There
-    the partitioner sees a high-precision x that the layers reading it share (q/k/v, gate/up) and may recompute from
-    the norm before them, and W is the parameter itself: on a 1B Llama this keeps 380 MiB per layer less than one
-    FP8 x8^T per layer plus W8^T (benchmarks/saved_activations.py). In eager mode nothing else may hold x, and one
-    FP8 copy is half of it: the FP8 copies are saved."""
-    return torch.compiler.is_compiling()
+    (per-tensor scales, no prologue) instead of saving the FP8 copies: when the layer asks for it
+    (FP8Linear.fp8_recast_in_backward, set by prepare_fp8(..., recast_in_backward=True)) and under torch.compile, as
+    torchao does. There the partitioner sees a high-precision x that the layers reading it share (q/k/v, gate/up)
+    and may recompute from the norm before them, and W is the parameter itself. A trade: on a 1B Hugging Face
+    Llama (H100, benchmarks/bench_hf.py) peak memory 30.5 -> 28.6 GiB, tokens/s 78.4k -> 74.0k. In eager mode the
+    FP8 copies are always saved (nothing else may hold x, and one FP8 copy is half of it)."""
+    return requested and torch.compiler.is_compiling()
 
 
 class COMPOSED:
@@ -162,7 +165,7 @@ class COMPOSED:
             x2 = x.reshape(-1, weight.shape[1])
             if not x2.is_contiguous():
                 x2 = x2.contiguous()
-            x8, kept = plan.input.quantize(_pad_rows(x2), recast_in_backward()), ()
+            x8, kept = plan.input.quantize(_pad_rows(x2), recast_in_backward(plan.recast)), ()
         else:  # kept: what the prologue's backward reads
             x8, kept = plan.prologue.cast(x, gamma, plan.input)
             x2 = kept[0]

@@ -1,5 +1,6 @@
-"""FP8Linear under torch.compile keeps x and W for backward and casts x8^T and W8^T again there (as torchao does),
-instead of saving FP8 copies: the same outputs and gradients, bit for bit, and fewer bytes saved."""
+"""FP8Linear under torch.compile with prepare_fp8(..., recast_in_backward=True) keeps x and W for backward and casts
+x8^T and W8^T again there (as torchao does), instead of saving FP8 copies: the same outputs and gradients, bit for
+bit, and fewer bytes saved."""
 
 import copy
 
@@ -54,7 +55,7 @@ def test_compiled_backward_recasts_the_same_bytes_and_saves_no_fp8(recipe, monke
     x = x.requires_grad_()
     want = _step(eager, recipe(), x, eager_saved)
     r = recipe()
-    fp8ext.prepare_fp8(compiled_model, r)
+    fp8ext.prepare_fp8(compiled_model, r, recast_in_backward=True)
     saved = []
     x.grad = None
     got = _step(torch.compile(compiled_model, fullgraph=True), r, x, saved)
