@@ -212,6 +212,29 @@ def measure_targets(bf16, fp8, prompt: torch.Tensor, args, rows: List[dict], say
     return refs
 
 
+@torch.no_grad()
+def verification_check(fp8, ref: torch.Tensor, prompt_len: int, chunk: int) -> dict:
+    """Where greedy speculative output can part from the target's own: the FP8 target teacher-forced over its greedy
+    ids `ref` twice, one token per forward (as plain decoding) and `chunk` tokens per forward (as a verification of
+    chunk - 1 draft tokens); the positions whose argmax differs between the two, the largest logit difference, and
+    at each differing position the one-token logits' margin between their best two tokens."""
+    from fp8ext.inference import KVCache
+    b, total = ref.shape
+    out = []
+    for step in (1, chunk):
+        cache = KVCache.from_model(fp8, b, total, "fp8", device=ref.device)
+        logits = [fp8(ref[:, :prompt_len], kv_cache=cache, start_pos=0)[:, -1:]]
+        for t in range(prompt_len, total - 1, step):
+            logits.append(fp8(ref[:, t:min(t + step, total - 1)], kv_cache=cache, start_pos=t))
+        out.append(torch.cat(logits, 1).float())
+    one, many = out
+    differ = (one.argmax(-1) != many.argmax(-1)).nonzero().tolist()
+    top2 = one.topk(2, -1).values
+    return {"chunk": chunk, "positions": one.shape[0] * one.shape[1], "argmax_differs_at": differ,
+            "max_abs_logit_difference": float((one - many).abs().max()),
+            "margins_where_they_differ": [float(top2[i, j, 0] - top2[i, j, 1]) for i, j in differ]}
+
+
 def measure_drafts(fp8, prompt: torch.Tensor, refs: dict, args, rows: List[dict], say: Callable) -> None:
     """Appends to `rows` one row per draft format, k and batch: speculative decoding against the FP8 target, FP8
     KV caches."""
@@ -283,6 +306,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     say = Progress(len(BATCHES) * ((3 if device.type == "cuda" else 2) + len(FORMATS) * len(KS)),
                    lambda: write_json(args.json, result))
     refs = measure_targets(model, fp8, prompt, args, result["targets"], say)
+    result["verification_check"] = check = verification_check(fp8, refs[max(BATCHES)], args.prompt_len, 3)
+    print(f"one-token steps vs 3-token forwards of the FP8 target over its batch-{max(BATCHES)} greedy ids: argmax "
+          f"differs at {len(check['argmax_differs_at'])} of {check['positions']} positions (batch, position: "
+          f"{check['argmax_differs_at'][:8]}), max |logit difference| {check['max_abs_logit_difference']:.3g}, "
+          f"margins there {[round(m, 4) for m in check['margins_where_they_differ'][:8]]}", flush=True)
     measure_drafts(fp8, prompt, refs, args, result["speculative"], say)
     result["table"] = markdown(result["targets"], result["speculative"])
     write_json(args.json, result)
