@@ -10,6 +10,10 @@ Weights (`weights=`): "tensor" (one scale), "channel" (one per output row, weigh
 Activations (`activations=`): "static" (one calibrated per-tensor input_scale [1]) or "dynamic" (per token, or
 per 1 x 128 group with block weights, computed from each input as it arrives). Block weights take dynamic
 activations only: cuBLASLt pairs 128 x 128 weight blocks with 1 x 128 activation blocks.
+
+Both GEMM operands are fp8ext.FP8Tensor (fp8ext/core/tensor.py): `weight_fp8` views the registered buffers (which
+stay what state_dict, .to() and the checkpoint layouts see), and the activation is cast into one per call, or
+arrives as an FP8Activation (an FP8Tensor made by a fused norm or SwiGLU kernel).
 """
 
 from __future__ import annotations
@@ -21,14 +25,16 @@ from torch import nn
 
 from ..ops import fused
 from ..core.formats import E4M3
+from ..core.tensor import BLOCK_1x128, BLOCK_128x128, ROW, TENSOR, FP8Tensor, Quantizer
 from ..ops.mx import refuse_non_finite
 from ..modules.normalization import RMSNorm
-from ..ops import quantize, quantize_blockwise, quantize_rowwise, scale_from_amax, amax as _amax
+from ..ops import quantize, quantize_blockwise, quantize_rowwise, scale_buffer, scale_from_amax, scale_inv_view
 from ..ops._gemm import epilogue_bias_dtype, gemm
 
 __all__ = ["FP8InferenceLinear", "FP8Activation", "FP8InputRMSNorm", "WEIGHT_SCHEMES", "ACTIVATION_SCHEMES"]
 
 WEIGHT_SCHEMES = ("tensor", "channel", "block128")
+_LAYOUTS = {"tensor": TENSOR, "channel": ROW, "block128": BLOCK_128x128}  # weight scheme -> FP8Tensor scale layout
 ACTIVATION_SCHEMES = ("static", "dynamic")
 
 
@@ -42,18 +48,24 @@ def _check_schemes(weights: str, activations: str, fn: str) -> None:
                          "blocks with 1x128 activation blocks)")
 
 
-class FP8Activation:
+def _layout(scale_inv: torch.Tensor) -> str:
+    """The FP8Tensor layout of an activation's scale_inv: one element, or one per row."""
+    return TENSOR if scale_inv.dim() == 0 else ROW
+
+
+class FP8Activation(FP8Tensor):
     """An activation already quantized for an FP8InferenceLinear by a fused kernel (RMSNorm or SwiGLU writing
-    E4M3 directly): `data` [rows, in_features] E4M3, `scale_inv` the dequantizing scales in the layout the
-    layer's GEMM takes, and `shape` the high-precision activation's shape. Made by
+    E4M3 directly): an FP8Tensor (`data` [rows, in_features] E4M3, `scale_inv` the dequantizing scales in the
+    layout the layer's GEMM takes, no transposed copy) that stands in for the high-precision activation it
+    replaces: `shape`, `dtype`, `device` and dim() are that activation's (not data's). Made by
     FP8InferenceLinear.quantize_input; only the layer that made it (or layers with the same input scheme)
     should take it."""
 
-    __slots__ = ("data", "scale_inv", "shape", "dtype", "device", "scheme")
+    __slots__ = ("shape", "dtype", "device", "scheme")
 
     def __init__(self, data, scale_inv, shape, dtype, scheme):
-        self.data, self.scale_inv, self.shape, self.dtype, self.device = data, scale_inv, shape, dtype, data.device
-        self.scheme = scheme
+        super().__init__(data, None, scale_inv, E4M3, _layout(scale_inv))
+        self.shape, self.dtype, self.device, self.scheme = shape, dtype, data.device, scheme
 
     def dim(self) -> int:
         return len(self.shape)
@@ -103,18 +115,9 @@ class FP8InferenceLinear(nn.Module):
                           "an E4M3 weight cannot keep them (clean or replace the weight before quantizing)")
         layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, weights=weights,
                     activations=activations, device=w.device, out_dtype=out_dtype)
-        if weights == "tensor":
-            scale, scale_inv = scale_from_amax(_amax(w), E4M3)
-            layer.weight.copy_(quantize(w, E4M3, scale))
-            layer.weight_scale.copy_(scale_inv.reshape(1))
-        elif weights == "channel":
-            q, scale_inv = quantize_rowwise(w, E4M3)
-            layer.weight.copy_(q)
-            layer.weight_scale.copy_(scale_inv.reshape(-1, 1))
-        else:
-            q, scale_inv = quantize_blockwise(w, E4M3, block=(128, 128))
-            layer.weight.copy_(q)
-            layer.weight_scale.copy_(scale_inv)
+        w8 = Quantizer(E4M3, 0, granularity=_LAYOUTS[weights]).quantize(w)  # the weight role's cast, as in training
+        layer.weight.copy_(w8.data)
+        layer.weight_scale.copy_(w8.scale_inv.reshape(layer.weight_scale.shape))
         if activations == "static":
             if input_amax is None:
                 raise ValueError("FP8InferenceLinear.from_linear: static activations need input_amax from calibration")
@@ -124,25 +127,35 @@ class FP8InferenceLinear(nn.Module):
             layer.bias.copy_(linear.bias.detach().to(layer.bias_dtype))
         return layer
 
-    def _weight_scale_for_gemm(self, rows_kind: bool) -> torch.Tensor:
-        """weight_scale in the layout cuBLASLt reads, made once and kept while weight_scale is unchanged."""
+    @property
+    def weight_fp8(self) -> FP8Tensor:
+        """The weight as the GEMM's FP8Tensor: the `weight` buffer itself (not copied) with weight_scale in the
+        layout cuBLASLt reads; built at each call from the registered buffers, so it follows .to() and
+        load_state_dict."""
+        scale, layout = self._weight_scale_for_gemm()
+        return FP8Tensor(self.weight, None, scale, E4M3, layout)
+
+    def _weight_scale_for_gemm(self):
+        """(weight_scale in the layout cuBLASLt reads, its FP8Tensor layout), made once and kept while weight_scale
+        is unchanged. A per-tensor scale pairs with a per-tensor (static) activation scale as one element, with
+        per-token scales as one per row."""
         ws = self.weight_scale
         vk = fused.version_key(ws)
-        key = None if vk is None else (vk, ws.device, rows_kind)
+        per_row = self.weights != "tensor" or self.activations != "static"
+        key = None if vk is None else (vk, ws.device, per_row)
         cached = getattr(self, "_gemm_scale", None)
         if key is not None and cached is not None and cached[0] == key:
             return cached[1]
-        if self.weights == "block128":  # rows padded to a multiple of 4 floats
-            nr, nc = ws.shape
-            buf = torch.zeros(nr, -(-nc // 4) * 4, dtype=torch.float32, device=ws.device)
-            buf[:, :nc] = ws
-            scale = buf[:, :nc]
-        elif self.weights == "channel":
-            scale = ws.reshape(-1)
-        else:  # per tensor: a 0-d scale, or one per row to pair with per-row activation scales
-            scale = ws.reshape(-1).expand(self.out_features).contiguous() if rows_kind else ws.reshape(())
-        self._gemm_scale = (key, scale)
-        return scale
+        layout = ROW if per_row and self.weights == "tensor" else _LAYOUTS[self.weights]
+        if self.weights == "block128":  # a view of a buffer whose rows are padded as cuBLASLt reads them
+            buf = scale_buffer(BLOCK_128x128, self.out_features, self.in_features, ws.device)[0]
+            scale = scale_inv_view(buf, BLOCK_128x128, self.in_features).copy_(ws)
+        elif per_row:
+            scale = ws.reshape(-1).expand(self.out_features).contiguous()
+        else:
+            scale = ws.reshape(())
+        self._gemm_scale = (key, (scale, layout))
+        return scale, layout
 
     def _input_scheme(self):
         """What a fused producer must write for this layer: (activations, the static scale or None)."""
@@ -192,30 +205,29 @@ class FP8InferenceLinear(nn.Module):
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         """is_first_microbatch is accepted (and ignored) so the layer stands in for fp8ext.Linear. x may be an
         FP8Activation made by quantize_input of a layer with the same input scheme."""
-        per_tensor_pair = self.weights == "tensor" and self.activations == "static"
         if isinstance(x, FP8Activation):
             self._check_activation(x)
-            y = gemm(x.data, self.weight, a_scale_inv=x.scale_inv,
-                     b_scale_inv=self._weight_scale_for_gemm(not per_tensor_pair), out_dtype=self.out_dtype,
-                     bias=self.bias, use_fast_accum=self._fast_accum())
-            return y.reshape(*x.shape[:-1], self.out_features)
-        x2 = x.reshape(-1, self.in_features)
-        if not x2.is_contiguous():
-            x2 = x2.contiguous()
+            x8, rows = x, x.data.shape[0]
+        else:
+            x2 = x.reshape(-1, self.in_features)
+            x8, rows = self._quantize_input(x2 if x2.is_contiguous() else x2.contiguous()), x2.shape[0]
+        y = gemm(x8, self.weight_fp8, out_dtype=self.out_dtype, bias=self.bias, use_fast_accum=self._fast_accum())
+        if y.shape[0] != rows:  # block weights' padding rows
+            y = y[:rows]
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _quantize_input(self, x2: torch.Tensor) -> FP8Tensor:
+        """x2 [rows, in_features] cast to E4M3 as the GEMM pairs it with weight_fp8."""
         if self.weights == "block128":
             pad = -x2.shape[0] % 4  # 1x128 activation blocks need a row count that is a multiple of 4
             xp = torch.nn.functional.pad(x2, (0, 0, 0, pad)) if pad else x2
-            xq, x_sinv = quantize_blockwise(xp, E4M3, block=(1, 128))
-        elif self.activations == "static":
-            xq = quantize(x2, E4M3, self._input_scheme()[1].reshape(()))
-            x_sinv = self._x_scale_inv(x2.shape[0], None)
+            q, scale_inv = quantize_blockwise(xp, E4M3, block=(1, 128))
+            return FP8Tensor(q, None, scale_inv, E4M3, BLOCK_1x128)
+        if self.activations == "static":
+            q, scale_inv = quantize(x2, E4M3, self._input_scheme()[1].reshape(())), self._x_scale_inv(x2.shape[0], None)
         else:
-            xq, x_sinv = quantize_rowwise(x2, E4M3)
-        y = gemm(xq, self.weight, a_scale_inv=x_sinv, b_scale_inv=self._weight_scale_for_gemm(not per_tensor_pair),
-                 out_dtype=self.out_dtype, bias=self.bias, use_fast_accum=self._fast_accum())
-        if self.weights == "block128" and y.shape[0] != x2.shape[0]:
-            y = y[:x2.shape[0]]
-        return y.reshape(*x.shape[:-1], self.out_features)
+            q, scale_inv = quantize_rowwise(x2, E4M3)
+        return FP8Tensor(q, None, scale_inv, E4M3, _layout(scale_inv))
 
     def _fast_accum(self) -> bool:
         return bool(self.fast_accum) and self.weights != "block128"

@@ -18,6 +18,11 @@ Quantization follows fp8ext.mx (round to nearest even, saturating; MX scales by 
 The layer holds only the packed codes and the scales: no high-precision copy of the weight. Layers the kernel can
 run store them in the kernel's tiles (and FP4 in its nibble order); `dequantized_weight()` gives the plain weight,
 and a state dict saved before this layout (module version 1) is converted when loaded.
+The weight is not an fp8ext.FP8Tensor (fp8ext/core/tensor.py), not even in "fp8": an FP8Tensor is float8 data in
+[rows, cols] order with float32 scale_invs, per tensor, row or 128-wide block, read by the FP8 GEMMs; these codes
+are uint8 (FP4 and FP6 packed), in the kernel's tiles wherever the kernel can run the layer, with E8M0 or E4M3
+scales per block of 32 or 16 values (NVFP4 with a second, per-tensor scale), and only the weight-only kernel or a
+dequantize reads them.
 
 Forward: on a GPU with bf16 input and at most 16 tokens (decode), a CUDA kernel streams the packed weights once,
 dequantizes them in registers and multiplies on the tensor cores (bf16 in, float32 accumulation); it needs
