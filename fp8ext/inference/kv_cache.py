@@ -31,7 +31,8 @@ chunk). Reads dequantize the NVFP4 part and the FP8 part and concatenate them (a
 the float32 reference, on a GPU too: the FP8 kernel reads FP8 bytes only; no CUDA graphs).
 tests/inference/test_kv_overflow.py measures what attention loses.
 
-    cache = KVCache.from_model(model, batch=1, max_len=4096, overflow="nvfp4", budget_bytes=3 * 2**20)
+    cache = KVCache.from_model(model, batch=1, max_len=1024, overflow="nvfp4", budget_bytes=4 * 2**20)
+    # the small preset: 6 MiB all in FP8; here the newest 194 positions in FP8, the older ones in NVFP4
 """
 
 from __future__ import annotations
@@ -264,7 +265,7 @@ class KVCache:
             e, bs, ts = quantize_nvfp4(self._load(buf, scale, c, torch.float32))
             codes[layer, :, :, n4:n4 + c] = pack_fp4(e, check=False)  # E2M1 codes by construction: no host read
             block_scales[layer, :, :, n4:n4 + c] = bs
-            tensor_scales[layer, n4:n4 + c] = ts
+            tensor_scales[layer, n4:n4 + c].copy_(ts)  # a device copy: the scale stays on the GPU
             buf[:, :, :fp8 - c] = buf[:, :, c:fp8].clone()
         self._moved[layer] = n4 + c
 
