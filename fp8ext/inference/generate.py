@@ -22,12 +22,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _graph_wanted(cuda_graph: Optional[bool], kv_cache: Optional[str], device: torch.device, fn: str) -> bool:
-    """Whether decode steps run as a CUDA graph: None means wherever possible (an FP8 cache on a GPU)."""
-    possible = kv_cache == "fp8" and device.type == "cuda" and bool(_C.WITH_CUDA)
+def _graph_wanted(cuda_graph: Optional[bool], kv_cache: Optional[str], device: torch.device, fn: str,
+                  kv_overflow: Optional[str] = None) -> bool:
+    """Whether decode steps run as a CUDA graph: None means wherever possible (an FP8 cache without overflow on a
+    GPU)."""
+    possible = kv_cache == "fp8" and kv_overflow is None and device.type == "cuda" and bool(_C.WITH_CUDA)
     if cuda_graph and not possible:
-        raise ValueError(f"{fn}: cuda_graph=True needs kv_cache='fp8' on a GPU (the FP8 cache's kernels read the "
-                         f"step's position from device memory); got kv_cache={kv_cache!r} on {device}")
+        raise ValueError(f"{fn}: cuda_graph=True needs kv_cache='fp8' on a GPU, without kv_overflow (the FP8 "
+                         f"cache's kernels read the step's position from device memory); got kv_cache={kv_cache!r}, "
+                         f"kv_overflow={kv_overflow!r} on {device}")
     return possible if cuda_graph is None else bool(cuda_graph)
 
 
@@ -110,8 +113,8 @@ def _decode(model, ids: torch.Tensor, logits: torch.Tensor, total: int, pick, *,
 @torch.no_grad()
 def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, kv_cache: Optional[str] = "fp8",
              kv_scales: str = "auto", temperature: float = 0.0, seed: int = 0,
-             cuda_graph: Optional[bool] = None, draft=None,
-             speculate: Optional[int] = None) -> Tuple[torch.Tensor, dict]:
+             cuda_graph: Optional[bool] = None, draft=None, speculate: Optional[int] = None,
+             kv_overflow: Optional[str] = None, kv_budget_bytes: Optional[int] = None) -> Tuple[torch.Tensor, dict]:
     """(ids [batch, prompt + new], stats): prefill the prompt once, then one token per step (greedy when
     temperature == 0). kv_cache: "fp8", "bf16", or None (no cache: the whole sequence recomputed every step,
     the reference the cached paths are tested against). kv_scales, for an FP8 cache: "auto" (the model's
@@ -126,13 +129,18 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, kv_cache: Opti
     draft: speculative decoding (fp8ext.inference.speculative): the draft model (make_draft(model, "mxfp4"), or
     any fp8ext Transformer with the same vocabulary) proposes `speculate` tokens per round (default 4), the model
     checks them in one forward; greedy output is the model's own, sampling keeps its distribution. stats then also
-    hold the acceptance rate (see speculative_generate)."""
+    hold the acceptance rate (see speculative_generate).
+
+    kv_overflow="nvfp4" with kv_budget_bytes: an FP8 cache whose oldest positions move to NVFP4 to stay within the
+    budget (KVCache's overflow and budget_bytes; decode steps run eagerly; not with a draft)."""
     _check_model(model, "generate")
     if prompt.dim() != 2 or prompt.shape[1] == 0:
         raise ValueError(f"generate: prompt must be [batch, length > 0] token ids, got shape {list(prompt.shape)}")
     if draft is not None or speculate is not None:
         if draft is None:
             raise ValueError(f"generate: speculate={speculate!r} needs a draft model (draft=make_draft(model))")
+        if kv_overflow is not None:
+            raise ValueError(f"generate: kv_overflow={kv_overflow!r} is not available with a draft model")
         return speculative_generate(model, draft, prompt, max_new_tokens, speculate=4 if speculate is None else
                                     speculate, kv_cache=kv_cache, kv_scales=kv_scales, temperature=temperature,
                                     seed=seed, cuda_graph=cuda_graph)
@@ -140,9 +148,10 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, kv_cache: Opti
     b, n = prompt.shape
     total = n + max_new_tokens
     cache = None if kv_cache is None else KVCache.from_model(model, b, total, kv_cache, device=device,
-                                                             scales=kv_scales)
-    graph = _GraphedStep(model, cache, b, device) if _graph_wanted(cuda_graph, kv_cache, device, "generate") \
-        else None
+                                                             scales=kv_scales, overflow=kv_overflow,
+                                                             budget_bytes=kv_budget_bytes)
+    graph = _GraphedStep(model, cache, b, device) \
+        if _graph_wanted(cuda_graph, kv_cache, device, "generate", kv_overflow) else None
     pick = _picker(temperature, torch.Generator(device=device).manual_seed(seed))
     _sync(device)
     t0 = time.perf_counter()
@@ -161,13 +170,14 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, kv_cache: Opti
 
 @torch.no_grad()
 def decode_loss(model, ids: torch.Tensor, targets: torch.Tensor, *, kv_cache: Optional[str] = "fp8",
-                prompt_len: int = 1, kv_scales: str = "auto", cuda_graph: Optional[bool] = None) -> float:
+                prompt_len: int = 1, kv_scales: str = "auto", cuda_graph: Optional[bool] = None,
+                kv_overflow: Optional[str] = None, kv_budget_bytes: Optional[int] = None) -> float:
     """Mean cross-entropy of `targets` [batch, n] given `ids` [batch, n], computed the way generation reads the
     cache: the first prompt_len tokens in one prefill, then one true token per decode step through a KV cache
     ("fp8" or "bf16"; kv_scales as in generate). kv_cache=None: one forward over the whole sequence (equal to
     model(ids, targets)[1] up to rounding). Positions of the prefill count too, so the figure compares with the
-    model's ordinary loss; a short prompt makes almost every position a decode step. cuda_graph as in
-    generate."""
+    model's ordinary loss; a short prompt makes almost every position a decode step. cuda_graph, kv_overflow and
+    kv_budget_bytes as in generate (the cache holds n positions)."""
     _check_model(model, "decode_loss")
     if ids.dim() != 2 or targets.shape != ids.shape:
         raise ValueError(f"decode_loss: ids and targets must both be [batch, n], got {list(ids.shape)} and "
@@ -178,9 +188,10 @@ def decode_loss(model, ids: torch.Tensor, targets: torch.Tensor, *, kv_cache: Op
     if kv_cache is None:
         logits = model(ids)
     else:
-        cache = KVCache.from_model(model, b, n, kv_cache, device=ids.device, scales=kv_scales)
+        cache = KVCache.from_model(model, b, n, kv_cache, device=ids.device, scales=kv_scales,
+                                   overflow=kv_overflow, budget_bytes=kv_budget_bytes)
         steps = [model(ids[:, :prompt_len], kv_cache=cache, start_pos=0)]
-        if _graph_wanted(cuda_graph, kv_cache, ids.device, "decode_loss"):
+        if _graph_wanted(cuda_graph, kv_cache, ids.device, "decode_loss", kv_overflow):
             graph = _GraphedStep(model, cache, b, ids.device)
             steps += [graph(ids[:, t:t + 1], t)[:, None].clone() for t in range(prompt_len, n)]
         else:

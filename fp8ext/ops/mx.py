@@ -248,11 +248,21 @@ def _quantize_nvfp4_kernel(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor,
     return elements, block_scales, tensor_scale
 
 
+def _broadcasts(shape, target) -> bool:
+    """Whether a tensor of `shape` broadcasts against `target` without changing target's shape."""
+    try:
+        return tuple(torch.broadcast_shapes(shape, target)) == tuple(target)
+    except RuntimeError:
+        return False
+
+
 def dequantize_nvfp4(elements: torch.Tensor, block_scales: torch.Tensor, tensor_scale: torch.Tensor,
                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """x ~= element * block_scale * tensor_scale, rounded to `dtype` (float32, bfloat16, float16 or float64); NaN for
     every element of a block whose scale is the NaN code 0x7F. elements: uint8 E2M1 codes [..., K]; block_scales:
-    torch.float8_e4m3fn [..., K / 16]; tensor_scale: a one-element float tensor."""
+    torch.float8_e4m3fn [..., K / 16]; tensor_scale: a one-element float tensor, or several that broadcast against
+    block_scales (e.g. [..., n, 1] for rows quantized separately, as the KV cache's NVFP4 part keeps them); each
+    block's scale is block_scale * tensor_scale in float32 either way."""
     fn = "dequantize_nvfp4"
     dtype = _check_dtype(dtype, fn)
     if not isinstance(elements, torch.Tensor) or elements.dtype != torch.uint8:
@@ -261,9 +271,10 @@ def dequantize_nvfp4(elements: torch.Tensor, block_scales: torch.Tensor, tensor_
     if not isinstance(block_scales, torch.Tensor) or block_scales.dtype != torch.float8_e4m3fn:
         raise TypeError(f"{fn}(): block_scales must be torch.float8_e4m3fn, got "
                         f"{getattr(block_scales, 'dtype', type(block_scales).__name__)}")
-    if not isinstance(tensor_scale, torch.Tensor) or tensor_scale.numel() != 1 or \
-            not tensor_scale.dtype.is_floating_point:
-        raise TypeError(f"{fn}(): tensor_scale must be a one-element float tensor, got "
+    if not isinstance(tensor_scale, torch.Tensor) or not tensor_scale.dtype.is_floating_point or \
+            tensor_scale.numel() != 1 and not _broadcasts(tensor_scale.shape, block_scales.shape):
+        raise TypeError(f"{fn}(): tensor_scale must be a one-element float tensor (or scales that broadcast against "
+                        f"block_scales {list(getattr(block_scales, 'shape', []))}), got "
                         f"{getattr(tensor_scale, 'shape', type(tensor_scale).__name__)}")
     if elements.dim() == 0 or elements.shape[:-1] != block_scales.shape[:-1] or \
             elements.shape[-1] != block_scales.shape[-1] * 16:
@@ -272,6 +283,7 @@ def dequantize_nvfp4(elements: torch.Tensor, block_scales: torch.Tensor, tensor_
     for t, arg in ((elements, "elements"), (block_scales, "block_scales"), (tensor_scale, "tensor_scale")):
         check_device(t, fn, arg)
     values = dequantize(elements, 1.0, torch.float32, fmt=E2M1)
-    s = dequantize(block_scales, 1.0, torch.float32) * tensor_scale.float().reshape(())
+    ts = tensor_scale.float().reshape(()) if tensor_scale.numel() == 1 else tensor_scale.float()
+    s = dequantize(block_scales, 1.0, torch.float32) * ts
     out = values.reshape(*block_scales.shape, 16) * s[..., None]
     return out.reshape(elements.shape).to(dtype)

@@ -381,3 +381,18 @@ def test_the_kernel_bindings_refuse_bad_arguments_on_the_gpu():
         with pytest.raises(TypeError, match=r"out must hold uint8 codes"):
             fp8ext._C.quantize_mx(dl(x), dl(torch.empty(4, 64, dtype=torch.float8_e4m3fn, device="cuda")),
                                   dl(torch.empty(4, 2, dtype=torch.uint8, device="cuda")), fp8ext.E2M1.code)
+
+
+def test_dequantize_nvfp4_takes_one_tensor_scale_per_row_of_blocks():
+    """Rows quantized separately (each its own tensor scale) dequantize together, bit for bit, given their scales
+    as [rows, 1] (the KV cache's NVFP4 part reads its chunks so); scales that do not broadcast are refused."""
+    rows = [torch.randn(3, 32) * 10.0 ** e for e in (-2, 0, 3)]
+    parts = [fp8ext.quantize_nvfp4(r) for r in rows]
+    elements = torch.stack([e for e, _, _ in parts], 1)  # [3, rows, 32]
+    block_scales = torch.stack([b for _, b, _ in parts], 1)
+    tensor_scales = torch.stack([t for _, _, t in parts])[:, None]  # [rows, 1]
+    got = fp8ext.dequantize_nvfp4(elements, block_scales, tensor_scales)
+    want = torch.stack([fp8ext.dequantize_nvfp4(*p) for p in parts], 1)
+    assert torch.equal(got, want)
+    with pytest.raises(TypeError, match=r"tensor_scale must be a one-element float tensor \(or scales that broadcast"):
+        fp8ext.dequantize_nvfp4(elements, block_scales, torch.ones(4, 1))
