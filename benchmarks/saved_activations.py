@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 VARIANTS = ["bf16", "fp8ext-delayed", "fp8ext-current"]
-COMPILED = ["bf16-compiled", "fp8ext-compiled", "fp8ext-recast-compiled", "torchao-compiled"]
+COMPILED = ["bf16-compiled", "fp8ext-compiled", "fp8ext-current-recast-compiled", "torchao-compiled"]
 WIDTHS = {"small": dict(hidden_size=256, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=2),
           "1b": dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=16, num_key_value_heads=8)}
 COLUMNS = ["fp8", "fp8 W", "bf16", "fp32", "other"]
@@ -51,7 +51,7 @@ def build(variant: str, width: str, layers: int, seq_len: int):
     blocks_only = lambda layer, name: "lm_head" not in name  # noqa: E731
     context = contextlib.nullcontext
     if variant.startswith("fp8ext"):
-        recipe = fp8ext.Float8CurrentScaling() if variant == "fp8ext-current" else fp8ext.DelayedScaling()
+        recipe = fp8ext.Float8CurrentScaling() if "current" in variant else fp8ext.DelayedScaling()
         fp8ext.convert_to_fp8(model, filter_fn=blocks_only)
         if variant.endswith("compiled"):
             fp8ext.prepare_fp8(model, recipe, recast_in_backward="recast" in variant)

@@ -321,6 +321,9 @@ class FP8Linear(nn.Module):
         quantizers of its three tensors (delayed scaling: the layer's slots, the manager marked for its next
         update), the weight's FP8 cast (see is_first_microbatch in forward), main_grad and the output dtype.
         prologue: the step that fp8ext's fused paths compute inside the input's cast (fp8ext._fused_linear)."""
+        if self.fp8_recast_in_backward and not isinstance(recipe, CurrentScaling):
+            raise ValueError(f"FP8Linear({self.in_features}, {self.out_features}): fp8_recast_in_backward (set by "
+                             f"prepare_fp8) needs Float8CurrentScaling, got {type(recipe).__name__}")
         if isinstance(recipe, DelayedScaling):
             mgr, _ = self._manager_views(recipe)
             quantizers = self._fp8_views[recipe][3]
