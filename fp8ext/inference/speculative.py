@@ -20,7 +20,9 @@ sequence that accepted more keeps its (accepted) draft token, the others their c
 sequence's tokens stay distributed as the target's: a round stops at a position chosen from the past (and from
 other sequences' independent draws), and the next round draws that position's successor from p again.
 
-The rounds run eagerly: no CUDA graph (the verification has k + 1 positions, the draft's catch-up one or two).
+The draft's one-token steps run as a CUDA graph where generate's decode steps would (an FP8 cache on a GPU; see
+fp8ext.inference._graphs): on a small model a step's launches, not its weight bytes, bound its time. The target's
+verification (k + 1 positions) and the draft's catch-up (one or two) run eagerly.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from torch import nn
 from ..modules.linear import FP8Linear
 from ..lowp.weight_only import WEIGHT_ONLY_FORMATS, WeightOnlyLinear
 from .hf import is_transformers_model
+from ._graphs import GraphedStep, graph_wanted
 from .kv_cache import KVCache
 from .layers import FP8InferenceLinear
 
@@ -149,15 +152,17 @@ def _cached(cache: KVCache) -> int:
 
 
 def _propose(draft, cache: KVCache, ids: torch.Tensor, pending: Optional[torch.Tensor], *, k: int,
-             pick) -> Tuple[torch.Tensor, torch.Tensor]:
+             pick, step: Optional[GraphedStep]) -> Tuple[torch.Tensor, torch.Tensor]:
     """(k draft tokens [b, k], the draft's logits they were picked from [b, k, vocab]). The draft first reads the
     tokens of ids its cache lacks (one or two), or uses `pending` (its logits for the next position) when it
-    lacks none."""
+    lacks none; then one token per step, through `step` (the draft's captured decode step) when given."""
     start = _cached(cache)
     logits = pending if start == ids.shape[1] else draft(ids[:, start:], kv_cache=cache, start_pos=start)[:, -1]
     tokens, seen = [], []
     for i in range(k):
-        if i:
+        if i and step is not None:
+            logits = step(tokens[-1], ids.shape[1] + i - 1).clone()  # the graph's output is overwritten next step
+        elif i:
             logits = draft(tokens[-1], kv_cache=cache, start_pos=ids.shape[1] + i - 1)[:, -1]
         seen.append(logits)
         tokens.append(pick(logits))
@@ -191,13 +196,10 @@ def _check(model, draft, *, speculate: int, kv_cache: Optional[str], cuda_graph:
     if kv_cache is None:
         raise ValueError("generate: speculative decoding (draft=) reads and rolls back KV caches: kv_cache must be "
                          "'fp8' or 'bf16', got None")
-    if cuda_graph:
-        raise ValueError("generate: cuda_graph=True cannot run with a draft (speculative rounds run eagerly: the "
-                         "verification reads k + 1 positions at once)")
 
 
-def _round(models, caches, ids: torch.Tensor, pending, *, k: int, temperature: float,
-           g: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor, int]:
+def _round(models, caches, ids: torch.Tensor, pending, *, k: int, temperature: float, g: torch.Generator,
+           step: Optional[GraphedStep]) -> Tuple[torch.Tensor, torch.Tensor, int]:
     """One round: (ids with the kept tokens appended, each sequence's accepted count [b], the count kept j)."""
     def pick(logits):  # the draft's token: as generate picks without a draft
         if temperature <= 0:
@@ -205,7 +207,7 @@ def _round(models, caches, ids: torch.Tensor, pending, *, k: int, temperature: f
         return torch.multinomial(torch.softmax(logits.float() / temperature, -1), 1, generator=g)
     (model, draft), (b, n) = models, ids.shape
     if k:
-        drafts, q_logits = _propose(draft, caches[1], ids, pending[1], k=k, pick=pick)
+        drafts, q_logits = _propose(draft, caches[1], ids, pending[1], k=k, pick=pick, step=step)
     else:
         drafts, q_logits = ids.new_empty(b, 0), None
     p_logits = _score(model, caches[0], ids, drafts, pending=pending[0])
@@ -232,7 +234,8 @@ def speculative_generate(model, draft, prompt: torch.Tensor, max_new_tokens: int
     """generate(model, prompt, max_new_tokens, draft=draft, speculate=k, ...), which checks the model and the
     prompt first (see the module docstring): both models prefill the prompt into their own KV cache (kv_cache's
     dtype, kv_scales as in generate), then rounds of `speculate` draft tokens (fewer at the end) give
-    max_new_tokens tokens. stats: those of generate (the
+    max_new_tokens tokens. cuda_graph: the draft's one-token steps as a CUDA graph (None: where generate would
+    graph its steps, an FP8 cache on a GPU; True elsewhere raises). stats: those of generate (the
     target's cache bytes; decode tokens/s counts max_new_tokens - 1 per sequence, as generate does), and
     draft_cache_bytes, speculate, rounds, proposed (draft tokens, over the batch), accepted (those kept),
     acceptance_rate (accepted / proposed) and acceptance_rate_per_sequence (what each sequence accepted before the
@@ -243,6 +246,8 @@ def speculative_generate(model, draft, prompt: torch.Tensor, max_new_tokens: int
     caches = [KVCache.from_model(m, b, total, kv_cache, device=prompt.device, scales=kv_scales)
               for m in (model, draft)]
     g = torch.Generator(device=prompt.device).manual_seed(seed)
+    step = GraphedStep(draft, caches[1], b, prompt.device) \
+        if graph_wanted(cuda_graph, kv_cache, prompt.device, "generate") else None
     sync = (lambda: torch.cuda.synchronize(prompt.device)) if prompt.is_cuda else (lambda: None)  # noqa: E731
     sync()
     t0 = time.perf_counter()
@@ -252,7 +257,7 @@ def speculative_generate(model, draft, prompt: torch.Tensor, max_new_tokens: int
     ids, rounds, proposed, accepted, each = prompt, 0, 0, 0, 0
     while ids.shape[1] < total:
         k = min(speculate, total - ids.shape[1] - 1)
-        ids, got, j = _round((model, draft), caches, ids, pending, k=k, temperature=temperature, g=g)
+        ids, got, j = _round((model, draft), caches, ids, pending, k=k, temperature=temperature, g=g, step=step)
         pending = [None, None]
         rounds, proposed, accepted, each = rounds + 1, proposed + b * k, accepted + b * j, each + int(got.sum())
     sync()
@@ -260,7 +265,8 @@ def speculative_generate(model, draft, prompt: torch.Tensor, max_new_tokens: int
     rate = lambda x: x / proposed if proposed else None  # noqa: E731
     stats = {"prefill_tokens_per_s": b * n / (t1 - t0), "decode_tokens_per_s": b * (max_new_tokens - 1) / (t2 - t1)
              if max_new_tokens > 1 else None, "kv_cache": kv_cache, "cache_bytes": caches[0].nbytes,
-             "kv_scales": caches[0].scale_source, "cuda_graph": False, "draft_cache_bytes": caches[1].nbytes,
+             "kv_scales": caches[0].scale_source,
+             "cuda_graph": step is not None and step.graph is not None, "draft_cache_bytes": caches[1].nbytes,
              "speculate": speculate, "rounds": rounds, "proposed": proposed, "accepted": accepted,
              "acceptance_rate": rate(accepted), "acceptance_rate_per_sequence": rate(each)}
     return ids, stats

@@ -135,6 +135,24 @@ def test_greedy_output_is_the_targets_on_the_gpu(kv_cache, batch):
         got, stats = generate(model, prompt, 32, kv_cache=kv_cache, draft=draft, speculate=k)
         assert torch.equal(got, want), f"k={k}: first difference at {(got != want).nonzero()[:1].tolist()}"
         assert 0 < stats["acceptance_rate"] <= 1
+        assert stats["cuda_graph"] is (kv_cache == "fp8"), "the draft's steps are graphed over an FP8 cache"
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_graphed_draft_steps_give_the_eager_drafts_tokens():
+    """The draft's one-token steps as a CUDA graph propose what its eager steps propose: the same tokens, rounds
+    and acceptance, with sampling too (the graph's logits are copied before the next replay overwrites them)."""
+    model = tiny().cuda()
+    draft = make_draft(model, "nvfp4")
+    prompt = torch.randint(0, 256, (3, 6), generator=torch.Generator().manual_seed(5)).cuda()
+    for temperature in (0.0, 0.8):
+        runs = [generate(model, prompt, 40, kv_cache="fp8", draft=draft, speculate=4, temperature=temperature,
+                         seed=3, cuda_graph=graphed) for graphed in (False, True)]
+        (eager, s_eager), (graphed, s_graphed) = runs
+        assert s_graphed["cuda_graph"] and not s_eager["cuda_graph"]
+        assert torch.equal(eager, graphed), f"temperature {temperature}"
+        assert (s_eager["rounds"], s_eager["accepted"]) == (s_graphed["rounds"], s_graphed["accepted"])
 
 
 @pytest.mark.parametrize("new", [1, 2, 5])
@@ -264,7 +282,7 @@ def test_generate_with_a_wrong_rejection_rule_fails_the_same_test(monkeypatch):
     ({"speculate": 2}, "speculate=2 needs a draft model"),
     ({"speculate": 0, "draft": True}, r"speculate \(draft tokens per round\) must be an int >= 1, got 0"),
     ({"kv_cache": None, "draft": True}, "kv_cache must be 'fp8' or 'bf16', got None"),
-    ({"cuda_graph": True, "draft": True}, "cuda_graph=True cannot run with a draft"),
+    ({"cuda_graph": True, "draft": True}, "cuda_graph=True needs kv_cache='fp8' on a GPU"),
     ({"draft": "vocab"}, r"the draft's vocabulary \(8 tokens\) must be the model's \(256\)"),
 ])
 def test_misuse_is_refused_naming_the_argument(kwargs, error):
