@@ -227,6 +227,25 @@ def _round(models, caches, ids: torch.Tensor, pending, *, k: int, temperature: f
     return torch.cat([ids, drafts[:, :j], nxt], 1), accepted, j
 
 
+def _draft_graph_wanted(draft, cuda_graph: Optional[bool], kv_cache: Optional[str], prompt: torch.Tensor) -> bool:
+    """Whether the draft's one-token steps run as a CUDA graph: as generate decides for its steps (None: an FP8
+    cache on a GPU), and only where every weight-only layer of the draft runs fp8ext's kernel (bfloat16, in_features
+    a multiple of 256, out_features of 64: the reference path of other layers cannot be captured); True where either
+    is impossible raises."""
+    if not graph_wanted(cuda_graph, kv_cache, prompt.device, "generate"):
+        return False
+    dtype = draft.embed.weight.dtype if hasattr(draft, "embed") else next(draft.parameters()).dtype
+    x = torch.empty(prompt.shape[0], 1, 1, device=prompt.device, dtype=dtype)
+    slow = [m for m in draft.modules()
+            if isinstance(m, WeightOnlyLinear) and not m.uses_kernel(x.expand(-1, -1, m.in_features))]
+    if slow and cuda_graph:
+        raise ValueError(f"generate: cuda_graph=True with a draft needs each of its weight-only layers to run "
+                         f"fp8ext's kernel (bfloat16, in_features % 256 == 0, out_features % 64 == 0, at most 16 "
+                         f"sequences); {len(slow)} do not (the first: {slow[0].in_features} -> {slow[0].out_features}, "
+                         f"{dtype})")
+    return not slow
+
+
 @torch.no_grad()
 def speculative_generate(model, draft, prompt: torch.Tensor, max_new_tokens: int, *, speculate: int = 4,
                          kv_cache: str = "fp8", kv_scales: str = "auto", temperature: float = 0.0, seed: int = 0,
@@ -247,7 +266,7 @@ def speculative_generate(model, draft, prompt: torch.Tensor, max_new_tokens: int
               for m in (model, draft)]
     g = torch.Generator(device=prompt.device).manual_seed(seed)
     step = GraphedStep(draft, caches[1], b, prompt.device) \
-        if graph_wanted(cuda_graph, kv_cache, prompt.device, "generate") else None
+        if _draft_graph_wanted(draft, cuda_graph, kv_cache, prompt) else None
     sync = (lambda: torch.cuda.synchronize(prompt.device)) if prompt.is_cuda else (lambda: None)  # noqa: E731
     sync()
     t0 = time.perf_counter()
