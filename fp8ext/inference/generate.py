@@ -56,6 +56,16 @@ def _decode(model, ids: torch.Tensor, logits: torch.Tensor, total: int, pick, *,
     return ids
 
 
+def _check_overflow(kv_cache: Optional[str], kv_overflow: Optional[str], kv_budget_bytes: Optional[int],
+                    fn: str) -> None:
+    """kv_overflow and kv_budget_bytes go together, and with a KV cache (KVCache checks their values)."""
+    if (kv_overflow is None) != (kv_budget_bytes is None):
+        raise ValueError(f"{fn}: kv_overflow and kv_budget_bytes go together, got kv_overflow={kv_overflow!r}, "
+                         f"kv_budget_bytes={kv_budget_bytes!r}")
+    if kv_overflow is not None and kv_cache is None:
+        raise ValueError(f"{fn}: kv_overflow={kv_overflow!r} needs a KV cache (kv_cache='fp8'), got kv_cache=None")
+
+
 @torch.no_grad()
 def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, kv_cache: Optional[str] = "fp8",
              kv_scales: str = "auto", temperature: float = 0.0, seed: int = 0,
@@ -82,6 +92,7 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, kv_cache: Opti
     _check_model(model, "generate")
     if prompt.dim() != 2 or prompt.shape[1] == 0:
         raise ValueError(f"generate: prompt must be [batch, length > 0] token ids, got shape {list(prompt.shape)}")
+    _check_overflow(kv_cache, kv_overflow, kv_budget_bytes, "generate")
     if draft is not None or speculate is not None:
         if draft is None:
             raise ValueError(f"generate: speculate={speculate!r} needs a draft model (draft=make_draft(model))")
@@ -131,6 +142,7 @@ def decode_loss(model, ids: torch.Tensor, targets: torch.Tensor, *, kv_cache: Op
     b, n = ids.shape
     if not 1 <= prompt_len <= n:
         raise ValueError(f"decode_loss: prompt_len must be in [1, {n}], got {prompt_len}")
+    _check_overflow(kv_cache, kv_overflow, kv_budget_bytes, "decode_loss")
     if kv_cache is None:
         logits = model(ids)
     else:

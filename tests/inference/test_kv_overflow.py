@@ -197,3 +197,45 @@ def test_the_quality_benchmark_dry_run_measures_every_cache(tmp_path):
         assert math.isfinite(r["loss"]) and abs(r["vs_bf16_cache"] - 1) < 0.05, r
     assert rows["fp8"]["cache_bytes"] * 2 == rows["bf16"]["cache_bytes"]
     assert "| fp8 + nvfp4 at 75% |" in proc.stdout
+
+
+def test_decode_steps_read_nothing_back_to_the_host(monkeypatch):
+    """Appends and truncates of an overflowing cache read no tensor value on the host (on a GPU each read would be
+    a synchronisation inside a decode step): the NVFP4 part is dequantized without checking its codes."""
+    cfg = preset("tiny")
+    cache = KVCache(cfg, 2, 80, "fp8", overflow="nvfp4", budget_bytes=16224, overflow_chunk=8)
+    g = torch.Generator().manual_seed(0)
+
+    def mk(n):
+        return torch.randn(2, cfg.n_kv_heads, n, cfg.head_dim, generator=g)
+    for layer in range(2):
+        cache.update(layer, mk(40), mk(40), 0)
+    reads = []
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda self, *a, real=real, name=name, **k: reads.append(name) or real(self, *a, **k))
+    for t in range(40, 70):
+        for layer in range(2):
+            cache.append(layer, mk(1), mk(1), t)
+    cache.truncate(12)
+    for t in range(12, 30):
+        for layer in range(2):
+            cache.append(layer, mk(1), mk(1), t)
+    monkeypatch.undo()
+    assert cache.overflowed[0] > 0 and reads == [], f"host reads: {reads[:5]}"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"kv_cache": None, "kv_overflow": "nvfp4", "kv_budget_bytes": 10**6}, "kv_overflow='nvfp4' needs a KV cache"),
+    ({"kv_cache": "fp8", "kv_overflow": "nvfp4"}, "kv_overflow and kv_budget_bytes go together"),
+    ({"kv_cache": "fp8", "kv_budget_bytes": 10**6}, "kv_overflow and kv_budget_bytes go together"),
+])
+def test_generate_and_decode_loss_refuse_overflow_arguments_they_would_ignore(kwargs, match):
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny")).eval()
+    ids = torch.randint(0, 256, (1, 8))
+    with pytest.raises(ValueError, match=f"generate: {match}"):
+        generate(model, ids, 4, **kwargs)
+    with pytest.raises(ValueError, match=f"decode_loss: {match}"):
+        fp8ext.inference.decode_loss(model, ids, ids, **kwargs)
