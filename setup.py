@@ -24,8 +24,8 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-C_SOURCES = ["csrc/module.c", "csrc/py_ops.c", "csrc/py_scaling.c", "csrc/py_gemm.c", "csrc/py_gemm_scales.c",
-             "csrc/tensor_view.c", "csrc/cpu_ops.c", "csrc/py_attention.c", "csrc/py_norm.c",
+C_SOURCES = ["csrc/module.c", "csrc/py_ops.c", "csrc/py_fp8_tensor.c", "csrc/py_scaling.c", "csrc/py_gemm.c",
+             "csrc/py_gemm_scales.c", "csrc/tensor_view.c", "csrc/cpu_ops.c", "csrc/py_attention.c", "csrc/py_norm.c",
              "csrc/py_weight_only.c", "csrc/py_linear.c",
              "csrc/py_mx.c"]
 CUDA_HOST_SOURCES = ["csrc/cuda_runtime_state.c", "csrc/gemm_cublaslt.c", "csrc/gemm_autotune.c",

@@ -9,37 +9,30 @@
 #ifndef FP8EXT_CAST_H
 #define FP8EXT_CAST_H
 
+#include "fp8_tensor.h"
 #include "fp8ext_types.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-/* q[i] = fp8(x[i] * scale) for i < n. */
+/* q = fp8(x * scale) elementwise over x's q.rows * q.cols values (read flat): q.data, q.fmt (FP8EXT_E4M3,
+ * FP8EXT_E5M2 or an FPX_* small format), q.scale / q.scale_value, q.amax (NULL, or updated to max(*amax,
+ * max|x|)) and q.scale_inv (NULL, or set to 1 / scale, the factor that dequantizes q). */
 typedef struct {
     const void *x;
     int x_dtype;
-    int64_t n;
-    uint8_t *q;
-    int fmt;                /* FP8EXT_E4M3 or FP8EXT_E5M2 */
-    const float *scale_ptr; /* when not NULL, *scale_ptr (on x's device) is the scale */
-    float scale;            /* used when scale_ptr is NULL */
-    float *amax_out;        /* NULL, or updated to max(*amax_out, max|x|) */
-    float *scale_inv_out;   /* NULL, or set to 1 / scale (the factor that dequantizes q) */
+    fp8ext_fp8_tensor q;
     int saturate;
     int stochastic;         /* round stochastically with bits fp8_sr_bits(sr_key, i) */
     uint64_t sr_key;
 } fp8ext_quantize_args;
 
-/* out[i] = float(q[i]) * scale_inv, rounded to out_dtype. */
+/* out = float(q) * scale_inv elementwise (q.scale_inv, or q.scale_inv_value when NULL), rounded to out_dtype. */
 typedef struct {
-    const uint8_t *q;
-    int fmt;
-    int64_t n;
+    fp8ext_fp8_tensor q;
     void *out;
     int out_dtype;
-    const float *scale_inv_ptr;
-    float scale_inv;
 } fp8ext_dequantize_args;
 
 /* *amax_out = max(*amax_out, max|x|). */
@@ -50,9 +43,10 @@ typedef struct {
     float *amax_out;
 } fp8ext_amax_args;
 
-/* x is rows x cols, row-major. q (rows x cols) and qt (cols x rows) receive fp8(x * scale).
- * prologue (fp8ext_cuda_cast_transpose only; GPU only): an elementwise step computed first, so that q, qt and
- * amax_out are those of its output y, rounded to x's dtype (what casting that step's unfused output would give):
+/* x is q.rows x q.cols, row-major. q.data (rows x cols) and q.data_t (cols x rows) receive fp8(x * scale), with q's
+ * per-tensor scale, amax and scale_inv as in quantize.
+ * prologue (fp8ext_cuda_cast_transpose only; GPU only): an elementwise step computed first, so that q's data,
+ * data_t and amax are those of its output y, rounded to x's dtype (what casting that step's unfused output would give):
  *   FP8EXT_PROLOGUE_NONE     y = x;
  *   FP8EXT_PROLOGUE_RMSNORM  y = (x * rstd[row]) * gamma[col] in float32 (rstd [rows], gamma [cols] float32,
  *                            gamma 16-byte aligned): RMSNorm with its rstd computed beforehand (rms_norm_fwd);
@@ -65,14 +59,7 @@ enum { FP8EXT_PROLOGUE_NONE = 0, FP8EXT_PROLOGUE_RMSNORM = 1, FP8EXT_PROLOGUE_SW
 typedef struct {
     const void *x;
     int x_dtype;
-    int64_t rows, cols;
-    uint8_t *q;
-    uint8_t *qt;
-    int fmt;
-    const float *scale_ptr;
-    float scale;
-    float *amax_out;
-    float *scale_inv_out; /* NULL, or set to 1 / scale */
+    fp8ext_fp8_tensor q;   /* data, data_t, rows, cols, fmt, scale / scale_value, amax, scale_inv */
     int saturate;
     int prologue;
     const float *rstd, *gamma;
@@ -98,36 +85,30 @@ static inline int64_t fp8ext_dbias_workspace_rows(int64_t rows) {
 
 typedef struct {
     fp8ext_cast_transpose_args ct;
-    void *dbias;     /* [ct.cols] */
+    void *dbias;     /* [ct.q.cols] */
     int dbias_dtype; /* ct.x_dtype or FP8EXT_F32 */
     float *workspace;
 } fp8ext_cast_transpose_dbias_args;
 
-/* Block ("current") scaling: x [rows, cols] in blocks of block_rows x block_cols (block_cols ==
- * cols: one block per row). For each block, scale = fp8_block_scale(max|block|, fmt, pow2_scale, amax_epsilon),
- * q = fp8(x * scale) saturating, and scale_inv = 1 / scale is stored at scale_inv[rb * stride_r + cb * stride_c].
- * Supported shapes: 1 x 128, 128 x 128, 1 x cols. */
+/* Block ("current") scaling: x [q.rows, q.cols] in blocks of fp8ext_block_rows(&q) x fp8ext_block_cols(&q)
+ * (q.scale_layout FP8EXT_SCALE_ROW: one block per row; BLOCK_1x128; BLOCK_128x128). For each block, scale = fp8_block_scale(
+ * max|block|, fmt, pow2_scale, amax_epsilon), q.data = fp8(x * scale) saturating, and scale_inv = 1 / scale is
+ * stored at q.scale_inv[rb * stride_r + cb * stride_c]. */
 typedef struct {
     const void *x;
     int x_dtype;
-    int64_t rows, cols;
-    int64_t block_rows, block_cols;
-    uint8_t *q;
-    float *scale_inv;
+    fp8ext_fp8_tensor q;  /* data, rows, cols, fmt, scale_layout, scale_inv; data_t and scale_inv_t: see below */
     int64_t stride_r, stride_c;
-    int fmt;
     int pow2_scale;     /* round each scale down to a power of two (Transformer Engine's power_2_scale) */
     float amax_epsilon; /* each block's amax is raised to at least this (TE's amax_epsilon; 0: unchanged) */
-    /* NULL, or also the transposed cast qt [cols, rows] (on the GPU rows % 16 == 0): for 1 x 128 blocks x^T in
+    /* q.data_t NULL, or also the transposed cast [cols, rows] (on the GPU rows % 16 == 0): for 1 x 128 blocks x^T in
      * 1 x 128 tiles of its own (128 rows of one column of x share a scale), for 128 x 128 blocks the same blocks'
-     * bytes transposed, both from one pass over x; for 1 x cols blocks with stride_ct == 0 and stride_rt == 1
+     * bytes transposed, both from one pass over x; for ROW blocks with stride_ct == 0 and stride_rt == 1
      * (row-wise) x^T with one scale per row of x^T, i.e. per column of x (a pass for the columns' amaxes first, kept
-     * in scale_inv_t meanwhile). Other block shapes take no qt. Block (rb, cb) of x^T has its scale_inv at
-     * scale_inv_t[rb * stride_rt + cb * stride_ct]. */
-    uint8_t *qt;
-    float *scale_inv_t;
+     * in scale_inv_t meanwhile). Block (rb, cb) of x^T has its scale_inv at
+     * q.scale_inv_t[rb * stride_rt + cb * stride_ct]. */
     int64_t stride_rt, stride_ct;
-    /* GPU only, with qt, 1 x 128 blocks and a bf16 or float16 x: FP8EXT_PROLOGUE_RMSNORM (rstd [rows], gamma [cols]
+    /* GPU only, with data_t, 1 x 128 blocks and a bf16 or float16 x: FP8EXT_PROLOGUE_RMSNORM (rstd [rows], gamma [cols]
      * float32, gamma 16-byte aligned) or FP8EXT_PROLOGUE_SWIGLU (x holds rows of 2 * cols values, gate then up): the
      * casts are those of the step's output, rounded to x's dtype (as fp8ext_cast_transpose_args's prologues). */
     int prologue;

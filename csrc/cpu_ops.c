@@ -23,26 +23,34 @@ static inline void amax_update(float *amax_out, int32_t m) {
     if (m > cur) *amax_out = fp8_bits_f32((uint32_t)m);
 }
 
+/* The scale a per-tensor cast multiplies by. */
+static float cast_scale(const fp8ext_fp8_tensor *q) { return q->scale ? *q->scale : q->scale_value; }
+
 void fp8ext_cpu_quantize(const fp8ext_quantize_args *a) {
-    const float scale = a->scale_ptr ? *a->scale_ptr : a->scale;
+    const fp8ext_fp8_tensor *q = &a->q;
+    const float scale = cast_scale(q);
+    const int64_t n = fp8ext_fp8_numel(q);
     int32_t m = 0;
-    for (int64_t i = 0; i < a->n; ++i) {
+    for (int64_t i = 0; i < n; ++i) {
         const float v = load_elem(a->x, a->x_dtype, i);
         const int32_t b = abs_bits(v);
         if (b > m) m = b;
-        a->q[i] = a->fmt >= FPX_FIRST ? fpx_quantize_rne(v, scale, a->fmt, a->saturate)
-                  : a->stochastic
-                      ? fp8_quantize_sr(v, scale, fp8_sr_bits(a->sr_key, (uint64_t)i), a->fmt, a->saturate)
-                      : fp8_quantize_rne(v, scale, a->fmt, a->saturate);
+        q->data[i] = q->fmt >= FPX_FIRST ? fpx_quantize_rne(v, scale, q->fmt, a->saturate)
+                     : a->stochastic
+                         ? fp8_quantize_sr(v, scale, fp8_sr_bits(a->sr_key, (uint64_t)i), q->fmt, a->saturate)
+                         : fp8_quantize_rne(v, scale, q->fmt, a->saturate);
     }
-    if (a->amax_out && a->n > 0) amax_update(a->amax_out, m);
-    if (a->scale_inv_out) *a->scale_inv_out = 1.0f / scale;
+    if (q->amax && n > 0) amax_update(q->amax, m);
+    if (q->scale_inv) *q->scale_inv = 1.0f / scale;
 }
 
 void fp8ext_cpu_dequantize(const fp8ext_dequantize_args *a) {
-    const float scale_inv = a->scale_inv_ptr ? *a->scale_inv_ptr : a->scale_inv;
-    for (int64_t i = 0; i < a->n; ++i) {
-        const float v = (a->fmt >= FPX_FIRST ? fpx_decode(a->q[i], a->fmt) : fp8_decode(a->q[i], a->fmt)) * scale_inv;
+    const fp8ext_fp8_tensor *q = &a->q;
+    const float scale_inv = q->scale_inv ? *q->scale_inv : q->scale_inv_value;
+    const int64_t n = fp8ext_fp8_numel(q);
+    for (int64_t i = 0; i < n; ++i) {
+        const uint8_t c = q->data[i];
+        const float v = (q->fmt >= FPX_FIRST ? fpx_decode(c, q->fmt) : fp8_decode(c, q->fmt)) * scale_inv;
         switch (a->out_dtype) {
         case FP8EXT_BF16: ((uint16_t *)a->out)[i] = fp8_f32_to_bf16_bits(v); break;
         case FP8EXT_F16: ((uint16_t *)a->out)[i] = fp8_f32_to_f16_bits(v); break;
@@ -61,20 +69,22 @@ void fp8ext_cpu_amax(const fp8ext_amax_args *a) {
 }
 
 void fp8ext_cpu_cast_transpose(const fp8ext_cast_transpose_args *a) {
-    const float scale = a->scale_ptr ? *a->scale_ptr : a->scale;
+    const fp8ext_fp8_tensor *q = &a->q;
+    const float scale = cast_scale(q);
+    const int64_t rows = q->rows, cols = q->cols;
     int32_t m = 0;
-    for (int64_t r = 0; r < a->rows; ++r) {
-        for (int64_t c = 0; c < a->cols; ++c) {
-            const float v = load_elem(a->x, a->x_dtype, r * a->cols + c);
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < cols; ++c) {
+            const float v = load_elem(a->x, a->x_dtype, r * cols + c);
             const int32_t b = abs_bits(v);
             if (b > m) m = b;
-            const uint8_t q = fp8_quantize_rne(v, scale, a->fmt, a->saturate);
-            a->q[r * a->cols + c] = q;
-            a->qt[c * a->rows + r] = q;
+            const uint8_t code = fp8_quantize_rne(v, scale, q->fmt, a->saturate);
+            q->data[r * cols + c] = code;
+            q->data_t[c * rows + r] = code;
         }
     }
-    if (a->amax_out && a->rows * a->cols > 0) amax_update(a->amax_out, m);
-    if (a->scale_inv_out) *a->scale_inv_out = 1.0f / scale;
+    if (q->amax && rows * cols > 0) amax_update(q->amax, m);
+    if (q->scale_inv) *q->scale_inv = 1.0f / scale;
 }
 
 static inline void store_elem(void *out, int dtype, int64_t i, float v) {
@@ -88,7 +98,7 @@ static inline void store_elem(void *out, int dtype, int64_t i, float v) {
 /* The cast as cast_transpose's; dbias in fp8ext.h's two stages and order, which the kernel follows too. */
 void fp8ext_cpu_cast_transpose_dbias(const fp8ext_cast_transpose_dbias_args *a) {
     const fp8ext_cast_transpose_args *ct = &a->ct;
-    const int64_t rows = ct->rows, cols = ct->cols, tiles = fp8ext_dbias_workspace_rows(rows);
+    const int64_t rows = ct->q.rows, cols = ct->q.cols, tiles = fp8ext_dbias_workspace_rows(rows);
     fp8ext_cpu_cast_transpose(ct);
     for (int64_t t = 0; t < tiles; ++t) {
         float *s = a->workspace + t * cols;
@@ -112,65 +122,69 @@ void fp8ext_cpu_cast_transpose_dbias(const fp8ext_cast_transpose_dbias_args *a) 
 
 /* The transposed cast of quantize_blocks (cast.h): x^T in 1 x 128 tiles, or the 128 x 128 blocks transposed. */
 static void quantize_blocks_transposed(const fp8ext_quantize_blocks_args *a) {
-    const int64_t br = a->block_rows, bc = a->block_cols;
-    if (br == 1 && bc == a->cols && a->stride_ct == 0) {  /* row-wise: each column of x is a row of x^T, one scale */
-        for (int64_t c = 0; c < a->cols; ++c) {
+    const fp8ext_fp8_tensor *q = &a->q;
+    const int64_t rows = q->rows, cols = q->cols, br = fp8ext_block_rows(q), bc = fp8ext_block_cols(q);
+    if (br == 1 && bc == cols && a->stride_ct == 0) {  /* row-wise: each column of x is a row of x^T, one scale */
+        for (int64_t c = 0; c < cols; ++c) {
             int32_t m = 0;
-            for (int64_t r = 0; r < a->rows; ++r) {
-                const int32_t b = abs_bits(load_elem(a->x, a->x_dtype, r * a->cols + c));
+            for (int64_t r = 0; r < rows; ++r) {
+                const int32_t b = abs_bits(load_elem(a->x, a->x_dtype, r * cols + c));
                 if (b > m) m = b;
             }
-            const float scale = fp8_block_scale(fp8_bits_f32((uint32_t)m), a->fmt, a->pow2_scale, a->amax_epsilon);
-            for (int64_t r = 0; r < a->rows; ++r) {
-                const float v = load_elem(a->x, a->x_dtype, r * a->cols + c);
-                a->qt[c * a->rows + r] = fp8_quantize_rne(v, scale, a->fmt, 1);
+            const float scale = fp8_block_scale(fp8_bits_f32((uint32_t)m), q->fmt, a->pow2_scale, a->amax_epsilon);
+            for (int64_t r = 0; r < rows; ++r) {
+                const float v = load_elem(a->x, a->x_dtype, r * cols + c);
+                q->data_t[c * rows + r] = fp8_quantize_rne(v, scale, q->fmt, 1);
             }
-            a->scale_inv_t[c * a->stride_rt] = 1.0f / scale;
+            q->scale_inv_t[c * a->stride_rt] = 1.0f / scale;
         }
         return;
     }
-    for (int64_t r0 = 0; r0 < a->rows; r0 += 128) {
-        const int64_t r1 = r0 + 128 < a->rows ? r0 + 128 : a->rows;
-        for (int64_t c0 = 0; c0 < a->cols; c0 += bc) {
-            const int64_t c1 = c0 + bc < a->cols ? c0 + bc : a->cols;
+    for (int64_t r0 = 0; r0 < rows; r0 += 128) {
+        const int64_t r1 = r0 + 128 < rows ? r0 + 128 : rows;
+        for (int64_t c0 = 0; c0 < cols; c0 += bc) {
+            const int64_t c1 = c0 + bc < cols ? c0 + bc : cols;
             /* 1 x 128: each column c of the 128-row band is a tile of x^T; 128 x 128: the block is one tile */
             for (int64_t g0 = c0; g0 < c1; g0 += (br == 1 ? 1 : bc)) {
                 const int64_t g1 = br == 1 ? g0 + 1 : c1;
                 int32_t m = 0;
                 for (int64_t r = r0; r < r1; ++r)
                     for (int64_t c = g0; c < g1; ++c) {
-                        const int32_t b = abs_bits(load_elem(a->x, a->x_dtype, r * a->cols + c));
+                        const int32_t b = abs_bits(load_elem(a->x, a->x_dtype, r * cols + c));
                         if (b > m) m = b;
                     }
-                const float scale = fp8_block_scale(fp8_bits_f32((uint32_t)m), a->fmt, a->pow2_scale, a->amax_epsilon);
+                const float scale = fp8_block_scale(fp8_bits_f32((uint32_t)m), q->fmt, a->pow2_scale, a->amax_epsilon);
                 for (int64_t r = r0; r < r1; ++r)
                     for (int64_t c = g0; c < g1; ++c)
-                        a->qt[c * a->rows + r] = fp8_quantize_rne(load_elem(a->x, a->x_dtype, r * a->cols + c), scale,
-                                                                  a->fmt, 1);
+                        q->data_t[c * rows + r] = fp8_quantize_rne(load_elem(a->x, a->x_dtype, r * cols + c), scale,
+                                                                   q->fmt, 1);
                 const int64_t trb = br == 1 ? g0 : c0 / bc;  /* x^T's block row and block column */
-                a->scale_inv_t[trb * a->stride_rt + (r0 / 128) * a->stride_ct] = 1.0f / scale;
+                q->scale_inv_t[trb * a->stride_rt + (r0 / 128) * a->stride_ct] = 1.0f / scale;
             }
         }
     }
 }
 
 void fp8ext_cpu_quantize_blocks(const fp8ext_quantize_blocks_args *a) {
-    if (a->qt) quantize_blocks_transposed(a);
-    for (int64_t r0 = 0; r0 < a->rows; r0 += a->block_rows) {
-        for (int64_t c0 = 0; c0 < a->cols; c0 += a->block_cols) {
-            const int64_t r1 = r0 + a->block_rows < a->rows ? r0 + a->block_rows : a->rows;
-            const int64_t c1 = c0 + a->block_cols < a->cols ? c0 + a->block_cols : a->cols;
+    const fp8ext_fp8_tensor *q = &a->q;
+    const int64_t rows = q->rows, cols = q->cols, br = fp8ext_block_rows(q), bc = fp8ext_block_cols(q);
+    if (q->data_t) quantize_blocks_transposed(a);
+    for (int64_t r0 = 0; r0 < rows; r0 += br) {
+        for (int64_t c0 = 0; c0 < cols; c0 += bc) {
+            const int64_t r1 = r0 + br < rows ? r0 + br : rows;
+            const int64_t c1 = c0 + bc < cols ? c0 + bc : cols;
             int32_t m = 0;
             for (int64_t r = r0; r < r1; ++r)
                 for (int64_t c = c0; c < c1; ++c) {
-                    const int32_t b = abs_bits(load_elem(a->x, a->x_dtype, r * a->cols + c));
+                    const int32_t b = abs_bits(load_elem(a->x, a->x_dtype, r * cols + c));
                     if (b > m) m = b;
                 }
-            const float scale = fp8_block_scale(fp8_bits_f32((uint32_t)m), a->fmt, a->pow2_scale, a->amax_epsilon);
+            const float scale = fp8_block_scale(fp8_bits_f32((uint32_t)m), q->fmt, a->pow2_scale, a->amax_epsilon);
             for (int64_t r = r0; r < r1; ++r)
                 for (int64_t c = c0; c < c1; ++c)
-                    a->q[r * a->cols + c] = fp8_quantize_rne(load_elem(a->x, a->x_dtype, r * a->cols + c), scale, a->fmt, 1);
-            a->scale_inv[(r0 / a->block_rows) * a->stride_r + (c0 / a->block_cols) * a->stride_c] = 1.0f / scale;
+                    q->data[r * cols + c] =
+                        fp8_quantize_rne(load_elem(a->x, a->x_dtype, r * cols + c), scale, q->fmt, 1);
+            q->scale_inv[(r0 / br) * a->stride_r + (c0 / bc) * a->stride_c] = 1.0f / scale;
         }
     }
 }

@@ -5,8 +5,10 @@
  * launchers (csrc/kernels/) enqueue kernels on a stream and return a cudaError_t as int.
  * Nothing here knows about Python, DLPack or layers: validation happens in the bindings.
  *
- * One header per concern, all included here: fp8ext_types.h (dtypes), cast.h (with the amax convention),
- * scaling.h, norm.h, attention.h, weight_only.h. The cuBLASLt GEMM's API is gemm.h, which its bindings include.
+ * One header per concern, all included here: fp8ext_types.h (dtypes), fp8_tensor.h (the FP8 tensor descriptor every
+ * FP8 operation takes: data, transposed copy, format, scale layout, scale / amax / scale_inv, rows, cols), cast.h
+ * (with the amax convention), scaling.h, norm.h, attention.h, weight_only.h. The cuBLASLt GEMM's API is gemm.h,
+ * which its bindings include; py_fp8_tensor.h fills a descriptor from a binding's Python arguments.
  */
 #ifndef FP8EXT_H
 #define FP8EXT_H

@@ -13,29 +13,16 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "fp8_tensor.h"
+
 /* Output element types: the high-precision codes of fp8ext.h, or an FP8 format. */
 enum { FP8EXT_OUT_F32 = 0, FP8EXT_OUT_BF16 = 1, FP8EXT_OUT_F16 = 2, FP8EXT_OUT_E4M3 = 3, FP8EXT_OUT_E5M2 = 4 };
 
-/* How an operand's scale_inv tensor covers it. Shapes (a is [M, K], b is [N, K], KB = ceil(K/128)):
- *   TENSOR      one float32                       (cuBLASLt SCALAR_32F)
- *   ROW         a: [M], b: [N]; one per row       (OUTER_VEC_32F)
- *   BLOCK_1x128 a: [M, KB], b: [N, KB]; one per row and 128 columns of K, stored row-fastest
- *               (strides (1, M) resp. (1, N))      (VEC128_32F)
- *   BLOCK_128x128  b only: [ceil(N/128), KB], one per 128x128 tile, rows padded to a multiple of 4
- *               (strides (roundup4(KB), 1))        (BLK128x128_32F)
- */
-enum { FP8EXT_SCALE_TENSOR = 0, FP8EXT_SCALE_ROW = 1, FP8EXT_SCALE_BLOCK_1x128 = 2, FP8EXT_SCALE_BLOCK_128x128 = 3 };
-
+/* The operands are FP8 tensors (fp8_tensor.h): a [M, K] and b [N, K], each with its data, fmt, scale_layout and
+ * scale_inv (FP8EXT_SCALE_TENSOR, ROW, BLOCK_1x128; BLOCK_128x128 for b only). M = a.rows, K = a.cols = b.cols,
+ * N = b.rows. */
 typedef struct {
-    int64_t m, n, k;
-    const void *a;
-    int a_fmt; /* FP8EXT_E4M3 / FP8EXT_E5M2 */
-    const void *b;
-    int b_fmt;
-    const float *a_scale_inv;
-    int a_scale_mode;
-    const float *b_scale_inv;
-    int b_scale_mode;
+    fp8ext_fp8_tensor a, b;
     void *out;
     int out_type;          /* FP8EXT_OUT_* */
     const void *bias;      /* NULL or [N] */

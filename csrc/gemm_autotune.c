@@ -11,7 +11,7 @@
 
 size_t fp8ext_plan_tune_scratch_bytes(const fp8ext_gemm_args *a) {
     const size_t elem = a->out_type == FP8EXT_OUT_F32 ? 4 : a->out_type >= FP8EXT_OUT_E4M3 ? 1 : 2;
-    const size_t out_bytes = ((size_t)a->m * (size_t)a->n * elem + 255) / 256 * 256;
+    const size_t out_bytes = ((size_t)a->a.rows * (size_t)a->b.rows * elem + 255) / 256 * 256;
     return out_bytes + 256; /* the output, then the amax (FP8 outputs) on its own 256-byte line */
 }
 

@@ -60,13 +60,13 @@ void fp8ext_plan_free(fp8ext_gemm_plan *p) {
 void fp8ext_plan_key_of(const fp8ext_gemm_args *a, int tune, fp8ext_plan_key *k) {
     memset(k, 0, sizeof *k);
     k->device = a->device;
-    k->m = a->m, k->n = a->n, k->k = a->k;
-    k->a_fmt = a->a_fmt, k->b_fmt = a->b_fmt, k->out_type = a->out_type;
+    k->m = a->a.rows, k->n = a->b.rows, k->k = a->a.cols;
+    k->a_fmt = a->a.fmt, k->b_fmt = a->b.fmt, k->out_type = a->out_type;
     k->has_bias = a->bias != NULL, k->bias_type = a->bias ? a->bias_type : -1;
-    k->a_mode = a->a_scale_mode, k->b_mode = a->b_scale_mode;
+    k->a_mode = a->a.scale_layout, k->b_mode = a->b.scale_layout;
     k->accumulate = a->accumulate, k->fast_accum = a->fast_accum;
     k->has_out_scale = a->out_scale != NULL, k->has_amax = a->amax_out != NULL;
-    k->align_a = alignment_of(a->a), k->align_b = alignment_of(a->b), k->align_d = alignment_of(a->out);
+    k->align_a = alignment_of(a->a.data), k->align_b = alignment_of(a->b.data), k->align_d = alignment_of(a->out);
     k->align_bias = a->bias ? alignment_of(a->bias) : 0;
     k->workspace_size = a->workspace_size;
     k->autotuned = tune != 0;
@@ -80,8 +80,8 @@ cublasStatus_t fp8ext_plan_set_pointers(fp8ext_gemm_plan *p, const fp8ext_gemm_a
         const void *v_ = (value);                                                                              \
         if ((s = cublasLtMatmulDescSetAttribute(p->desc, attr, &v_, sizeof v_)) != CUBLAS_STATUS_SUCCESS) return s; \
     } while (0)
-    SET(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, a->b_scale_inv); /* cuBLAS A is our b */
-    SET(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, a->a_scale_inv);
+    SET(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, a->b.scale_inv); /* cuBLAS A is our b */
+    SET(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, a->a.scale_inv);
     if (a->bias) SET(CUBLASLT_MATMUL_DESC_BIAS_POINTER, a->bias);
     if (a->out_scale) SET(CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, a->out_scale);
     if (a->amax_out) SET(CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, a->amax_out);
@@ -119,8 +119,8 @@ static fp8ext_gemm_status describe_matmul(fp8ext_gemm_plan *p, const fp8ext_gemm
     const int8_t fast = (int8_t)(a->fast_accum != 0);
     LT_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof fast),
              "set FAST_ACCUM");
-    if (a->a_scale_mode != FP8EXT_SCALE_TENSOR || a->b_scale_mode != FP8EXT_SCALE_TENSOR) {
-        const int32_t ma = scale_mode(a->b_scale_mode), mb = scale_mode(a->a_scale_mode);
+    if (a->a.scale_layout != FP8EXT_SCALE_TENSOR || a->b.scale_layout != FP8EXT_SCALE_TENSOR) {
+        const int32_t ma = scale_mode(a->b.scale_layout), mb = scale_mode(a->a.scale_layout);
         LT_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &ma, sizeof ma),
                  "set A_SCALE_MODE");
         LT_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mb, sizeof mb),
@@ -159,13 +159,13 @@ fp8ext_gemm_status fp8ext_plan_create(cublasLtHandle_t handle, const fp8ext_gemm
     fp8ext_gemm_status st = describe_matmul(p, a);
     if (st.kind != FP8EXT_GEMM_OK) goto fail;
     /* Row-major [N, K] b is column-major K x N (op T gives N x K); [M, K] a is K x M; out is N x M. */
-    LT_CHECK(cublasLtMatrixLayoutCreate(&p->la, fp8_type(a->b_fmt), (uint64_t)a->k, (uint64_t)a->n, a->k),
+    const int64_t m = a->a.rows, n = a->b.rows, k = a->a.cols;
+    LT_CHECK(cublasLtMatrixLayoutCreate(&p->la, fp8_type(a->b.fmt), (uint64_t)k, (uint64_t)n, k),
              "cublasLtMatrixLayoutCreate(A)");
-    LT_CHECK(cublasLtMatrixLayoutCreate(&p->lb, fp8_type(a->a_fmt), (uint64_t)a->k, (uint64_t)a->m, a->k),
+    LT_CHECK(cublasLtMatrixLayoutCreate(&p->lb, fp8_type(a->a.fmt), (uint64_t)k, (uint64_t)m, k),
              "cublasLtMatrixLayoutCreate(B)");
-    LT_CHECK(cublasLtMatrixLayoutCreate(&p->lc, c_type, (uint64_t)a->n, (uint64_t)a->m, a->n),
-             "cublasLtMatrixLayoutCreate(C)");
-    LT_CHECK(cublasLtMatrixLayoutCreate(&p->ld, out_cuda_type(a->out_type), (uint64_t)a->n, (uint64_t)a->m, a->n),
+    LT_CHECK(cublasLtMatrixLayoutCreate(&p->lc, c_type, (uint64_t)n, (uint64_t)m, n), "cublasLtMatrixLayoutCreate(C)");
+    LT_CHECK(cublasLtMatrixLayoutCreate(&p->ld, out_cuda_type(a->out_type), (uint64_t)n, (uint64_t)m, n),
              "cublasLtMatrixLayoutCreate(D)");
     LT_CHECK(cublasLtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate");
     const uint64_t ws = a->workspace_size;
@@ -201,7 +201,7 @@ cublasStatus_t fp8ext_plan_matmul(cublasLtHandle_t h, const fp8ext_gemm_plan *p,
     const float alpha = 1.0f, beta = a->accumulate ? 1.0f : 0.0f;
     /* C is read only with accumulate (then it is out itself); TE passes no C for an FP8 D. */
     const void *c = a->out_type >= FP8EXT_OUT_E4M3 ? NULL : out;
-    return cublasLtMatmul(h, p->desc, &alpha, a->b, p->la, a->a, p->lb, &beta, c, p->lc, out, p->ld, algo,
+    return cublasLtMatmul(h, p->desc, &alpha, a->b.data, p->la, a->a.data, p->lb, &beta, c, p->lc, out, p->ld, algo,
                           a->workspace, a->workspace_size, stream);
 }
 
@@ -229,7 +229,7 @@ static fp8ext_gemm_status maybe_tune(cublasLtHandle_t h, fp8ext_gemm_plan *p, co
 
 fp8ext_gemm_status fp8ext_gemm_run(fp8ext_gemm_state *st, const fp8ext_gemm_args *a, void *stream_p, int want_tune) {
     cudaStream_t stream = (cudaStream_t)stream_p;
-    if (a->m == 0) {
+    if (a->a.rows == 0) {
         /* Nothing to multiply, and cuBLASLt refuses empty layouts: only the amax of the (empty) output. */
         const cudaError_t ce = a->amax_out ? cudaMemsetAsync(a->amax_out, 0, sizeof(float), stream) : cudaSuccess;
         return ce == cudaSuccess ? fp8ext_gemm_ok() : fp8ext_gemm_fail(FP8EXT_GEMM_CUDA_ERROR, ce, "cudaMemsetAsync");

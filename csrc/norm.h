@@ -3,6 +3,7 @@
 #ifndef FP8EXT_NORM_H
 #define FP8EXT_NORM_H
 
+#include "fp8_tensor.h"
 #include "fp8ext_types.h"
 
 #ifdef __cplusplus
@@ -23,9 +24,8 @@ typedef struct {
     int x_dtype;
     const float *gamma;
     float eps;
-    void *out;
-    const float *scale;
-    float *scale_inv;
+    void *y;              /* out_mode HP: y [rows, cols] */
+    fp8ext_fp8_tensor q;  /* FP8 and FP8_ROWS: q.data [rows, cols] E4M3; FP8: q.scale; FP8_ROWS: q.scale_inv [rows] */
     int64_t rows, cols;
     int op, out_mode;
 } fp8ext_fused_rows_args;

@@ -10,6 +10,7 @@
 #include "fp8_numerics.h"
 #include "fp8ext.h"
 #include "module_state.h"
+#include "py_fp8_tensor.h"
 #include "py_gemm.h"
 #include "third_party/dlpack/dlpack.h"
 
@@ -17,11 +18,13 @@
 
 static int is_aligned(const void *p, uintptr_t n) { return ((uintptr_t)p % n) == 0; }
 
-/* An FP8 operand: FP8 bytes, 2-D, row-major, 16-byte aligned (cuBLASLt's FP8 rule). */
-static int get_operand(PyObject *o, int fmt, Py_ssize_t stream, const char *arg, fp8ext_view *v) {
-    if (fp8ext_view_get(o, stream, FN, arg, v) < 0 || fp8ext_check_fp8(v, fmt, FN, arg) < 0 ||
-        fp8ext_check_contiguous(v, FN, arg) < 0)
-        return -1;
+/* An FP8 operand: FP8 bytes, 2-D, row-major, 16-byte aligned (cuBLASLt's FP8 rule), on ref's device (ref NULL: a
+ * itself). Its scale_inv is read with its partner's (fp8ext_gemm_get_scales). */
+static int get_operand(PyObject *o, int fmt, const fp8ext_view *ref, Py_ssize_t stream, const char *arg,
+                       fp8ext_fp8_views *fv, fp8ext_fp8_tensor *t) {
+    const fp8ext_fp8_args fa = {.data = o, .data_name = arg, .fmt = fmt};
+    if (fp8ext_get_fp8_tensor(&fa, ref, "a", stream, FN, fv, t) < 0) return -1;
+    const fp8ext_view *v = &fv->data;
     if (v->ndim != 2) return value_error(FN "(): %s must be 2-D, got %d dimensions", arg, v->ndim);
     if (!is_aligned(v->data, 16))
         return value_error(FN "(): %s must start on a 16-byte boundary for cuBLASLt (a sliced view? call "
@@ -40,9 +43,10 @@ static int raise_status(const fp8ext_gemm_status *s, const fp8ext_gemm_args *g) 
     PyErr_Format(s->kind == FP8EXT_GEMM_NO_KERNEL ? PyExc_ValueError : PyExc_RuntimeError,
                  FN "(): %s returned %s for M=%lld, N=%lld, K=%lld, a %s (%s scales), b %s (%s scales), out %s%s%s "
                     "(cuBLASLt %zu)",
-                 s->what, fp8ext_gemm_status_text(s, status, sizeof status), (long long)g->m, (long long)g->n,
-                 (long long)g->k, g->a_fmt == FP8EXT_E4M3 ? "E4M3" : "E5M2", fp8ext_gemm_mode_name(g->a_scale_mode),
-                 g->b_fmt == FP8EXT_E4M3 ? "E4M3" : "E5M2", fp8ext_gemm_mode_name(g->b_scale_mode),
+                 s->what, fp8ext_gemm_status_text(s, status, sizeof status), (long long)g->a.rows, (long long)g->b.rows,
+                 (long long)g->a.cols, g->a.fmt == FP8EXT_E4M3 ? "E4M3" : "E5M2",
+                 fp8ext_gemm_mode_name(g->a.scale_layout), g->b.fmt == FP8EXT_E4M3 ? "E4M3" : "E5M2",
+                 fp8ext_gemm_mode_name(g->b.scale_layout),
                  fp8ext_gemm_type_name(g->out_type), g->bias ? ", bias" : "", g->accumulate ? ", accumulate" : "",
                  fp8ext_cublaslt_version());
     return -1;
@@ -116,8 +120,9 @@ static PyObject *py_gemm(PyObject *module, PyObject *args, PyObject *kwargs) {
                            &sb_o, &out_o, &out_fmt, &bias_o, &os_o, &amax_o, &accumulate, &fast_accum, &ws_o,
                            &stream, &tune, &scratch_o))
         return NULL;
-    fp8ext_view a = {0}, b = {0}, sa = {0}, sb = {0}, out = {0}, bias = {0}, os = {0}, amax = {0}, ws = {0};
-    fp8ext_view scratch = {0};
+    fp8ext_fp8_views av = {0}, bv = {0};
+    fp8ext_view sa = {0}, sb = {0}, out = {0}, bias = {0}, os = {0}, amax = {0}, ws = {0}, scratch = {0};
+    const fp8ext_view *a = &av.data, *b = &bv.data;
     PyObject *ret = NULL;
     fp8ext_gemm_args g = {0};
     for (int i = 0; i < 3; ++i) {
@@ -133,26 +138,26 @@ static PyObject *py_gemm(PyObject *module, PyObject *args, PyObject *kwargs) {
                        "as HYBRID does: E5M2 gradients times E4M3 weights or activations)");
         goto done;
     }
-    if (get_operand(a_o, a_fmt, stream, "a", &a) < 0 || get_operand(b_o, b_fmt, stream, "b", &b) < 0 ||
-        fp8ext_check_same_device(&b, &a, FN, "b", "a") < 0)
+    if (get_operand(a_o, a_fmt, NULL, stream, "a", &av, &g.a) < 0 ||
+        get_operand(b_o, b_fmt, a, stream, "b", &bv, &g.b) < 0)
         goto done;
-    g.m = a.shape[0], g.k = a.shape[1], g.n = b.shape[0];
-    if (b.shape[1] != g.k) {
+    const int64_t m = g.a.rows, k = g.a.cols, n = g.b.rows;
+    if (g.b.cols != k) {
         value_error(FN "(): a is [%lld, %lld] but b is [%lld, %lld]; out = a @ b^T needs a.shape[1] == b.shape[1] (K)",
-                    (long long)g.m, (long long)g.k, (long long)g.n, (long long)b.shape[1]);
+                    (long long)m, (long long)k, (long long)n, (long long)g.b.cols);
         goto done;
     }
     /* M == 0 is an empty product, returned without calling cuBLASLt; K == 0 or N == 0 are refused, as
      * cuBLASLt would (and an empty K would make out a matrix of zeros nobody asked for). */
-    if (g.k % 16 || g.n % 16 || g.k == 0 || g.n == 0) {
+    if (k % 16 || n % 16 || k == 0 || n == 0) {
         value_error(FN "(): cuBLASLt's FP8 GEMM needs K and N to be nonzero multiples of 16 (M may be 0); got "
                        "a [M=%lld, K=%lld], b [N=%lld, K=%lld]",
-                    (long long)g.m, (long long)g.k, (long long)g.n, (long long)g.k);
+                    (long long)m, (long long)k, (long long)n, (long long)k);
         goto done;
     }
-    if (fp8ext_gemm_get_scales(sa_o, sb_o, &a, stream, fast_accum, &g, &sa, &sb) < 0) goto done;
+    if (fp8ext_gemm_get_scales(sa_o, sb_o, a, stream, fast_accum, &g, &sa, &sb) < 0) goto done;
     /* out */
-    if (fp8ext_view_get(out_o, stream, FN, "out", &out) < 0 || fp8ext_check_same_device(&out, &a, FN, "out", "a") < 0 ||
+    if (fp8ext_view_get(out_o, stream, FN, "out", &out) < 0 || fp8ext_check_same_device(&out, a, FN, "out", "a") < 0 ||
         fp8ext_check_contiguous(&out, FN, "out") < 0 || fp8ext_check_writable(&out, FN, "out") < 0)
         goto done;
     if (out_fmt >= 0) {
@@ -162,8 +167,8 @@ static PyObject *py_gemm(PyObject *module, PyObject *args, PyObject *kwargs) {
         if (fp8ext_check_float(&out, FN, "out") < 0) goto done;
         g.out_type = out.kind; /* FP8EXT_KIND_F32/BF16/F16 == FP8EXT_OUT_F32/BF16/F16 */
     }
-    if (out.ndim != 2 || out.shape[0] != g.m || out.shape[1] != g.n) {
-        value_error(FN "(): out must have shape [%lld, %lld] (M, N)", (long long)g.m, (long long)g.n);
+    if (out.ndim != 2 || out.shape[0] != m || out.shape[1] != n) {
+        value_error(FN "(): out must have shape [%lld, %lld] (M, N)", (long long)m, (long long)n);
         goto done;
     }
     if (!is_aligned(out.data, 16)) {
@@ -175,7 +180,7 @@ static PyObject *py_gemm(PyObject *module, PyObject *args, PyObject *kwargs) {
         value_error(FN "(): an E5M2 output needs an E5M2 input in cuBLASLt; a and b are both E4M3");
         goto done;
     }
-    if (fp8_out && g.a_scale_mode != FP8EXT_SCALE_TENSOR) {
+    if (fp8_out && g.a.scale_layout != FP8EXT_SCALE_TENSOR) {
         value_error(FN "(): an FP8 output needs per-tensor input scales (cuBLASLt has no FP8 output with per-row or "
                        "block scales)");
         goto done;
@@ -190,17 +195,17 @@ static PyObject *py_gemm(PyObject *module, PyObject *args, PyObject *kwargs) {
     }
     if (os_o != Py_None && (fp8ext_view_get(os_o, stream, FN, "out_scale", &os) < 0 ||
                             fp8ext_check_scalar_f32(&os, FN, "out_scale") < 0 ||
-                            fp8ext_check_same_device(&os, &a, FN, "out_scale", "a") < 0 ||
+                            fp8ext_check_same_device(&os, a, FN, "out_scale", "a") < 0 ||
                             fp8ext_check_scale_values(&os, FN, "out_scale") < 0))
         goto done;
     if (amax_o != Py_None &&
         (fp8ext_view_get(amax_o, stream, FN, "amax_out", &amax) < 0 || fp8ext_check_scalar_f32(&amax, FN, "amax_out") < 0 ||
-         fp8ext_check_same_device(&amax, &a, FN, "amax_out", "a") < 0 || fp8ext_check_writable(&amax, FN, "amax_out") < 0))
+         fp8ext_check_same_device(&amax, a, FN, "amax_out", "a") < 0 || fp8ext_check_writable(&amax, FN, "amax_out") < 0))
         goto done;
     /* bias */
     if (bias_o != Py_None) {
         if (fp8ext_view_get(bias_o, stream, FN, "bias", &bias) < 0 ||
-            fp8ext_check_same_device(&bias, &a, FN, "bias", "a") < 0 || fp8ext_check_contiguous(&bias, FN, "bias") < 0)
+            fp8ext_check_same_device(&bias, a, FN, "bias", "a") < 0 || fp8ext_check_contiguous(&bias, FN, "bias") < 0)
             goto done;
         const int want = g.out_type == FP8EXT_OUT_F16 ? FP8EXT_KIND_F16 : FP8EXT_KIND_BF16;
         if (bias.kind != want) {
@@ -212,9 +217,9 @@ static PyObject *py_gemm(PyObject *module, PyObject *args, PyObject *kwargs) {
                          fp8ext_view_dtype_name(&bias, dt, sizeof dt));
             goto done;
         }
-        if (bias.ndim != 1 || bias.shape[0] != g.n) {
+        if (bias.ndim != 1 || bias.shape[0] != n) {
             value_error(FN "(): bias must have shape [%lld] (N), got %d dimensions of which the first is %lld",
-                        (long long)g.n, bias.ndim, (long long)(bias.ndim ? bias.shape[0] : 0));
+                        (long long)n, bias.ndim, (long long)(bias.ndim ? bias.shape[0] : 0));
             goto done;
         }
         if (!is_aligned(bias.data, 16)) {
@@ -225,27 +230,28 @@ static PyObject *py_gemm(PyObject *module, PyObject *args, PyObject *kwargs) {
         g.bias_type = want == FP8EXT_KIND_F16 ? FP8EXT_F16 : FP8EXT_BF16;
     }
     /* cuBLASLt writes out, amax_out and its buffers while it reads everything else */
-    if (a.device_type == kDLCUDA && get_gpu_buffers(ws_o, scratch_o, &a, stream, &ws, &scratch) < 0) goto done;
+    if (a->device_type == kDLCUDA && get_gpu_buffers(ws_o, scratch_o, a, stream, &ws, &scratch) < 0) goto done;
     if (fp8ext_check_disjoint(FN, 4, 10,
-                              (const fp8ext_view *const[]){&out, &amax, &ws, &scratch, &a, &b, &sa, &sb, &bias, &os},
+                              (const fp8ext_view *const[]){&out, &amax, &ws, &scratch, a, b, &sa, &sb, &bias, &os},
                               (const char *const[]){"out", "amax_out", "workspace", "tune_scratch", "a", "b",
                                                     "a_scale_inv", "b_scale_inv", "bias", "out_scale"}) < 0)
         goto done;
-    g.a = a.data, g.b = b.data, g.a_fmt = a_fmt, g.b_fmt = b_fmt, g.out = out.data;
+    g.out = out.data;
     g.out_scale = os.capsule ? os.data : NULL;
     g.amax_out = amax.capsule ? amax.data : NULL;
     g.accumulate = accumulate, g.fast_accum = fast_accum;
-    if (a.device_type == kDLCUDA) {
+    if (a->device_type == kDLCUDA) {
         size_t scratch_bytes = 0;
-        if (run_on_gpu(module, &a, stream, tune, &g, &ws, &scratch, &scratch_bytes) < 0) goto done;
+        if (run_on_gpu(module, a, stream, tune, &g, &ws, &scratch, &scratch_bytes) < 0) goto done;
         if (scratch_bytes) { /* autotune's first call of this problem: nothing ran, Python calls again */
-            ret = Py_BuildValue("(iin)", g.a_scale_mode, g.b_scale_mode, (Py_ssize_t)scratch_bytes);
+            ret = Py_BuildValue("(iin)", g.a.scale_layout, g.b.scale_layout, (Py_ssize_t)scratch_bytes);
             goto done;
         }
     }
-    ret = Py_BuildValue("(ii)", g.a_scale_mode, g.b_scale_mode);
+    ret = Py_BuildValue("(ii)", g.a.scale_layout, g.b.scale_layout);
 done:
-    fp8ext_view_release(&a), fp8ext_view_release(&b), fp8ext_view_release(&sa), fp8ext_view_release(&sb);
+    fp8ext_fp8_views_release(&av), fp8ext_fp8_views_release(&bv);
+    fp8ext_view_release(&sa), fp8ext_view_release(&sb);
     fp8ext_view_release(&out), fp8ext_view_release(&bias), fp8ext_view_release(&os), fp8ext_view_release(&amax);
     fp8ext_view_release(&ws), fp8ext_view_release(&scratch);
     return ret;

@@ -81,27 +81,28 @@ static int check_mode_pair(int ma, int mb, int fast_accum) {
 
 int fp8ext_gemm_get_scales(PyObject *sa_o, PyObject *sb_o, const fp8ext_view *a, Py_ssize_t stream, int fast_accum,
                            fp8ext_gemm_args *g, fp8ext_view *sa, fp8ext_view *sb) {
+    const int64_t m = g->a.rows, n = g->b.rows, k = g->a.cols;
     if (fp8ext_view_get(sa_o, stream, FN, "a_scale_inv", sa) < 0 ||
         fp8ext_check_same_device(sa, a, FN, "a_scale_inv", "a") < 0 ||
-        get_scale_mode(sa, 0, g->m, g->k, "a_scale_inv", &g->a_scale_mode) < 0 ||
+        get_scale_mode(sa, 0, m, k, "a_scale_inv", &g->a.scale_layout) < 0 ||
         fp8ext_view_get(sb_o, stream, FN, "b_scale_inv", sb) < 0 ||
         fp8ext_check_same_device(sb, a, FN, "b_scale_inv", "a") < 0 ||
-        get_scale_mode(sb, 1, g->n, g->k, "b_scale_inv", &g->b_scale_mode) < 0)
+        get_scale_mode(sb, 1, n, k, "b_scale_inv", &g->b.scale_layout) < 0)
         return -1;
     /* A one-element scale is also a whole row (M == 1) or a whole 128x128 block grid (N, K <= 128): read it
      * the way its partner asks for, when its shape says so. */
-    if (g->a_scale_mode == FP8EXT_SCALE_TENSOR && g->b_scale_mode == FP8EXT_SCALE_ROW && sa->ndim == 1 && g->m == 1)
-        g->a_scale_mode = FP8EXT_SCALE_ROW;
-    if (g->b_scale_mode == FP8EXT_SCALE_TENSOR && g->a_scale_mode == FP8EXT_SCALE_BLOCK_1x128 && sb->ndim == 2 &&
-        g->n <= 128 && g->k <= 128)
-        g->b_scale_mode = FP8EXT_SCALE_BLOCK_128x128;
-    if (check_mode_pair(g->a_scale_mode, g->b_scale_mode, fast_accum) < 0) return -1;
-    if ((g->a_scale_mode >= FP8EXT_SCALE_BLOCK_1x128) && (!is_aligned(sa->data, 16) || !is_aligned(sb->data, 16)))
+    if (g->a.scale_layout == FP8EXT_SCALE_TENSOR && g->b.scale_layout == FP8EXT_SCALE_ROW && sa->ndim == 1 && m == 1)
+        g->a.scale_layout = FP8EXT_SCALE_ROW;
+    if (g->b.scale_layout == FP8EXT_SCALE_TENSOR && g->a.scale_layout == FP8EXT_SCALE_BLOCK_1x128 && sb->ndim == 2 &&
+        n <= 128 && k <= 128)
+        g->b.scale_layout = FP8EXT_SCALE_BLOCK_128x128;
+    if (check_mode_pair(g->a.scale_layout, g->b.scale_layout, fast_accum) < 0) return -1;
+    if ((g->a.scale_layout >= FP8EXT_SCALE_BLOCK_1x128) && (!is_aligned(sa->data, 16) || !is_aligned(sb->data, 16)))
         return fp8ext_gemm_value_error(FN "(): block scale tensors must start on a 16-byte boundary");
     /* Host-memory scales get the rule a Python number scale gets (every element of a per-row or block one):
      * a 0, negative, NaN or Inf scale_inv would silently turn the product into garbage. */
     if (fp8ext_check_scale_values(sa, FN, "a_scale_inv") < 0 || fp8ext_check_scale_values(sb, FN, "b_scale_inv") < 0)
         return -1;
-    g->a_scale_inv = sa->data, g->b_scale_inv = sb->data;
+    g->a.scale_inv = sa->data, g->b.scale_inv = sb->data;
     return 0;
 }

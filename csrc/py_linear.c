@@ -129,14 +129,22 @@ static int get_int(PyObject *o, const char *fn, const char *arg, long long *out)
     return 0;
 }
 
-/* A per-tensor FP8 GEMM of the layer: out[M, N] = (a * sa) @ (b * sb)^T, a [M, K] and b [N, K] FP8. */
-static void gemm_args(fp8ext_gemm_args *g, int64_t m, int64_t n, int64_t k, const void *a, int a_fmt, const float *sa,
-                      const void *b, int b_fmt, const float *sb, const fp8ext_view *out) {
+/* A per-tensor FP8 GEMM of the layer: out[M, N] = a [M, K] @ b [N, K]^T, each dequantized by its scale_inv. */
+static void gemm_args(fp8ext_gemm_args *g, const fp8ext_fp8_tensor *a, const fp8ext_fp8_tensor *b,
+                      const fp8ext_view *out) {
     memset(g, 0, sizeof *g);
-    g->m = m, g->n = n, g->k = k;
-    g->a = a, g->a_fmt = a_fmt, g->a_scale_inv = sa, g->a_scale_mode = FP8EXT_SCALE_TENSOR;
-    g->b = b, g->b_fmt = b_fmt, g->b_scale_inv = sb, g->b_scale_mode = FP8EXT_SCALE_TENSOR;
+    g->a = *a, g->b = *b;
     g->out = out->data, g->out_type = out->kind; /* FP8EXT_KIND_F32/BF16/F16 == FP8EXT_OUT_F32/BF16/F16 */
+}
+
+/* The layer's FP8 tensor i (0 x, 1 W, 2 dy) of rows x cols: its data at `data`, the transposed copy at `data_t`, its
+ * scale_inv in the saved buffer's slot i and, with current scaling, its amax and scale there too (else the caller's
+ * scale and amax cells). */
+static fp8ext_fp8_tensor layer_fp8(uint8_t *saved, int i, uint8_t *data, uint8_t *data_t, int64_t rows, int64_t cols,
+                                   long long fmt, int current, const fp8ext_view *scale, const fp8ext_view *amax) {
+    return (fp8ext_fp8_tensor){.data = data, .data_t = data_t, .rows = rows, .cols = cols, .fmt = (int)fmt,
+                               .scale_inv = SINV(saved, i), .scale = current ? CUR_SCALE(saved, i) : scale->data,
+                               .amax = current ? CUR_AMAX(saved, i) : amax->data};
 }
 
 #ifdef FP8EXT_WITH_CUDA
@@ -148,7 +156,8 @@ static int raise_gemm(const char *fn, const char *which, const fp8ext_gemm_statu
     char text[160];
     PyErr_Format(s->kind == FP8EXT_GEMM_NO_KERNEL ? PyExc_ValueError : PyExc_RuntimeError,
                  "%s(): the %s GEMM: %s returned %s for M=%lld, N=%lld, K=%lld, out %s", fn, which, s->what,
-                 fp8ext_gemm_status_text(s, text, sizeof text), (long long)g->m, (long long)g->n, (long long)g->k,
+                 fp8ext_gemm_status_text(s, text, sizeof text), (long long)g->a.rows, (long long)g->b.rows,
+                 (long long)g->a.cols,
                  fp8ext_gemm_type_name(g->out_type));
     return -1;
 }
@@ -304,16 +313,14 @@ static PyObject *py_linear_fwd(PyObject *module, PyObject *const *args, Py_ssize
     uint8_t *sv = saved.data, *sc = scratch.data;
     fp8ext_current_scale_args cur[2];
     if (current) current_args(&cur[0], &x, sv, 0, fmt, margin), current_args(&cur[1], &w, sv, 1, fmt, margin);
-    fp8ext_cast_transpose_args casts[2] = {
-        {.x = x.data, .x_dtype = fp8ext_view_dtype(&x), .rows = m, .cols = k, .q = sc, .qt = sv + SINV_BYTES, .fmt = (int)fmt,
-         .scale_ptr = current ? CUR_SCALE(sv, 0) : xs.data, .amax_out = current ? CUR_AMAX(sv, 0) : xa.data,
-         .scale_inv_out = SINV(sv, 0), .saturate = 1},
-        {.x = w.data, .x_dtype = fp8ext_view_dtype(&w), .rows = n, .cols = k, .q = sc + rmk, .qt = sv + SINV_BYTES + rmk,
-         .fmt = (int)fmt, .scale_ptr = current ? CUR_SCALE(sv, 1) : wsc.data,
-         .amax_out = current ? CUR_AMAX(sv, 1) : wa.data, .scale_inv_out = SINV(sv, 1), .saturate = 1},
+    const fp8ext_fp8_tensor x8 = layer_fp8(sv, 0, sc, sv + SINV_BYTES, m, k, fmt, current, &xs, &xa);
+    const fp8ext_fp8_tensor w8 = layer_fp8(sv, 1, sc + rmk, sv + SINV_BYTES + rmk, n, k, fmt, current, &wsc, &wa);
+    const fp8ext_cast_transpose_args casts[2] = {
+        {.x = x.data, .x_dtype = fp8ext_view_dtype(&x), .q = x8, .saturate = 1},
+        {.x = w.data, .x_dtype = fp8ext_view_dtype(&w), .q = w8, .saturate = 1},
     };
     fp8ext_gemm_args g;
-    gemm_args(&g, m, n, k, sc, (int)fmt, SINV(sv, 0), sc + rmk, (int)fmt, SINV(sv, 1), &y);
+    gemm_args(&g, &x8, &w8, &y);
     g.fast_accum = 1; /* the forward GEMM, as Transformer Engine's */
     if (bias.capsule) g.bias = bias.data, g.bias_type = bias.kind == FP8EXT_KIND_F16 ? FP8EXT_F16 : FP8EXT_BF16;
     static const char *const names[] = {"forward"};
@@ -394,10 +401,13 @@ static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize
     uint8_t *sv = saved.data, *sc = scratch.data;
     fp8ext_current_scale_args cur;
     if (current) current_args(&cur, &dy, sv, 2, bfmt, margin);
-    fp8ext_cast_transpose_args cast = {.x = dy.data, .x_dtype = fp8ext_view_dtype(&dy), .rows = m, .cols = n, .q = sc,
-                                       .qt = sc + rmn, .fmt = (int)bfmt, .scale_ptr = current ? CUR_SCALE(sv, 2) : gs.data,
-                                       .amax_out = current ? CUR_AMAX(sv, 2) : ga.data, .scale_inv_out = SINV(sv, 2),
-                                       .saturate = 1};
+    /* dy8 [M, N] with dy8^T in the scratch buffer; x8^T [K, M] and W8^T [K, N] saved by the forward */
+    const fp8ext_fp8_tensor dy8 = layer_fp8(sv, 2, sc, sc + rmn, m, n, bfmt, current, &gs, &ga);
+    const fp8ext_fp8_tensor x8t = {.data = sv + SINV_BYTES, .rows = k, .cols = m, .fmt = (int)ffmt,
+                                   .scale_inv = SINV(sv, 0)};
+    const fp8ext_fp8_tensor w8t = {.data = sv + SINV_BYTES + rmk, .rows = k, .cols = n, .fmt = (int)ffmt,
+                                   .scale_inv = SINV(sv, 1)};
+    const fp8ext_cast_transpose_args cast = {.x = dy.data, .x_dtype = fp8ext_view_dtype(&dy), .q = dy8, .saturate = 1};
     const fp8ext_cast_transpose_dbias_args cast_db = {.ct = cast, .dbias = db.data,
                                                       .dbias_dtype = fp8ext_view_dtype(&db),
                                                       .workspace = (float *)(sc + 2 * rmn)};
@@ -405,11 +415,12 @@ static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize
     const char *names[2];
     int ng = 0;
     if (dx.capsule) { /* dx[M, K] = dy8[M, N] @ (W8^T[K, N])^T */
-        gemm_args(&g[ng], m, k, n, sc, (int)bfmt, SINV(sv, 2), sv + SINV_BYTES + rmk, (int)ffmt, SINV(sv, 1), &dx);
+        gemm_args(&g[ng], &dy8, &w8t, &dx);
         names[ng++] = "dgrad";
     }
     if (dw.capsule) { /* dW[N, K] = dy8^T[N, M] @ (x8^T[K, M])^T */
-        gemm_args(&g[ng], n, k, m, sc + rmn, (int)bfmt, SINV(sv, 2), sv + SINV_BYTES, (int)ffmt, SINV(sv, 0), &dw);
+        const fp8ext_fp8_tensor dy8t = fp8ext_fp8_t(&dy8);
+        gemm_args(&g[ng], &dy8t, &x8t, &dw);
         g[ng].accumulate = accumulate;
         names[ng++] = "wgrad";
     }

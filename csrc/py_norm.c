@@ -78,9 +78,12 @@ static PyObject *py_fused_rows(PyObject *module, PyObject *args, PyObject *kwarg
     a.x_dtype = fp8ext_view_dtype(&x);
     a.gamma = g.capsule ? g.data : NULL;
     a.eps = eps;
-    a.out = out.data;
-    a.scale = sc.capsule ? sc.data : NULL;
-    a.scale_inv = si.capsule ? si.data : NULL;
+    if (mode == FP8EXT_FUSED_OUT_HP)
+        a.y = out.data;
+    else
+        a.q = (fp8ext_fp8_tensor){.data = out.data, .rows = a.rows, .cols = a.cols, .fmt = FP8EXT_E4M3,
+                                  .scale_layout = mode == FP8EXT_FUSED_OUT_FP8 ? FP8EXT_SCALE_TENSOR : FP8EXT_SCALE_ROW,
+                                  .scale = sc.capsule ? sc.data : NULL, .scale_inv = si.capsule ? si.data : NULL};
     a.op = op;
     a.out_mode = mode;
     if (fp8ext_run_op(module, &x, stream, fn, fp8ext_no_cpu, cuda_fused_rows, &a) < 0) goto done;

@@ -11,6 +11,7 @@
 #include "fp8_numerics.h"
 #include "fp8ext.h"
 #include "module_state.h"
+#include "py_fp8_tensor.h"
 
 /* An input: any float dtype we read, contiguous. */
 static int get_input(PyObject *o, Py_ssize_t stream, const char *fn, const char *arg, fp8ext_view *v) {
@@ -28,49 +29,6 @@ static int get_output(PyObject *o, int kind, const fp8ext_view *ref, const char 
     if (fp8ext_check_same_device(v, ref, fn, arg, ref_arg) < 0 || fp8ext_check_contiguous(v, fn, arg) < 0 ||
         fp8ext_check_writable(v, fn, arg) < 0)
         return -1;
-    return 0;
-}
-
-/* A scale: a Python number (finite, > 0 once rounded to float32), or a one-element float32
- * tensor on ref's device whose value is read where it lives (no host synchronisation). A tensor in
- * host memory is held to the number's rule here; one on a GPU cannot be without a synchronisation. */
-static int get_scale(PyObject *o, const fp8ext_view *ref, const char *ref_arg, Py_ssize_t stream, const char *fn,
-                     const char *arg, fp8ext_view *t, const float **ptr, float *value) {
-    *ptr = NULL;
-    *value = 1.0f;
-    if (PyFloat_Check(o) || (PyLong_Check(o) && !PyBool_Check(o))) {
-        const double d = PyFloat_AsDouble(o);
-        if (d == -1.0 && PyErr_Occurred()) {
-            if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return -1;
-            PyErr_Clear(); /* an int past the double range: the same rule as any other out-of-range value */
-            PyErr_Format(PyExc_ValueError, "%s(): %s must be finite and positive in float32, got an int too large "
-                         "for a float", fn, arg);
-            return -1;
-        }
-        const float f = (float)d;
-        if (!(isfinite(f) && f > 0.0f)) {
-            PyErr_Format(PyExc_ValueError, "%s(): %s must be finite and positive in float32, got %R", fn, arg, o);
-            return -1;
-        }
-        *value = f;
-        return 0;
-    }
-    if (fp8ext_view_get(o, stream, fn, arg, t) < 0 || fp8ext_check_scalar_f32(t, fn, arg) < 0 ||
-        fp8ext_check_same_device(t, ref, fn, arg, ref_arg) < 0 || fp8ext_check_scale_values(t, fn, arg) < 0)
-        return -1;
-    *ptr = (const float *)t->data;
-    return 0;
-}
-
-/* An optional running amax: None, or a one-element float32 tensor on ref's device. */
-static int get_amax(PyObject *o, const fp8ext_view *ref, const char *ref_arg, Py_ssize_t stream, const char *fn,
-                    const char *arg, fp8ext_view *t, float **ptr) {
-    *ptr = NULL;
-    if (o == Py_None) return 0;
-    if (fp8ext_view_get(o, stream, fn, arg, t) < 0 || fp8ext_check_scalar_f32(t, fn, arg) < 0 ||
-        fp8ext_check_same_device(t, ref, fn, arg, ref_arg) < 0 || fp8ext_check_writable(t, fn, arg) < 0)
-        return -1;
-    *ptr = (float *)t->data;
     return 0;
 }
 
@@ -102,33 +60,32 @@ static PyObject *py_quantize(PyObject *module, PyObject *args, PyObject *kwargs)
     if (!fp8ext_parse_args(args, kwargs, "OOiO|OppKnO:quantize", kwlist, &x_o, &out_o, &fmt, &scale_o,
                            &amax_o, &saturate, &stochastic, &seed, &stream, &sinv_o))
         return NULL;
-    fp8ext_view x = {0}, out = {0}, scale = {0}, amax = {0}, sinv = {0};
+    fp8ext_view x = {0};
+    fp8ext_fp8_views q = {0};
     PyObject *ret = NULL;
     fp8ext_quantize_args a = {0};
     const int fpx = fmt >= FPX_FIRST && fmt <= FPX_LAST;
+    const fp8ext_fp8_args qa = {.data = out_o, .scale = scale_o, .amax = amax_o, .scale_inv = sinv_o,
+                                .data_name = "out", .scale_name = "scale", .amax_name = "amax_out",
+                                .scale_inv_name = "scale_inv_out", .fmt = fpx ? -1 : fmt, .written = 1};
     if ((!fpx && fp8ext_check_fmt_or_fpx(fmt, fn) < 0) || get_input(x_o, stream, fn, "x", &x) < 0 ||
         (fpx && fp8ext_check_fpx(fmt, &x, stochastic, fn) < 0) ||
-        get_output(out_o, FP8EXT_KIND_U8, &x, "x", stream, fn, "out", &out) < 0 ||
-        (fpx ? fp8ext_check_fp8(&out, -1, fn, "out") : fp8ext_check_fp8(&out, fmt, fn, "out")) < 0 ||
-        fp8ext_check_same_shape(&out, &x, fn, "out", "x") < 0 ||
-        get_scale(scale_o, &x, "x", stream, fn, "scale", &scale, &a.scale_ptr, &a.scale) < 0 ||
-        get_amax(amax_o, &x, "x", stream, fn, "amax_out", &amax, &a.amax_out) < 0 ||
-        get_amax(sinv_o, &x, "x", stream, fn, "scale_inv_out", &sinv, &a.scale_inv_out) < 0 ||
-        fp8ext_check_disjoint(fn, 3, 5, (const fp8ext_view *const[]){&sinv, &amax, &out, &x, &scale},
-                       (const char *const[]){"scale_inv_out", "amax_out", "out", "x", "scale"}) < 0)
+        fp8ext_get_fp8_tensor(&qa, &x, "x", stream, fn, &q, &a.q) < 0 ||
+        fp8ext_check_same_shape(&q.data, &x, fn, "out", "x") < 0 ||
+        fp8ext_check_disjoint(fn, 3, 5, (const fp8ext_view *const[]){&q.scale_inv, &q.amax, &q.data, &x, &q.scale},
+                              (const char *const[]){"scale_inv_out", "amax_out", "out", "x", "scale"}) < 0)
         goto done;
     a.x = x.data;
     a.x_dtype = fp8ext_view_dtype(&x);
-    a.n = x.numel;
-    a.q = out.data;
-    a.fmt = fmt;
+    a.q.fmt = fmt;
     a.saturate = saturate;
     a.stochastic = stochastic;
     a.sr_key = fp8_sr_key(seed);
     if (fp8ext_run_op(module, &x, stream, fn, cpu_quantize, cuda_quantize, &a) < 0) goto done;
     ret = Py_NewRef(Py_None);
 done:
-    FP8EXT_RELEASE_ALL(&x, &out, &scale, &amax, &sinv);
+    fp8ext_view_release(&x);
+    fp8ext_fp8_views_release(&q);
     return ret;
 }
 
@@ -141,29 +98,28 @@ static PyObject *py_dequantize(PyObject *module, PyObject *args, PyObject *kwarg
     Py_ssize_t stream = 0;
     if (!fp8ext_parse_args(args, kwargs, "OOiO|n:dequantize", kwlist, &q_o, &out_o, &fmt, &scale_o, &stream))
         return NULL;
-    fp8ext_view q = {0}, out = {0}, scale = {0};
+    fp8ext_view out = {0};
+    fp8ext_fp8_views q = {0};
     PyObject *ret = NULL;
     fp8ext_dequantize_args a = {0};
     const int fpx = fmt >= FPX_FIRST && fmt <= FPX_LAST;
-    if ((!fpx && fp8ext_check_fmt_or_fpx(fmt, fn) < 0) || fp8ext_view_get(q_o, stream, fn, "q", &q) < 0 ||
-        (fpx && fp8ext_check_fpx(fmt, &q, 0, fn) < 0) ||
-        (fpx ? fp8ext_check_fp8(&q, -1, fn, "q") : fp8ext_check_fp8(&q, fmt, fn, "q")) < 0 ||
-        fp8ext_check_contiguous(&q, fn, "q") < 0 ||
-        get_output(out_o, -1, &q, "q", stream, fn, "out", &out) < 0 ||
-        fp8ext_check_same_shape(&out, &q, fn, "out", "q") < 0 ||
-        get_scale(scale_o, &q, "q", stream, fn, "scale_inv", &scale, &a.scale_inv_ptr, &a.scale_inv) < 0 ||
-        fp8ext_check_disjoint(fn, 1, 3, (const fp8ext_view *const[]){&out, &q, &scale},
+    const fp8ext_fp8_args qa = {.data = q_o, .scale_inv = scale_o, .data_name = "q", .scale_inv_name = "scale_inv",
+                                .fmt = fpx ? -1 : fmt, .written = 0};
+    if ((!fpx && fp8ext_check_fmt_or_fpx(fmt, fn) < 0) ||
+        fp8ext_get_fp8_tensor(&qa, NULL, NULL, stream, fn, &q, &a.q) < 0 ||
+        get_output(out_o, -1, &q.data, "q", stream, fn, "out", &out) < 0 ||
+        fp8ext_check_same_shape(&out, &q.data, fn, "out", "q") < 0 ||
+        fp8ext_check_disjoint(fn, 1, 3, (const fp8ext_view *const[]){&out, &q.data, &q.scale_inv},
                               (const char *const[]){"out", "q", "scale_inv"}) < 0)
         goto done;
-    a.q = q.data;
-    a.fmt = fmt;
-    a.n = q.numel;
+    a.q.fmt = fmt;
     a.out = out.data;
     a.out_dtype = fp8ext_view_dtype(&out);
-    if (fp8ext_run_op(module, &q, stream, fn, cpu_dequantize, cuda_dequantize, &a) < 0) goto done;
+    if (fp8ext_run_op(module, &q.data, stream, fn, cpu_dequantize, cuda_dequantize, &a) < 0) goto done;
     ret = Py_NewRef(Py_None);
 done:
-    FP8EXT_RELEASE_ALL(&q, &out, &scale);
+    fp8ext_view_release(&out);
+    fp8ext_fp8_views_release(&q);
     return ret;
 }
 
@@ -177,7 +133,8 @@ static PyObject *py_amax(PyObject *module, PyObject *args, PyObject *kwargs) {
     fp8ext_view x = {0}, out = {0};
     PyObject *ret = NULL;
     fp8ext_amax_args a = {0};
-    if (get_input(x_o, stream, fn, "x", &x) < 0 || get_amax(out_o, &x, "x", stream, fn, "out", &out, &a.amax_out) < 0)
+    if (get_input(x_o, stream, fn, "x", &x) < 0 || fp8ext_get_f32_cell(out_o, &x, "x", stream, fn, "out", &out,
+                                                                      &a.amax_out) < 0)
         goto done;
     if (!a.amax_out) {
         PyErr_Format(PyExc_TypeError, "%s(): out must be a float32 tensor, got None", fn);
@@ -194,10 +151,32 @@ done:
     return ret;
 }
 
-/* The views of a cast_transpose (x, out, out_t, scale, amax_out, scale_inv_out), taken and checked. */
+/* The views of a cast_transpose: x, and the FP8 tensor it writes (out, out_t, scale, amax_out, scale_inv_out). */
 typedef struct {
-    fp8ext_view x, out, outt, scale, amax, sinv;
+    fp8ext_view x;
+    fp8ext_fp8_views q;
 } ct_views;
+
+static void release_ct(ct_views *v) {
+    fp8ext_view_release(&v->x);
+    fp8ext_fp8_views_release(&v->q);
+}
+
+/* That FP8 tensor's arguments. */
+static fp8ext_fp8_args ct_output(PyObject *out_o, PyObject *outt_o, PyObject *scale_o, PyObject *amax_o,
+                                 PyObject *sinv_o, int fmt) {
+    return (fp8ext_fp8_args){.data = out_o, .data_t = outt_o, .scale = scale_o, .amax = amax_o, .scale_inv = sinv_o,
+                             .data_name = "out", .data_t_name = "out_t", .scale_name = "scale",
+                             .amax_name = "amax_out", .scale_inv_name = "scale_inv_out", .fmt = fmt, .written = 1};
+}
+
+/* out_t is [rows, cols] transposed. */
+static int check_transposed(const fp8ext_view *outt, int64_t rows, int64_t cols, const char *fn) {
+    if (outt->ndim == 2 && outt->shape[0] == cols && outt->shape[1] == rows) return 0;
+    PyErr_Format(PyExc_ValueError, "%s(): out_t must have shape [%lld, %lld] (x transposed)", fn, (long long)cols,
+                 (long long)rows);
+    return -1;
+}
 
 static int get_cast_transpose(PyObject *x_o, PyObject *out_o, PyObject *outt_o, int fmt, PyObject *scale_o,
                               PyObject *amax_o, PyObject *sinv_o, int saturate, Py_ssize_t stream, const char *fn,
@@ -207,30 +186,20 @@ static int get_cast_transpose(PyObject *x_o, PyObject *out_o, PyObject *outt_o, 
         PyErr_Format(PyExc_ValueError, "%s(): x must be 2-D, got %d dimensions", fn, v->x.ndim);
         return -1;
     }
-    if (get_output(out_o, FP8EXT_KIND_U8, &v->x, "x", stream, fn, "out", &v->out) < 0 ||
-        fp8ext_check_fp8(&v->out, fmt, fn, "out") < 0 || fp8ext_check_same_shape(&v->out, &v->x, fn, "out", "x") < 0 ||
-        get_output(outt_o, FP8EXT_KIND_U8, &v->x, "x", stream, fn, "out_t", &v->outt) < 0 ||
-        fp8ext_check_fp8(&v->outt, fmt, fn, "out_t") < 0)
-        return -1;
-    if (v->outt.ndim != 2 || v->outt.shape[0] != v->x.shape[1] || v->outt.shape[1] != v->x.shape[0]) {
-        PyErr_Format(PyExc_ValueError, "%s(): out_t must have shape [%lld, %lld] (x transposed)", fn,
-                     (long long)v->x.shape[1], (long long)v->x.shape[0]);
-        return -1;
-    }
-    if (get_scale(scale_o, &v->x, "x", stream, fn, "scale", &v->scale, &a->scale_ptr, &a->scale) < 0 ||
-        get_amax(amax_o, &v->x, "x", stream, fn, "amax_out", &v->amax, &a->amax_out) < 0 ||
-        get_amax(sinv_o, &v->x, "x", stream, fn, "scale_inv_out", &v->sinv, &a->scale_inv_out) < 0)
+    const fp8ext_fp8_args qa = ct_output(out_o, outt_o, scale_o, amax_o, sinv_o, fmt);
+    if (fp8ext_get_fp8_tensor(&qa, &v->x, "x", stream, fn, &v->q, &a->q) < 0 ||
+        fp8ext_check_same_shape(&v->q.data, &v->x, fn, "out", "x") < 0 ||
+        check_transposed(&v->q.data_t, v->x.shape[0], v->x.shape[1], fn) < 0)
         return -1;
     a->x = v->x.data;
     a->x_dtype = fp8ext_view_dtype(&v->x);
-    a->rows = v->x.shape[0];
-    a->cols = v->x.shape[1];
-    a->q = v->out.data;
-    a->qt = v->outt.data;
-    a->fmt = fmt;
     a->saturate = saturate;
     return 0;
 }
+
+/* What cast_transpose writes, named for fp8ext_check_disjoint (outputs first, then inputs). */
+#define CT_VIEWS(v) &(v).q.scale_inv, &(v).q.amax, &(v).q.data, &(v).q.data_t
+#define CT_NAMES "scale_inv_out", "amax_out", "out", "out_t"
 
 /* cast_transpose(x, out, out_t, fmt, scale, amax_out=None, saturate=True, stream=0, scale_inv_out=None) */
 static PyObject *py_cast_transpose(PyObject *module, PyObject *args, PyObject *kwargs) {
@@ -247,13 +216,13 @@ static PyObject *py_cast_transpose(PyObject *module, PyObject *args, PyObject *k
     PyObject *ret = NULL;
     fp8ext_cast_transpose_args a = {0};
     if (get_cast_transpose(x_o, out_o, outt_o, fmt, scale_o, amax_o, sinv_o, saturate, stream, fn, &v, &a) < 0 ||
-        fp8ext_check_disjoint(fn, 4, 6, (const fp8ext_view *const[]){&v.sinv, &v.amax, &v.out, &v.outt, &v.x, &v.scale},
-                              (const char *const[]){"scale_inv_out", "amax_out", "out", "out_t", "x", "scale"}) < 0)
+        fp8ext_check_disjoint(fn, 4, 6, (const fp8ext_view *const[]){CT_VIEWS(v), &v.x, &v.q.scale},
+                              (const char *const[]){CT_NAMES, "x", "scale"}) < 0)
         goto done;
     if (fp8ext_run_op(module, &v.x, stream, fn, cpu_cast_transpose, cuda_cast_transpose, &a) < 0) goto done;
     ret = Py_NewRef(Py_None);
 done:
-    FP8EXT_RELEASE_ALL(&v.x, &v.out, &v.outt, &v.scale, &v.amax, &v.sinv);
+    release_ct(&v);
     return ret;
 }
 
@@ -313,26 +282,18 @@ static PyObject *py_cast_transpose_fused(PyObject *module, PyObject *args, PyObj
                      gated ? " with an even number of columns (gate, then up)" : "");
         goto done;
     }
-    a.rows = v.x.shape[0];
-    a.cols = prologue == FP8EXT_PROLOGUE_SWIGLU ? v.x.shape[1] / 2 : v.x.shape[1];
-    if (get_output(out_o, FP8EXT_KIND_U8, &v.x, "x", stream, fn, "out", &v.out) < 0 ||
-        fp8ext_check_fp8(&v.out, fmt, fn, "out") < 0 ||
-        get_output(outt_o, FP8EXT_KIND_U8, &v.x, "x", stream, fn, "out_t", &v.outt) < 0 ||
-        fp8ext_check_fp8(&v.outt, fmt, fn, "out_t") < 0)
-        goto done;
-    if (v.out.ndim != 2 || v.out.shape[0] != a.rows || v.out.shape[1] != a.cols || v.outt.ndim != 2 ||
-        v.outt.shape[0] != a.cols || v.outt.shape[1] != a.rows) {
+    const int64_t rows = v.x.shape[0], cols = prologue == FP8EXT_PROLOGUE_SWIGLU ? v.x.shape[1] / 2 : v.x.shape[1];
+    const fp8ext_fp8_args qa = ct_output(out_o, outt_o, scale_o, amax_o, sinv_o, fmt);
+    if (fp8ext_get_fp8_tensor(&qa, &v.x, "x", stream, fn, &v.q, &a.q) < 0) goto done;
+    if (v.q.data.ndim != 2 || a.q.rows != rows || a.q.cols != cols || v.q.data_t.ndim != 2 ||
+        v.q.data_t.shape[0] != cols || v.q.data_t.shape[1] != rows) {
         PyErr_Format(PyExc_ValueError, "%s(): out must have shape [%lld, %lld] and out_t [%lld, %lld]", fn,
-                     (long long)a.rows, (long long)a.cols, (long long)a.cols, (long long)a.rows);
+                     (long long)rows, (long long)cols, (long long)cols, (long long)rows);
         goto done;
     }
-    if (get_scale(scale_o, &v.x, "x", stream, fn, "scale", &v.scale, &a.scale_ptr, &a.scale) < 0 ||
-        get_amax(amax_o, &v.x, "x", stream, fn, "amax_out", &v.amax, &a.amax_out) < 0 ||
-        get_amax(sinv_o, &v.x, "x", stream, fn, "scale_inv_out", &v.sinv, &a.scale_inv_out) < 0)
-        goto done;
     if (prologue == FP8EXT_PROLOGUE_RMSNORM &&
-        (get_f32_vector(rstd_o, a.rows, &v.x, stream, fn, "rstd", &rstd) < 0 ||
-         get_f32_vector(g_o, a.cols, &v.x, stream, fn, "gamma", &g) < 0))
+        (get_f32_vector(rstd_o, rows, &v.x, stream, fn, "rstd", &rstd) < 0 ||
+         get_f32_vector(g_o, cols, &v.x, stream, fn, "gamma", &g) < 0))
         goto done;
     if (prologue == FP8EXT_PROLOGUE_DSWIGLU) {
         if (dy_o == Py_None) {
@@ -342,22 +303,17 @@ static PyObject *py_cast_transpose_fused(PyObject *module, PyObject *args, PyObj
         if (get_input(dy_o, stream, fn, "dy", &dy) < 0 || fp8ext_check_kind(&dy, v.x.kind, fn, "dy") < 0 ||
             fp8ext_check_same_device(&dy, &v.x, fn, "dy", "x") < 0)
             goto done;
-        if (dy.ndim != 2 || dy.shape[0] != a.rows || dy.shape[1] != a.cols / 2) {
-            PyErr_Format(PyExc_ValueError, "%s(): dy must have shape [%lld, %lld]", fn, (long long)a.rows,
-                         (long long)(a.cols / 2));
+        if (dy.ndim != 2 || dy.shape[0] != rows || dy.shape[1] != cols / 2) {
+            PyErr_Format(PyExc_ValueError, "%s(): dy must have shape [%lld, %lld]", fn, (long long)rows,
+                         (long long)(cols / 2));
             goto done;
         }
     }
-    if (fp8ext_check_disjoint(fn, 4, 9, (const fp8ext_view *const[]){&v.sinv, &v.amax, &v.out, &v.outt, &v.x, &v.scale,
-                                                                      &rstd, &g, &dy},
-                              (const char *const[]){"scale_inv_out", "amax_out", "out", "out_t", "x", "scale", "rstd",
-                                                    "gamma", "dy"}) < 0)
+    if (fp8ext_check_disjoint(fn, 4, 9, (const fp8ext_view *const[]){CT_VIEWS(v), &v.x, &v.q.scale, &rstd, &g, &dy},
+                              (const char *const[]){CT_NAMES, "x", "scale", "rstd", "gamma", "dy"}) < 0)
         goto done;
     a.x = v.x.data;
     a.x_dtype = fp8ext_view_dtype(&v.x);
-    a.q = v.out.data;
-    a.qt = v.outt.data;
-    a.fmt = fmt;
     a.saturate = 1;
     a.prologue = prologue;
     a.rstd = rstd.data;
@@ -366,7 +322,8 @@ static PyObject *py_cast_transpose_fused(PyObject *module, PyObject *args, PyObj
     if (fp8ext_run_op(module, &v.x, stream, fn, fp8ext_no_cpu, cuda_cast_transpose, &a) < 0) goto done;
     ret = Py_NewRef(Py_None);
 done:
-    FP8EXT_RELEASE_ALL(&v.x, &v.out, &v.outt, &v.scale, &v.amax, &v.sinv, &rstd, &g, &dy);
+    release_ct(&v);
+    FP8EXT_RELEASE_ALL(&rstd, &g, &dy);
     return ret;
 }
 
@@ -396,21 +353,19 @@ static PyObject *py_cast_transpose_dbias(PyObject *module, PyObject *args, PyObj
                      fp8ext_view_dtype_name(&v.x, xt, sizeof xt), fp8ext_view_dtype_name(&db, dt, sizeof dt));
         goto done;
     }
-    if (db.ndim != 1 || db.shape[0] != a.ct.cols) {
-        PyErr_Format(PyExc_ValueError, "%s(): dbias must have shape [%lld] (x's columns)", fn, (long long)a.ct.cols);
+    if (db.ndim != 1 || db.shape[0] != a.ct.q.cols) {
+        PyErr_Format(PyExc_ValueError, "%s(): dbias must have shape [%lld] (x's columns)", fn, (long long)a.ct.q.cols);
         goto done;
     }
     if (get_output(ws_o, FP8EXT_KIND_F32, &v.x, "x", stream, fn, "workspace", &ws) < 0) goto done;
-    const int64_t tiles = fp8ext_dbias_workspace_rows(a.ct.rows);
-    if (ws.ndim != 2 || ws.shape[0] != tiles || ws.shape[1] != a.ct.cols) {
+    const int64_t tiles = fp8ext_dbias_workspace_rows(a.ct.q.rows);
+    if (ws.ndim != 2 || ws.shape[0] != tiles || ws.shape[1] != a.ct.q.cols) {
         PyErr_Format(PyExc_ValueError, "%s(): workspace must have shape [%lld, %lld] (one row per %d rows of x)", fn,
-                     (long long)tiles, (long long)a.ct.cols, FP8EXT_DBIAS_TILE_ROWS);
+                     (long long)tiles, (long long)a.ct.q.cols, FP8EXT_DBIAS_TILE_ROWS);
         goto done;
     }
-    if (fp8ext_check_disjoint(fn, 6, 8,
-                              (const fp8ext_view *const[]){&v.sinv, &v.amax, &v.out, &v.outt, &db, &ws, &v.x, &v.scale},
-                              (const char *const[]){"scale_inv_out", "amax_out", "out", "out_t", "dbias", "workspace",
-                                                    "x", "scale"}) < 0)
+    if (fp8ext_check_disjoint(fn, 6, 8, (const fp8ext_view *const[]){CT_VIEWS(v), &db, &ws, &v.x, &v.q.scale},
+                              (const char *const[]){CT_NAMES, "dbias", "workspace", "x", "scale"}) < 0)
         goto done;
     a.dbias = db.data;
     a.dbias_dtype = fp8ext_view_dtype(&db);
@@ -418,7 +373,8 @@ static PyObject *py_cast_transpose_dbias(PyObject *module, PyObject *args, PyObj
     if (fp8ext_run_op(module, &v.x, stream, fn, cpu_cast_transpose_dbias, cuda_cast_transpose_dbias, &a) < 0) goto done;
     ret = Py_NewRef(Py_None);
 done:
-    FP8EXT_RELEASE_ALL(&v.x, &v.out, &v.outt, &v.scale, &v.amax, &v.sinv, &db, &ws);
+    release_ct(&v);
+    FP8EXT_RELEASE_ALL(&db, &ws);
     return ret;
 }
 
@@ -453,39 +409,38 @@ static int check_block_index(const char *fn, const char *arg, int64_t cap, int64
     return 0;
 }
 
-/* The transposed cast's outputs (qt [cols, rows] and its scale_inv buffer), checked into a. */
-static int get_transposed(PyObject *qt_o, PyObject *st_o, long long srt, long long sct, const fp8ext_view *x,
-                          Py_ssize_t stream, const char *fn, fp8ext_view *qt, fp8ext_view *st,
-                          fp8ext_quantize_blocks_args *a) {
+/* The transposed cast's outputs (qt [cols, rows], its view taken with out's, and its scale_inv buffer), checked into
+ * a. */
+static int get_transposed(const fp8ext_view *qt, PyObject *st_o, long long srt, long long sct, const fp8ext_view *x,
+                          Py_ssize_t stream, const char *fn, fp8ext_view *st, fp8ext_quantize_blocks_args *a) {
+    const int64_t rows = a->q.rows, cols = a->q.cols, br = fp8ext_block_rows(&a->q), bc = fp8ext_block_cols(&a->q);
     /* which transposed cast: row-wise (1 x cols blocks with stride_ct 0: one scale per row of x^T), or x^T in 1 x 128
      * tiles / the 128 x 128 blocks transposed */
-    const int rowwise = a->block_rows == 1 && a->block_cols == a->cols && sct == 0;
-    if (!rowwise && a->block_cols != 128) {
+    const int rowwise = br == 1 && bc == cols && sct == 0;
+    if (!rowwise && bc != 128) {
         PyErr_Format(PyExc_ValueError, "%s(): qt (the transposed cast) needs 1 x 128 or 128 x 128 blocks, or 1 x cols "
                      "blocks with stride_ct 0 (row-wise)", fn);
         return -1;
     }
-    if (get_output(qt_o, FP8EXT_KIND_U8, x, "x", stream, fn, "qt", qt) < 0 ||
-        get_output(st_o, FP8EXT_KIND_F32, x, "x", stream, fn, "scale_inv_t", st) < 0)
-        return -1;
-    if (qt->ndim != 2 || qt->shape[0] != a->cols || qt->shape[1] != a->rows) {
-        PyErr_Format(PyExc_ValueError, "%s(): qt must be [%lld, %lld] (x transposed)", fn, (long long)a->cols,
-                     (long long)a->rows);
+    if (get_output(st_o, FP8EXT_KIND_F32, x, "x", stream, fn, "scale_inv_t", st) < 0) return -1;
+    if (qt->ndim != 2 || qt->shape[0] != cols || qt->shape[1] != rows) {
+        PyErr_Format(PyExc_ValueError, "%s(): qt must be [%lld, %lld] (x transposed)", fn, (long long)cols,
+                     (long long)rows);
         return -1;
     }
-    if (x->device_type != 1 /* DLPack kDLCPU */ && (a->rows % 16 || (uintptr_t)qt->data % 16)) {
+    if (x->device_type != 1 /* DLPack kDLCPU */ && (rows % 16 || (uintptr_t)qt->data % 16)) {
         PyErr_Format(PyExc_ValueError, "%s(): on a GPU the transposed cast needs a row count that is a multiple of 16 "
-                     "(got %lld) and a 16-byte aligned qt", fn, (long long)a->rows);
+                     "(got %lld) and a 16-byte aligned qt", fn, (long long)rows);
         return -1;
     }
     if (rowwise && srt != 1) {
         PyErr_Format(PyExc_ValueError, "%s(): row-wise scale_inv_t must be contiguous (stride_rt 1), got %lld", fn, srt);
         return -1;
     }
-    const int64_t trb = a->block_rows == 1 ? a->cols : (a->cols + 127) / 128;
-    const int64_t tcb = rowwise ? 1 : (a->rows + 127) / 128;
-    if (check_block_index(fn, "scale_inv_t", st->numel, a->rows > 0 ? trb : 0, tcb, srt, sct) < 0) return -1;
-    a->qt = qt->data, a->scale_inv_t = st->data, a->stride_rt = srt, a->stride_ct = sct;
+    const int64_t trb = br == 1 ? cols : (cols + 127) / 128;
+    const int64_t tcb = rowwise ? 1 : (rows + 127) / 128;
+    if (check_block_index(fn, "scale_inv_t", st->numel, rows > 0 ? trb : 0, tcb, srt, sct) < 0) return -1;
+    a->q.scale_inv_t = st->data, a->stride_rt = srt, a->stride_ct = sct;
     return 0;
 }
 
@@ -500,7 +455,7 @@ static int get_blocks_prologue(int prologue, PyObject *rstd_o, PyObject *g_o, co
         return -1;
     }
     const int dt = fp8ext_view_dtype(x);
-    if (x->device_type == 1 || !has_qt || a->block_rows != 1 || a->block_cols != 128 ||
+    if (x->device_type == 1 || !has_qt || a->q.scale_layout != FP8EXT_SCALE_BLOCK_1x128 ||
         (dt != FP8EXT_BF16 && dt != FP8EXT_F16)) {
         PyErr_Format(PyExc_ValueError, "%s(): a prologue needs a bf16 or float16 x on a GPU, 1 x 128 blocks and the "
                      "transposed cast (qt)", fn);
@@ -508,8 +463,8 @@ static int get_blocks_prologue(int prologue, PyObject *rstd_o, PyObject *g_o, co
     }
     a->prologue = prologue;
     if (prologue != FP8EXT_PROLOGUE_RMSNORM) return 0;
-    if (get_f32_vector(rstd_o, a->rows, x, stream, fn, "rstd", rstd) < 0 ||
-        get_f32_vector(g_o, a->cols, x, stream, fn, "gamma", g) < 0)
+    if (get_f32_vector(rstd_o, a->q.rows, x, stream, fn, "rstd", rstd) < 0 ||
+        get_f32_vector(g_o, a->q.cols, x, stream, fn, "gamma", g) < 0)
         return -1;
     if ((uintptr_t)g->data % 16) {
         PyErr_Format(PyExc_ValueError, "%s(): gamma must start on a 16-byte boundary", fn);
@@ -547,7 +502,8 @@ static PyObject *py_quantize_blocks(PyObject *module, PyObject *args, PyObject *
         PyErr_Format(PyExc_ValueError, "%s(): qt and scale_inv_t come together", fn);
         return NULL;
     }
-    fp8ext_view x = {0}, out = {0}, sv = {0}, qt = {0}, st = {0}, rstd = {0}, g = {0};
+    fp8ext_view x = {0}, sv = {0}, st = {0}, rstd = {0}, g = {0};
+    fp8ext_fp8_views q = {0};
     PyObject *ret = NULL;
     fp8ext_quantize_blocks_args a = {0};
     if (fp8ext_check_fmt(fmt, fn) < 0 || get_input(x_o, stream, fn, "x", &x) < 0) goto done;
@@ -555,55 +511,60 @@ static PyObject *py_quantize_blocks(PyObject *module, PyObject *args, PyObject *
         PyErr_Format(PyExc_ValueError, "%s(): x must be 2-D, got %d dimensions", fn, x.ndim);
         goto done;
     }
-    a.rows = x.shape[0], a.cols = x.shape[1];
+    const int64_t rows = x.shape[0];
+    int64_t cols = x.shape[1];
     if (prologue == FP8EXT_PROLOGUE_SWIGLU) {  /* x holds gate, then up: the casts are of [rows, cols / 2] */
-        if (a.cols % 16) {
+        if (cols % 16) {
             PyErr_Format(PyExc_ValueError, "%s(): with SwiGLU, x needs a column count that is a multiple of 16 (gate, "
-                         "then up), got %lld", fn, (long long)a.cols);
+                         "then up), got %lld", fn, (long long)cols);
             goto done;
         }
-        a.cols /= 2;
+        cols /= 2;
     }
-    if (a.cols == 0) {
+    if (cols == 0) {
         PyErr_Format(PyExc_ValueError, "%s(): x must have at least one column", fn);
         goto done;
     }
-    if (!((br == 1 && bc == 128) || (br == 128 && bc == 128) || (br == 1 && bc == a.cols))) {
+    if (!((br == 1 && bc == 128) || (br == 128 && bc == 128) || (br == 1 && bc == cols))) {
         PyErr_Format(PyExc_ValueError, "%s(): blocks of %lld x %lld are not supported: 1 x 128, 128 x 128 or 1 x cols",
                      fn, br, bc);
         goto done;
     }
-    if (a.cols % 8 || ((uintptr_t)x.data % 16)) {
+    if (cols % 8 || ((uintptr_t)x.data % 16)) {
         PyErr_Format(PyExc_ValueError, "%s(): x needs a column count that is a multiple of 8 (got %lld) and a 16-byte "
-                     "aligned start", fn, (long long)a.cols);
+                     "aligned start", fn, (long long)cols);
         goto done;
     }
-    a.block_rows = br, a.block_cols = bc;
-    if (get_output(out_o, FP8EXT_KIND_U8, &x, "x", stream, fn, "out", &out) < 0) goto done;
-    if (out.ndim != 2 || out.shape[0] != a.rows || out.shape[1] != a.cols) {
-        PyErr_Format(PyExc_ValueError, "%s(): out must have shape [%lld, %lld]", fn, (long long)a.rows,
-                     (long long)a.cols);
+    const fp8ext_fp8_args qa = {.data = out_o, .data_t = qt_o == Py_None ? NULL : qt_o, .data_name = "out",
+                                .data_t_name = "qt", .fmt = fmt, .written = 1};
+    if (fp8ext_get_fp8_tensor(&qa, &x, "x", stream, fn, &q, &a.q) < 0) goto done;
+    if (q.data.ndim != 2 || a.q.rows != rows || a.q.cols != cols) {
+        PyErr_Format(PyExc_ValueError, "%s(): out must have shape [%lld, %lld]", fn, (long long)rows, (long long)cols);
         goto done;
     }
+    /* 1 x 128 also when cols is 128: the same blocks as 1 x cols */
+    a.q.scale_layout = br == 128 ? FP8EXT_SCALE_BLOCK_128x128 : bc == 128 ? FP8EXT_SCALE_BLOCK_1x128 : FP8EXT_SCALE_ROW;
     if (get_output(s_o, FP8EXT_KIND_F32, &x, "x", stream, fn, "scale_inv", &sv) < 0 ||
-        check_block_index(fn, "scale_inv", sv.numel, a.rows > 0 ? (a.rows + br - 1) / br : 0, (a.cols + bc - 1) / bc,
+        check_block_index(fn, "scale_inv", sv.numel, rows > 0 ? (rows + br - 1) / br : 0, (cols + bc - 1) / bc,
                           sr, sc) < 0 ||
-        (qt_o != Py_None && get_transposed(qt_o, st_o, srt, sct, &x, stream, fn, &qt, &st, &a) < 0) ||
+        (qt_o != Py_None && get_transposed(&q.data_t, st_o, srt, sct, &x, stream, fn, &st, &a) < 0) ||
         (prologue != 0 &&
          get_blocks_prologue(prologue, rstd_o, g_o, &x, qt_o != Py_None, stream, fn, &rstd, &g, &a) < 0) ||
-        (qt_o == Py_None ? fp8ext_check_disjoint(fn, 2, 3, (const fp8ext_view *const[]){&out, &sv, &x},
+        (qt_o == Py_None ? fp8ext_check_disjoint(fn, 2, 3, (const fp8ext_view *const[]){&q.data, &sv, &x},
                                                  (const char *const[]){"out", "scale_inv", "x"})
-                         : fp8ext_check_disjoint(fn, 4, 5, (const fp8ext_view *const[]){&out, &sv, &qt, &st, &x},
+                         : fp8ext_check_disjoint(fn, 4, 5,
+                                                 (const fp8ext_view *const[]){&q.data, &sv, &q.data_t, &st, &x},
                                                  (const char *const[]){"out", "scale_inv", "qt", "scale_inv_t", "x"}))
             < 0)
         goto done;
-    a.x = x.data, a.x_dtype = fp8ext_view_dtype(&x), a.q = out.data;
-    a.scale_inv = sv.data, a.stride_r = sr, a.stride_c = sc, a.fmt = fmt, a.pow2_scale = pow2;
+    a.x = x.data, a.x_dtype = fp8ext_view_dtype(&x);
+    a.q.scale_inv = sv.data, a.stride_r = sr, a.stride_c = sc, a.pow2_scale = pow2;
     a.amax_epsilon = (float)eps;
     if (fp8ext_run_op(module, &x, stream, fn, cpu_quantize_blocks, cuda_quantize_blocks, &a) < 0) goto done;
     ret = Py_NewRef(Py_None);
 done:
-    FP8EXT_RELEASE_ALL(&x, &out, &sv, &qt, &st, &rstd, &g);
+    FP8EXT_RELEASE_ALL(&x, &sv, &st, &rstd, &g);
+    fp8ext_fp8_views_release(&q);
     return ret;
 }
 

@@ -278,24 +278,25 @@ dbias_reduce_kernel(const float *__restrict__ workspace, int64_t tiles, int64_t 
 
 template <bool DBIAS, int PRO>
 int launch(const fp8ext_cast_transpose_args *a, float *workspace, cudaStream_t s) {
-    if (a->rows == 0 || a->cols == 0)
-        return a->scale_inv_out ? fp8ext_cuda_write_reciprocal(a->scale_ptr, a->scale, a->scale_inv_out, s)
-                                : cudaSuccess;
-    const int64_t col_tiles = (a->cols + kTile - 1) / kTile;
-    const int64_t tiles = col_tiles * ((a->rows + kTile - 1) / kTile);
+    const fp8ext_fp8_tensor &q = a->q;
+    const int64_t rows = q.rows, cols = q.cols;
+    if (rows == 0 || cols == 0)
+        return q.scale_inv ? fp8ext_cuda_write_reciprocal(q.scale, q.scale_value, q.scale_inv, s) : cudaSuccess;
+    const int64_t col_tiles = (cols + kTile - 1) / kTile;
+    const int64_t tiles = col_tiles * ((rows + kTile - 1) / kTile);
     if (tiles > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
     // x's rows in 16-byte vectors and q's in 8-byte pieces need cols % 8 == 0; qt's pieces go in the widest
     // stores that its start and its row length (rows bytes) both allow.
     // (The prologues' second reads: SwiGLU's up half starts cols values in, RMSNorm's gamma is read in float4s.)
-    const int vector_ok = aligned(a->x, 16) && aligned(a->q, 8) && a->cols % 8 == 0 &&
+    const int vector_ok = aligned(a->x, 16) && aligned(q.data, 8) && cols % 8 == 0 &&
                           (PRO != FP8EXT_PROLOGUE_RMSNORM || aligned(a->gamma, 16)) &&
-                          (PRO != FP8EXT_PROLOGUE_DSWIGLU || (a->cols % 16 == 0 && aligned(a->dy, 16)));
+                          (PRO != FP8EXT_PROLOGUE_DSWIGLU || (cols % 16 == 0 && aligned(a->dy, 16)));
     int qt_width = 8;
-    while (qt_width > 1 && (!aligned(a->qt, qt_width) || a->rows % qt_width)) qt_width /= 2;
-    FP8EXT_DISPATCH_DTYPE(a->x_dtype, FP8EXT_DISPATCH_FMT(a->fmt, {
+    while (qt_width > 1 && (!aligned(q.data_t, qt_width) || rows % qt_width)) qt_width /= 2;
+    FP8EXT_DISPATCH_DTYPE(a->x_dtype, FP8EXT_DISPATCH_FMT(q.fmt, {
         cast_transpose_kernel<T, FMT, DBIAS, PRO><<<static_cast<unsigned>(tiles), kThreads, 0, s>>>(
-            static_cast<const T *>(a->x), a->q, a->qt, a->rows, a->cols, col_tiles, a->scale_ptr, a->scale,
-            a->amax_out, a->scale_inv_out, a->saturate, vector_ok, qt_width, workspace, a->rstd, a->gamma,
+            static_cast<const T *>(a->x), q.data, q.data_t, rows, cols, col_tiles, q.scale, q.scale_value, q.amax,
+            q.scale_inv, a->saturate, vector_ok, qt_width, workspace, a->rstd, a->gamma,
             static_cast<const T *>(a->dy));
         return cudaGetLastError();
     }));
@@ -315,7 +316,7 @@ extern "C" int fp8ext_cuda_cast_transpose(const fp8ext_cast_transpose_args *a, v
         return launch<false, FP8EXT_PROLOGUE_RMSNORM>(a, nullptr, s);
     case FP8EXT_PROLOGUE_SWIGLU: return launch<false, FP8EXT_PROLOGUE_SWIGLU>(a, nullptr, s);
     case FP8EXT_PROLOGUE_DSWIGLU:
-        if (!a->dy || a->cols % 2) return cudaErrorInvalidValue;
+        if (!a->dy || a->q.cols % 2) return cudaErrorInvalidValue;
         return launch<false, FP8EXT_PROLOGUE_DSWIGLU>(a, nullptr, s);
     default: return cudaErrorInvalidValue;
     }
@@ -325,7 +326,7 @@ extern "C" int fp8ext_cuda_cast_transpose_dbias(const fp8ext_cast_transpose_dbia
                                                 int /*num_sms*/) {
     using namespace fp8ext;
     cudaStream_t s = static_cast<cudaStream_t>(stream);
-    const int64_t cols = a->ct.cols;
+    const int64_t cols = a->ct.q.cols;
     if (a->dbias_dtype != FP8EXT_F32 && a->dbias_dtype != a->ct.x_dtype) return cudaErrorInvalidValue;
     const int64_t blocks = (cols + kReduceThreads - 1) / kReduceThreads;
     if (blocks > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
@@ -334,6 +335,6 @@ extern "C" int fp8ext_cuda_cast_transpose_dbias(const fp8ext_cast_transpose_dbia
     if (err != cudaSuccess || cols == 0) return err;
     // rows == 0: no tiles, and the reduction writes dbias = 0.
     dbias_reduce_kernel<<<static_cast<unsigned>(blocks), kReduceThreads, 0, s>>>(
-        a->workspace, fp8ext_dbias_workspace_rows(a->ct.rows), cols, a->dbias, a->dbias_dtype);
+        a->workspace, fp8ext_dbias_workspace_rows(a->ct.q.rows), cols, a->dbias, a->dbias_dtype);
     return cudaGetLastError();
 }

@@ -103,22 +103,24 @@ dequantize_scalar_kernel(const uint8_t *__restrict__ q, void *__restrict__ out, 
 template <typename O, int FMT>
 cudaError_t launch(const fp8ext_dequantize_args *a, cudaStream_t stream, int num_sms) {
     const int max_blocks = num_sms * (2048 / kThreads);
+    const fp8ext_fp8_tensor &q = a->q;
+    const int64_t n = fp8ext_fp8_numel(&q);
     int64_t done = 0;
-    if (aligned(a->q, 8) && aligned(a->out, 16)) {
-        const int64_t ngroups = a->n / 8;
+    if (aligned(q.data, 8) && aligned(a->out, 16)) {
+        const int64_t ngroups = n / 8;
         if (ngroups > 0) {
             const int64_t blocks = (ngroups + kThreads * kUnroll - 1) / (kThreads * kUnroll);
             if (blocks > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
-            dequantize_vec_kernel<O, FMT><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a->q, a->out, ngroups, a->scale_inv_ptr,
-                                                                          a->scale_inv);
+            dequantize_vec_kernel<O, FMT><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+                q.data, a->out, ngroups, q.scale_inv, q.scale_inv_value);
             done = ngroups * 8;
         }
     }
-    if (done < a->n) {
-        const int64_t want = (a->n - done + kThreads - 1) / kThreads;
+    if (done < n) {
+        const int64_t want = (n - done + kThreads - 1) / kThreads;
         const int blocks = static_cast<int>(want < max_blocks ? want : max_blocks);
-        dequantize_scalar_kernel<O, FMT><<<blocks, kThreads, 0, stream>>>(a->q, a->out, done, a->n, a->scale_inv_ptr,
-                                                                         a->scale_inv);
+        dequantize_scalar_kernel<O, FMT><<<blocks, kThreads, 0, stream>>>(q.data, a->out, done, n, q.scale_inv,
+                                                                         q.scale_inv_value);
     }
     return cudaGetLastError();
 }
@@ -136,10 +138,12 @@ dequantize_fpx_kernel(const uint8_t *__restrict__ q, void *__restrict__ out, int
 
 template <typename O, int FMT>
 cudaError_t launch_fpx(const fp8ext_dequantize_args *a, cudaStream_t stream, int num_sms) {
-    const int64_t want = (a->n + kThreads - 1) / kThreads;
+    const fp8ext_fp8_tensor &q = a->q;
+    const int64_t n = fp8ext_fp8_numel(&q);
+    const int64_t want = (n + kThreads - 1) / kThreads;
     const int64_t cap = static_cast<int64_t>(num_sms) * (2048 / kThreads) * 4;
     const int blocks = static_cast<int>(want < cap ? want : cap);
-    dequantize_fpx_kernel<O, FMT><<<blocks, kThreads, 0, stream>>>(a->q, a->out, a->n, a->scale_inv_ptr, a->scale_inv);
+    dequantize_fpx_kernel<O, FMT><<<blocks, kThreads, 0, stream>>>(q.data, a->out, n, q.scale_inv, q.scale_inv_value);
     return cudaGetLastError();
 }
 
@@ -147,12 +151,13 @@ cudaError_t launch_fpx(const fp8ext_dequantize_args *a, cudaStream_t stream, int
 }  // namespace fp8ext
 
 extern "C" int fp8ext_cuda_dequantize(const fp8ext_dequantize_args *a, void *stream, int num_sms) {
-    if (a->n == 0) return cudaSuccess;
+    const int fmt = a->q.fmt;
+    if (fp8ext_fp8_numel(&a->q) == 0) return cudaSuccess;
     cudaStream_t s = static_cast<cudaStream_t>(stream);
-    if (a->fmt >= FPX_FIRST) {
-        FP8EXT_DISPATCH_DTYPE(a->out_dtype, FP8EXT_DISPATCH_FPX(a->fmt, { return fp8ext::launch_fpx<T, FMT>(a, s, num_sms); }));
+    if (fmt >= FPX_FIRST) {
+        FP8EXT_DISPATCH_DTYPE(a->out_dtype, FP8EXT_DISPATCH_FPX(fmt, { return fp8ext::launch_fpx<T, FMT>(a, s, num_sms); }));
         return cudaErrorInvalidValue;
     }
-    FP8EXT_DISPATCH_DTYPE(a->out_dtype, FP8EXT_DISPATCH_FMT(a->fmt, { return fp8ext::launch<T, FMT>(a, s, num_sms); }));
+    FP8EXT_DISPATCH_DTYPE(a->out_dtype, FP8EXT_DISPATCH_FMT(fmt, { return fp8ext::launch<T, FMT>(a, s, num_sms); }));
     return cudaErrorInvalidValue;
 }

@@ -426,7 +426,8 @@ extern "C" int fp8ext_cuda_kv_store(const fp8ext_kv_store_args *a, void *stream,
 extern "C" int fp8ext_cuda_fused_rows(const fp8ext_fused_rows_args *a, void *stream, int /*num_sms*/) {
     using namespace fp8ext;
     if (a->rows == 0 || a->cols == 0) return cudaSuccess;
-    if (a->cols % 8 || !aligned(a->x, 16) || !aligned(a->out, a->out_mode == FP8EXT_FUSED_OUT_HP ? 16 : 8) ||
+    void *out = a->out_mode == FP8EXT_FUSED_OUT_HP ? a->y : static_cast<void *>(a->q.data);
+    if (a->cols % 8 || !aligned(a->x, 16) || !aligned(out, a->out_mode == FP8EXT_FUSED_OUT_HP ? 16 : 8) ||
         (a->op == FP8EXT_FUSED_RMSNORM && !aligned(a->gamma, 16)))
         return cudaErrorMisalignedAddress;
     if (a->rows > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
@@ -440,14 +441,14 @@ extern "C" int fp8ext_cuda_fused_rows(const fp8ext_fused_rows_args *a, void *str
                  : a->cols <= 4 * kThreads * 8 ? 4 : 0;
 #define FP8EXT_FUSED_RC(OP, MODE)                                                                                     \
     switch (rc) {                                                                                                     \
-    case 1: fused_rows_kernel<T, OP, MODE, 1><<<grid, kThreads, 0, s>>>(x, a->gamma, a->eps, a->out, a->scale,        \
-                                                                        a->scale_inv, a->cols); break;               \
-    case 2: fused_rows_kernel<T, OP, MODE, 2><<<grid, kThreads, 0, s>>>(x, a->gamma, a->eps, a->out, a->scale,        \
-                                                                        a->scale_inv, a->cols); break;               \
-    case 4: fused_rows_kernel<T, OP, MODE, 4><<<grid, kThreads, 0, s>>>(x, a->gamma, a->eps, a->out, a->scale,        \
-                                                                        a->scale_inv, a->cols); break;               \
-    default: fused_rows_kernel<T, OP, MODE, 0><<<grid, kThreads, 0, s>>>(x, a->gamma, a->eps, a->out, a->scale,       \
-                                                                         a->scale_inv, a->cols);                     \
+    case 1: fused_rows_kernel<T, OP, MODE, 1><<<grid, kThreads, 0, s>>>(x, a->gamma, a->eps, out, a->q.scale,          \
+                                                                        a->q.scale_inv, a->cols); break;             \
+    case 2: fused_rows_kernel<T, OP, MODE, 2><<<grid, kThreads, 0, s>>>(x, a->gamma, a->eps, out, a->q.scale,          \
+                                                                        a->q.scale_inv, a->cols); break;             \
+    case 4: fused_rows_kernel<T, OP, MODE, 4><<<grid, kThreads, 0, s>>>(x, a->gamma, a->eps, out, a->q.scale,          \
+                                                                        a->q.scale_inv, a->cols); break;             \
+    default: fused_rows_kernel<T, OP, MODE, 0><<<grid, kThreads, 0, s>>>(x, a->gamma, a->eps, out, a->q.scale,         \
+                                                                         a->q.scale_inv, a->cols);                   \
     }
 #define FP8EXT_FUSED_LAUNCH(OP)                                                                                       \
     switch (a->out_mode) {                                                                                            \

@@ -97,24 +97,26 @@ template <typename T, int FMT, bool SR>
 cudaError_t launch(const fp8ext_quantize_args *a, cudaStream_t stream, int num_sms) {
     constexpr int V = Elem<T>::kVec;
     const int max_blocks = num_sms * (2048 / kThreads);
+    const fp8ext_fp8_tensor &q = a->q;
+    const int64_t n = fp8ext_fp8_numel(&q);
     int64_t done = 0;
-    if (aligned(a->x, 16) && aligned(a->q, V)) {
-        const int64_t nvec = a->n / V;
+    if (aligned(a->x, 16) && aligned(q.data, V)) {
+        const int64_t nvec = n / V;
         if (nvec > 0) {
             const int64_t blocks = (nvec + kThreads * kUnroll - 1) / (kThreads * kUnroll);
             if (blocks > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
             quantize_vec_kernel<T, FMT, SR><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-                static_cast<const T *>(a->x), a->q, nvec, a->scale_ptr, a->scale, a->amax_out, a->scale_inv_out,
-                a->saturate, a->sr_key);
+                static_cast<const T *>(a->x), q.data, nvec, q.scale, q.scale_value, q.amax, q.scale_inv, a->saturate,
+                a->sr_key);
             done = nvec * V;
         }
     }
-    if (done < a->n) {
-        const int64_t want = (a->n - done + kThreads - 1) / kThreads;
+    if (done < n) {
+        const int64_t want = (n - done + kThreads - 1) / kThreads;
         const int blocks = static_cast<int>(want < max_blocks ? want : max_blocks);
         quantize_scalar_kernel<T, FMT, SR><<<blocks, kThreads, 0, stream>>>(
-            static_cast<const T *>(a->x), a->q, done, a->n, a->scale_ptr, a->scale, a->amax_out, a->scale_inv_out,
-            a->saturate, a->sr_key);
+            static_cast<const T *>(a->x), q.data, done, n, q.scale, q.scale_value, q.amax, q.scale_inv, a->saturate,
+            a->sr_key);
     }
     return cudaGetLastError();
 }
@@ -139,11 +141,13 @@ quantize_fpx_kernel(const T *__restrict__ x, uint8_t *__restrict__ q, int64_t n,
 
 template <typename T, int FMT>
 cudaError_t launch_fpx(const fp8ext_quantize_args *a, cudaStream_t stream, int num_sms) {
-    const int64_t want = (a->n + kThreads - 1) / kThreads;
+    const fp8ext_fp8_tensor &q = a->q;
+    const int64_t n = fp8ext_fp8_numel(&q);
+    const int64_t want = (n + kThreads - 1) / kThreads;
     const int64_t cap = static_cast<int64_t>(num_sms) * (2048 / kThreads) * 4;
     const int blocks = static_cast<int>(want < cap ? want : cap);
-    quantize_fpx_kernel<T, FMT><<<blocks, kThreads, 0, stream>>>(static_cast<const T *>(a->x), a->q, a->n, a->scale_ptr,
-                                                                  a->scale, a->amax_out, a->scale_inv_out, a->saturate);
+    quantize_fpx_kernel<T, FMT><<<blocks, kThreads, 0, stream>>>(static_cast<const T *>(a->x), q.data, n, q.scale,
+                                                                  q.scale_value, q.amax, q.scale_inv, a->saturate);
     return cudaGetLastError();
 }
 
@@ -151,16 +155,16 @@ cudaError_t launch_fpx(const fp8ext_quantize_args *a, cudaStream_t stream, int n
 }  // namespace fp8ext
 
 extern "C" int fp8ext_cuda_quantize(const fp8ext_quantize_args *a, void *stream, int num_sms) {
-    if (a->n == 0)
-        return a->scale_inv_out ? fp8ext_cuda_write_reciprocal(a->scale_ptr, a->scale, a->scale_inv_out, stream)
-                                : cudaSuccess;
+    const fp8ext_fp8_tensor &q = a->q;
+    if (fp8ext_fp8_numel(&q) == 0)
+        return q.scale_inv ? fp8ext_cuda_write_reciprocal(q.scale, q.scale_value, q.scale_inv, stream) : cudaSuccess;
     cudaStream_t s = static_cast<cudaStream_t>(stream);
-    if (a->fmt >= FPX_FIRST) {
+    if (q.fmt >= FPX_FIRST) {
         if (a->stochastic) return cudaErrorInvalidValue;
-        FP8EXT_DISPATCH_DTYPE(a->x_dtype, FP8EXT_DISPATCH_FPX(a->fmt, { return fp8ext::launch_fpx<T, FMT>(a, s, num_sms); }));
+        FP8EXT_DISPATCH_DTYPE(a->x_dtype, FP8EXT_DISPATCH_FPX(q.fmt, { return fp8ext::launch_fpx<T, FMT>(a, s, num_sms); }));
         return cudaErrorInvalidValue;
     }
-    FP8EXT_DISPATCH_DTYPE(a->x_dtype, FP8EXT_DISPATCH_FMT(a->fmt, {
+    FP8EXT_DISPATCH_DTYPE(a->x_dtype, FP8EXT_DISPATCH_FMT(q.fmt, {
         return a->stochastic ? fp8ext::launch<T, FMT, true>(a, s, num_sms)
                              : fp8ext::launch<T, FMT, false>(a, s, num_sms);
     }));

@@ -339,14 +339,16 @@ cudaError_t launch_tile_prologue(const fp8ext_quantize_blocks_args *a, dim3 grid
         return cudaErrorInvalidValue;
     } else {
         const T *x = static_cast<const T *>(a->x);
-        if (a->block_rows != 1) return cudaErrorInvalidValue;
+        const fp8ext_fp8_tensor &q = a->q;
+        const int64_t rows = q.rows, cols = q.cols;
+        if (q.scale_layout != FP8EXT_SCALE_BLOCK_1x128) return cudaErrorInvalidValue;
         if (a->prologue == FP8EXT_PROLOGUE_RMSNORM)
             quantize_tile_t_kernel<T, FMT, false, FP8EXT_PROLOGUE_RMSNORM><<<grid, kThreads, 0, s>>>(
-                x, a->q, a->scale_inv, a->qt, a->scale_inv_t, a->rows, a->cols, a->stride_r, a->stride_c,
+                x, q.data, q.scale_inv, q.data_t, q.scale_inv_t, rows, cols, a->stride_r, a->stride_c,
                 a->stride_rt, a->stride_ct, a->pow2_scale, a->amax_epsilon, a->rstd, a->gamma);
         else if (a->prologue == FP8EXT_PROLOGUE_SWIGLU)
             quantize_tile_t_kernel<T, FMT, false, FP8EXT_PROLOGUE_SWIGLU><<<grid, kThreads, 0, s>>>(
-                x, a->q, a->scale_inv, a->qt, a->scale_inv_t, a->rows, a->cols, a->stride_r, a->stride_c,
+                x, q.data, q.scale_inv, q.data_t, q.scale_inv_t, rows, cols, a->stride_r, a->stride_c,
                 a->stride_rt, a->stride_ct, a->pow2_scale, a->amax_epsilon);
         else
             return cudaErrorInvalidValue;
@@ -359,61 +361,63 @@ cudaError_t launch_tile_prologue(const fp8ext_quantize_blocks_args *a, dim3 grid
 
 extern "C" int fp8ext_cuda_quantize_blocks(const fp8ext_quantize_blocks_args *a, void *stream, int /*num_sms*/) {
     using namespace fp8ext;
-    if (a->rows == 0 || a->cols == 0) return cudaSuccess;
-    if (a->cols % 8 || !aligned(a->x, 16) || !aligned(a->q, 8)) return cudaErrorMisalignedAddress;
+    const fp8ext_fp8_tensor &q = a->q;
+    const int64_t rows = q.rows, cols = q.cols, br = fp8ext_block_rows(&q), bc = fp8ext_block_cols(&q);
+    if (rows == 0 || cols == 0) return cudaSuccess;
+    if (cols % 8 || !aligned(a->x, 16) || !aligned(q.data, 8)) return cudaErrorMisalignedAddress;
     cudaStream_t s = static_cast<cudaStream_t>(stream);
-    const bool rowwise_t = a->qt && a->block_rows == 1 && a->block_cols == a->cols && a->stride_ct == 0;
-    if (a->qt && (a->rows % 16 || !aligned(a->qt, 16) || (!rowwise_t && a->block_cols != 128)))
+    const bool rowwise_t = q.data_t && br == 1 && bc == cols && a->stride_ct == 0;
+    if (q.data_t && (rows % 16 || !aligned(q.data_t, 16) || (!rowwise_t && bc != 128)))
         return cudaErrorInvalidValue;
     if (rowwise_t) {  // row-wise: the column pass first
         if (a->stride_rt != 1) return cudaErrorInvalidValue;
-        cudaError_t e = cudaMemsetAsync(a->scale_inv_t, 0, static_cast<size_t>(a->cols) * sizeof(float), s);
+        cudaError_t e = cudaMemsetAsync(q.scale_inv_t, 0, static_cast<size_t>(cols) * sizeof(float), s);
         if (e != cudaSuccess) return e;
     }
-    FP8EXT_DISPATCH_DTYPE(a->x_dtype, FP8EXT_DISPATCH_FMT(a->fmt, {
+    FP8EXT_DISPATCH_DTYPE(a->x_dtype, FP8EXT_DISPATCH_FMT(q.fmt, {
         const T *x = static_cast<const T *>(a->x);
         if (rowwise_t) {
-            const dim3 grid(static_cast<unsigned>((a->cols + 127) / 128), static_cast<unsigned>((a->rows + 127) / 128));
-            if ((a->rows + 127) / 128 > 65535 || a->rows > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
-            int32_t *bits = reinterpret_cast<int32_t *>(a->scale_inv_t);
-            col_amax_kernel<T><<<grid, kThreads, 0, s>>>(x, bits, a->rows, a->cols);
-            cast_cols_t_kernel<T, FMT><<<grid, kThreads, 0, s>>>(x, bits, a->qt, a->rows, a->cols, a->pow2_scale,
+            const dim3 grid(static_cast<unsigned>((cols + 127) / 128), static_cast<unsigned>((rows + 127) / 128));
+            if ((rows + 127) / 128 > 65535 || rows > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
+            int32_t *bits = reinterpret_cast<int32_t *>(q.scale_inv_t);
+            col_amax_kernel<T><<<grid, kThreads, 0, s>>>(x, bits, rows, cols);
+            cast_cols_t_kernel<T, FMT><<<grid, kThreads, 0, s>>>(x, bits, q.data_t, rows, cols, a->pow2_scale,
                                                                  a->amax_epsilon);
-            col_scale_inv_kernel<FMT><<<static_cast<unsigned>((a->cols + 255) / 256), 256, 0, s>>>(
-                a->scale_inv_t, a->cols, 1, a->pow2_scale, a->amax_epsilon);
-            quantize_rows_kernel<T, FMT><<<static_cast<unsigned>(a->rows), kThreads, 0, s>>>(
-                x, a->q, a->scale_inv, a->cols, a->stride_r, a->pow2_scale, a->amax_epsilon);
-        } else if (a->qt) {  // both casts, one CUDA block per 128 x 128 tile
-            const dim3 grid(static_cast<unsigned>((a->cols + 127) / 128), static_cast<unsigned>((a->rows + 127) / 128));
-            if ((a->rows + 127) / 128 > 65535) return cudaErrorInvalidConfiguration;
+            col_scale_inv_kernel<FMT><<<static_cast<unsigned>((cols + 255) / 256), 256, 0, s>>>(
+                q.scale_inv_t, cols, 1, a->pow2_scale, a->amax_epsilon);
+            quantize_rows_kernel<T, FMT><<<static_cast<unsigned>(rows), kThreads, 0, s>>>(
+                x, q.data, q.scale_inv, cols, a->stride_r, a->pow2_scale, a->amax_epsilon);
+        } else if (q.data_t) {  // both casts, one CUDA block per 128 x 128 tile
+            const dim3 grid(static_cast<unsigned>((cols + 127) / 128), static_cast<unsigned>((rows + 127) / 128));
+            if ((rows + 127) / 128 > 65535) return cudaErrorInvalidConfiguration;
             if (a->prologue != FP8EXT_PROLOGUE_NONE) {
                 const cudaError_t e = launch_tile_prologue<T, FMT>(a, grid, s);
                 if (e != cudaSuccess) return e;
-            } else if (a->block_rows == 128)
+            } else if (br == 128)
                 quantize_tile_t_kernel<T, FMT, true><<<grid, kThreads, 0, s>>>(
-                    x, a->q, a->scale_inv, a->qt, a->scale_inv_t, a->rows, a->cols, a->stride_r, a->stride_c,
+                    x, q.data, q.scale_inv, q.data_t, q.scale_inv_t, rows, cols, a->stride_r, a->stride_c,
                     a->stride_rt, a->stride_ct, a->pow2_scale, a->amax_epsilon);
             else
                 quantize_tile_t_kernel<T, FMT, false><<<grid, kThreads, 0, s>>>(
-                    x, a->q, a->scale_inv, a->qt, a->scale_inv_t, a->rows, a->cols, a->stride_r, a->stride_c,
+                    x, q.data, q.scale_inv, q.data_t, q.scale_inv_t, rows, cols, a->stride_r, a->stride_c,
                     a->stride_rt, a->stride_ct, a->pow2_scale, a->amax_epsilon);
-        } else if (a->block_rows == 1 && a->block_cols == 128) {
-            const int64_t groups = (a->cols + 127) / 128;
-            const int64_t blocks = (a->rows * groups * 16 + kThreads - 1) / kThreads;
+        } else if (br == 1 && bc == 128) {
+            const int64_t groups = (cols + 127) / 128;
+            const int64_t blocks = (rows * groups * 16 + kThreads - 1) / kThreads;
             if (blocks > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
             quantize_1x128_kernel<T, FMT><<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(
-                x, a->q, a->scale_inv, a->rows, a->cols, groups, a->stride_r, a->stride_c, a->pow2_scale,
+                x, q.data, q.scale_inv, rows, cols, groups, a->stride_r, a->stride_c, a->pow2_scale,
                 a->amax_epsilon);
-        } else if (a->block_rows == 128 && a->block_cols == 128) {
-            const dim3 grid(static_cast<unsigned>((a->cols + 127) / 128), static_cast<unsigned>((a->rows + 127) / 128));
-            if ((a->rows + 127) / 128 > 65535) return cudaErrorInvalidConfiguration;
-            quantize_128x128_kernel<T, FMT><<<grid, kThreads, 0, s>>>(x, a->q, a->scale_inv, a->rows, a->cols,
+        } else if (br == 128 && bc == 128) {
+            const dim3 grid(static_cast<unsigned>((cols + 127) / 128), static_cast<unsigned>((rows + 127) / 128));
+            if ((rows + 127) / 128 > 65535) return cudaErrorInvalidConfiguration;
+            quantize_128x128_kernel<T, FMT><<<grid, kThreads, 0, s>>>(x, q.data, q.scale_inv, rows, cols,
                                                                       a->stride_r, a->stride_c, a->pow2_scale,
                                                                       a->amax_epsilon);
-        } else if (a->block_rows == 1 && a->block_cols == a->cols) {
-            if (a->rows > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
-            quantize_rows_kernel<T, FMT><<<static_cast<unsigned>(a->rows), kThreads, 0, s>>>(
-                x, a->q, a->scale_inv, a->cols, a->stride_r, a->pow2_scale, a->amax_epsilon);
+        } else if (br == 1 && bc == cols) {
+            if (rows > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
+            quantize_rows_kernel<T, FMT><<<static_cast<unsigned>(rows), kThreads, 0, s>>>(
+                x, q.data, q.scale_inv, cols, a->stride_r, a->pow2_scale, a->amax_epsilon);
         } else {
             return cudaErrorInvalidValue;
         }
