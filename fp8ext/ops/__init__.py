@@ -206,18 +206,11 @@ def cast_transpose(x: Any, fmt: Any = E4M3, scale: Scale = 1.0, amax_out: Option
 
 def cast_transpose_eager(x: Any, f: FP8Format, scale: Any, saturate: bool, amax_out: Optional[torch.Tensor],
                          scale_inv_out: Optional[torch.Tensor] = None, out=None) -> Tuple[torch.Tensor, torch.Tensor]:
-    shape, device = describe(x, "cast_transpose")
-    if len(shape) != 2:
-        raise ValueError(f"cast_transpose(): x must be 2-D, got shape {list(shape)}")
-    if debug.enabled():
-        _debug_check("cast_transpose", x, scale, "scale")
-    if out is None:
-        q = fp8_empty(shape, f, device)
-        qt = fp8_empty((shape[1], shape[0]), f, device)
-    else:
-        q = _check_out(out[0], shape, device, f.torch_dtype, "cast_transpose", "out[0]")
-        qt = _check_out(out[1], (shape[1], shape[0]), device, f.torch_dtype, "cast_transpose", "out[1]")
     fn = "cast_transpose"
+    shape, device = _describe_2d(x, fn)
+    if debug.enabled():
+        _debug_check(fn, x, scale, "scale")
+    q, qt = _q_and_qt(out, shape, device, f, fn)
     _C.cast_transpose(dl(x), dl_fp8(q), dl_fp8(qt), f.code, scale_arg(scale, fn),
                       amax_out=dl_opt(amax_out, fn, "amax_out"), saturate=saturate, stream=stream_of(device),
                       scale_inv_out=dl_opt(scale_inv_out, fn, "scale_inv_out"))
@@ -257,19 +250,15 @@ def cast_transpose_dbias_eager(x: Any, f: FP8Format, scale: Any, saturate: bool,
                                scale_inv_out: Optional[torch.Tensor] = None, out=None
                                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     fn = "cast_transpose_dbias"
-    shape, device = describe(x, fn)
-    if len(shape) != 2:
-        raise ValueError(f"{fn}(): x must be 2-D, got shape {list(shape)}")
+    shape, device = _describe_2d(x, fn)
     dtype = _dtype_of(x, fn)
     if debug.enabled():
         _debug_check(fn, x, scale, "scale")
     rows, cols = shape
+    q, qt = _q_and_qt(out, shape, device, f, fn)
     if out is None:
-        q, qt = fp8_empty(shape, f, device), fp8_empty((cols, rows), f, device)
         db = torch.empty((cols,), dtype=dtype, device=device)
     else:
-        q = _check_out(out[0], shape, device, f.torch_dtype, fn, "out[0]")
-        qt = _check_out(out[1], (cols, rows), device, f.torch_dtype, fn, "out[1]")
         want = torch.float32 if isinstance(out[2], torch.Tensor) and out[2].dtype == torch.float32 else dtype
         db = _check_out(out[2], (cols,), device, want, fn, "out[2]")
     ws = torch.empty(_C.cast_transpose_dbias_workspace(rows, cols), dtype=torch.float32, device=device)
@@ -277,6 +266,23 @@ def cast_transpose_dbias_eager(x: Any, f: FP8Format, scale: Any, saturate: bool,
                             amax_out=dl_opt(amax_out, fn, "amax_out"), saturate=saturate, stream=stream_of(device),
                             scale_inv_out=dl_opt(scale_inv_out, fn, "scale_inv_out"))
     return q, qt, db
+
+
+def _describe_2d(x: Any, fn: str):
+    """(shape, device) of a 2-D x (describe), or the ValueError that says it is not 2-D."""
+    shape, device = describe(x, fn)
+    if len(shape) != 2:
+        raise ValueError(f"{fn}(): x must be 2-D, got shape {list(shape)}")
+    return shape, device
+
+
+def _q_and_qt(out, shape, device, f: FP8Format, fn: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The (q [M, N], q_t [N, M]) outputs of a cast-transpose over x [M, N]: new, or out[0] and out[1] checked."""
+    shape_t = (shape[1], shape[0])
+    if out is None:
+        return fp8_empty(shape, f, device), fp8_empty(shape_t, f, device)
+    return (_check_out(out[0], shape, device, f.torch_dtype, fn, "out[0]"),
+            _check_out(out[1], shape_t, device, f.torch_dtype, fn, "out[1]"))
 
 
 def _dtype_of(x: Any, fn: str) -> torch.dtype:
@@ -362,9 +368,7 @@ def quantize_blockwise(x: torch.Tensor, fmt: Any = E4M3, block: Tuple[int, int] 
 
 
 def _quantize_blocks(x, f: FP8Format, kind: str, fn: str, pow2: bool = False, eps: float = 0.0):
-    shape, device = describe(x, fn)
-    if len(shape) != 2:
-        raise ValueError(f"{fn}(): x must be 2-D, got shape {list(shape)}")
+    shape, device = _describe_2d(x, fn)
     eps = number(eps, fn, "amax_epsilon")
     if not 0.0 <= eps < float("inf"):
         raise ValueError(f"{fn}(): amax_epsilon must be a finite number >= 0, got {eps}")

@@ -80,13 +80,16 @@ def _cast_transpose(x: torch.Tensor, fmt: int, scale: Optional[torch.Tensor], sc
     return q, qt, amax
 
 
+def _fake_q_and_qt(x: torch.Tensor, fmt: int, fn: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    if x.dim() != 2:
+        raise ValueError(f"{fn}(): x must be 2-D, got shape {list(x.shape)}")
+    dtype = format_of_code(fmt).torch_dtype
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty((x.shape[1], x.shape[0]), dtype=dtype)
+
+
 @_cast_transpose.register_fake
 def _(x, fmt, scale, scale_value, saturate, amax_in):
-    if x.dim() != 2:
-        raise ValueError(f"cast_transpose(): x must be 2-D, got shape {list(x.shape)}")
-    dtype = format_of_code(fmt).torch_dtype
-    return (x.new_empty(x.shape, dtype=dtype), x.new_empty((x.shape[1], x.shape[0]), dtype=dtype),
-            _fake_amax(x, amax_in))
+    return (*_fake_q_and_qt(x, fmt, "cast_transpose"), _fake_amax(x, amax_in))
 
 
 @torch.library.custom_op("fp8ext::cast_transpose_dbias", mutates_args=())
@@ -103,10 +106,7 @@ def _cast_transpose_dbias(x: torch.Tensor, fmt: int, scale: Optional[torch.Tenso
 
 @_cast_transpose_dbias.register_fake
 def _(x, fmt, scale, scale_value, saturate, amax_in, dbias_float32):
-    if x.dim() != 2:
-        raise ValueError(f"cast_transpose_dbias(): x must be 2-D, got shape {list(x.shape)}")
-    dtype = format_of_code(fmt).torch_dtype
-    return (x.new_empty(x.shape, dtype=dtype), x.new_empty((x.shape[1], x.shape[0]), dtype=dtype),
+    return (*_fake_q_and_qt(x, fmt, "cast_transpose_dbias"),
             x.new_empty((x.shape[1],), dtype=torch.float32 if dbias_float32 else x.dtype), _fake_amax(x, amax_in))
 
 
@@ -118,13 +118,18 @@ def _quantize_blocks(x: torch.Tensor, fmt: int, kind: str, pow2: bool, eps: floa
     return ops.quantize_blocks_eager(x, format_of_code(fmt), kind, pow2, eps, x.device)
 
 
+def _fake_blocks(x: torch.Tensor, fmt: int, kind: str, rows: int, cols: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(q [rows, cols], scale_inv) with the shapes and strides ops.quantize_blocks_eager gives them."""
+    buf, _, _ = ops.scale_buffer(kind, rows, cols, "meta")
+    s = ops.scale_inv_view(buf, kind, cols)
+    return (x.new_empty((rows, cols), dtype=format_of_code(fmt).torch_dtype),
+            torch.empty_strided(s.shape, s.stride(), dtype=torch.float32, device=x.device))
+
+
 @_quantize_blocks.register_fake
 def _(x, fmt, kind, pow2, eps):
     rows, cols = x.shape
-    buf, _, _ = ops.scale_buffer(kind, rows, cols, "meta")
-    s = ops.scale_inv_view(buf, kind, cols)
-    return (x.new_empty(x.shape, dtype=format_of_code(fmt).torch_dtype),
-            torch.empty_strided(s.shape, s.stride(), dtype=torch.float32, device=x.device))
+    return _fake_blocks(x, fmt, kind, rows, cols)
 
 
 @torch.library.custom_op("fp8ext::quantize_blocks_t", mutates_args=())
@@ -137,14 +142,7 @@ def _quantize_blocks_t(x: torch.Tensor, fmt: int, kind: str, pow2: bool, eps: fl
 @_quantize_blocks_t.register_fake
 def _(x, fmt, kind, pow2, eps):
     rows, cols = x.shape
-    dtype = format_of_code(fmt).torch_dtype
-    out = []
-    for r, c in ((rows, cols), (cols, rows)):
-        buf, _, _ = ops.scale_buffer(kind, r, c, "meta")
-        s = ops.scale_inv_view(buf, kind, c)
-        out += [x.new_empty((r, c), dtype=dtype), torch.empty_strided(s.shape, s.stride(), dtype=torch.float32,
-                                                                       device=x.device)]
-    return tuple(out)
+    return (*_fake_blocks(x, fmt, kind, rows, cols), *_fake_blocks(x, fmt, kind, cols, rows))
 
 
 @torch.library.custom_op("fp8ext::gemm", mutates_args=())
