@@ -395,7 +395,6 @@ def check_against_model(h: Header, model: nn.Module, record: Dict[str, Any]) -> 
             continue
         if key not in state:
             raise _fail(h.path, f"holds {key}, which {type(model).__name__} has no place for")
-        want = _ST_DTYPES.get(state[key].dtype, str(state[key].dtype))
         if foreign and mod_name in record["layers"] and leaf in LAYER_SCALES:  # dtype checked by _check_layer
             if _squeezed(shape) != _squeezed(state[key].shape):
                 spec = record["layers"][mod_name]
@@ -403,14 +402,22 @@ def check_against_model(h: Header, model: nn.Module, record: Dict[str, Any]) -> 
                                     f"{spec['activations']} activations) is {list(state[key].shape)} (or the same "
                                     f"without its dimensions of size 1)")
             continue
-        if list(shape) != list(state[key].shape):
-            spec = record["layers"].get(mod_name)
-            scheme = f" ({spec['weights']} weights, {spec['activations']} activations)" if spec else ""
-            raise _fail(h.path, f"{key} is {list(shape)}; the model's {key}{scheme} is {list(state[key].shape)}")
-        exact = mod_name in record["layers"] or want not in _HIGH_PRECISION
-        if (exact and dtype != want) or (not exact and dtype not in _HIGH_PRECISION):
-            raise _fail(h.path, f"{key} is {dtype}; the model's {key} takes "
-                                f"{want if exact else ' / '.join(_HIGH_PRECISION)}")
+        spec = record["layers"].get(mod_name)
+        scheme = f" ({spec['weights']} weights, {spec['activations']} activations)" if spec else ""
+        check_fits(h.path, key, dtype, shape, state[key], spec is not None, scheme)
+
+
+def check_fits(path, key: str, dtype: str, shape, want: torch.Tensor, exact: bool, scheme: str = "") -> None:
+    """The file's tensor `key` (safetensors dtype and shape) against the model's tensor in its place: the same
+    shape; the same dtype where `exact` (an FP8 layer's tensor) or where the model's tensor is not a high-precision
+    float; a high-precision float elsewhere (it is loaded as it is stored). scheme: the layer's, for the message."""
+    if list(shape) != list(want.shape):
+        raise _fail(path, f"{key} is {list(shape)}; the model's {key}{scheme} is {list(want.shape)}")
+    want_dtype = _ST_DTYPES.get(want.dtype, str(want.dtype))
+    exact = exact or want_dtype not in _HIGH_PRECISION
+    if (exact and dtype != want_dtype) or (not exact and dtype not in _HIGH_PRECISION):
+        raise _fail(path, f"{key} is {dtype}; the model's {key} takes "
+                          f"{want_dtype if exact else ' / '.join(_HIGH_PRECISION)}")
 
 
 def _check_kv_place(h: Header, model: nn.Module, key: str, shape, foreign: bool = False) -> None:

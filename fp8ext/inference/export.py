@@ -104,13 +104,9 @@ def save_quantized(model: nn.Module, out_dir: Union[str, pathlib.Path], config: 
     load as LlamaForCausalLM."""
     if llama.is_fp8ext_transformer(model):
         return llama.save(model, out_dir, config, max_shard_size=max_shard_size)
-    q = getattr(model, "fp8_quantization", None)
-    if q is None:
-        raise ValueError("save_quantized: the model is not quantized: run fp8ext.inference.quantize_model first")
+    q = quantization_of(model)
     _warn_partly_quantized_fusions(q)
-    st = _safetensors()
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    _safetensors()  # a clear ImportError before anything is gathered
     if config is None and hasattr(model, "cfg"):
         import dataclasses
         config = dataclasses.asdict(model.cfg) if dataclasses.is_dataclass(model.cfg) else None
@@ -124,12 +120,9 @@ def save_quantized(model: nn.Module, out_dir: Union[str, pathlib.Path], config: 
             continue
         seen[key] = k
         tensors[k] = v.detach().contiguous().cpu()
-    layers = {n: {"format": "E4M3", "layout": WEIGHT_LAYOUT, "weights": q["weights"],
-                  "activations": q["activations"], "input_amax": q["input_amax"].get(n),
-                  "out_dtype": str(model.get_submodule(n).out_dtype).replace("torch.", "")} for n in q["layers"]}
-    meta = {"format": "pt", "producer": f"fp8ext {__version__}",
-            "fp8ext": json.dumps({"layers": layers, "tied": tied, "kv_cache": q.get("kv_amax") or {}})}
-    _write_shards(st, tensors, out, meta, _bytes(max_shard_size))
+    layers = {n: layer_record(model, q, n) for n in q["layers"]}
+    out = write_tensors(tensors, out_dir, {"layers": layers, "tied": tied, "kv_cache": q.get("kv_amax") or {}},
+                        max_shard_size)
     hf_config = getattr(model, "config", None)
     if config is None and callable(getattr(hf_config, "to_diff_dict", None)):
         cfg = _transformers_config(model, hf_config, tensors)
@@ -138,6 +131,21 @@ def save_quantized(model: nn.Module, out_dir: Union[str, pathlib.Path], config: 
     cfg["quantization_config"] = quantization_config(q)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
+
+
+def quantization_of(model: nn.Module) -> Dict[str, Any]:
+    """model.fp8_quantization (set by quantize_model), or the ValueError that says the model is not quantized."""
+    q = getattr(model, "fp8_quantization", None)
+    if q is None:
+        raise ValueError("save_quantized: the model is not quantized: run fp8ext.inference.quantize_model first")
+    return q
+
+
+def layer_record(model: nn.Module, q: Dict[str, Any], name: str) -> Dict[str, Any]:
+    """fp8ext's metadata record of the quantized layer `name` (q: model.fp8_quantization)."""
+    return {"format": "E4M3", "layout": WEIGHT_LAYOUT, "weights": q["weights"], "activations": q["activations"],
+            "input_amax": q["input_amax"].get(name),
+            "out_dtype": str(model.get_submodule(name).out_dtype).replace("torch.", "")}
 
 
 # layers vLLM loads fused into one (its Llama-family loaders' stacked_params_mapping): quantized all alike or not at all
@@ -174,9 +182,16 @@ def _bytes(size: Union[int, str]) -> int:
                      f"got {size!r}")
 
 
-def _write_shards(st, tensors: Dict[str, torch.Tensor], out: pathlib.Path, meta: Dict[str, str], limit: int) -> None:
-    """model.safetensors, or shards of at most `limit` bytes (a larger tensor alone in its shard) and the index.
-    Files of an earlier save in `out` that this one does not replace are removed, so no stale shard is read."""
+def write_tensors(tensors: Dict[str, torch.Tensor], out_dir: Union[str, pathlib.Path], record: Dict[str, Any],
+                  max_shard_size: Union[int, str]) -> pathlib.Path:
+    """out_dir (made if missing) with model.safetensors, or shards of at most max_shard_size bytes (a larger tensor
+    alone in its shard) and the index; fp8ext's `record` in the header's metadata. Files of an earlier save in
+    out_dir that this one does not replace are removed, so no stale shard is read. Returns out_dir as a Path."""
+    st = _safetensors()
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"format": "pt", "producer": f"fp8ext {__version__}", "fp8ext": json.dumps(record)}
+    limit = _bytes(max_shard_size)
     shards, size = [[]], 0
     for k, t in tensors.items():
         nbytes = t.numel() * t.element_size()
@@ -189,7 +204,7 @@ def _write_shards(st, tensors: Dict[str, torch.Tensor], out: pathlib.Path, meta:
         stale.unlink(missing_ok=True)
     if len(shards) == 1:
         st.save_file(tensors, str(out / WEIGHTS_FILE), metadata=meta)
-        return
+        return out
     weight_map = {}
     for i, names in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -197,6 +212,7 @@ def _write_shards(st, tensors: Dict[str, torch.Tensor], out: pathlib.Path, meta:
         weight_map.update(dict.fromkeys(names, name))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return out
 
 
 def _transformers_config(model: nn.Module, hf_config, tensors: Dict[str, torch.Tensor]) -> Dict[str, Any]:
@@ -260,13 +276,28 @@ def load_quantized(model_dir: Union[str, pathlib.Path],
     _assign_state(model, header, record, device)
     _place_buffers(model, header, device)
     fuse_norms(model)
-    layers = record["layers"]
-    first = next(iter(layers))
-    model.fp8_quantization = {"weights": layers[first]["weights"], "activations": layers[first]["activations"],
-                              "ignore": [], "ignored_modules": qc.get("ignore", []), "layers": sorted(layers),
-                              "input_amax": {n: s["input_amax"] for n, s in layers.items() if s["input_amax"]},
-                              "kv_cache_scheme": qc.get("kv_cache_scheme"), "kv_amax": record.get("kv_cache", {})}
+    model.fp8_quantization = loaded_quantization(record["layers"], qc, qc.get("ignore", []),
+                                                 record.get("kv_cache", {}))
     return model.eval()
+
+
+def loaded_quantization(layers: Dict[str, dict], qc: Dict[str, Any], ignored, kv_amax) -> Dict[str, Any]:
+    """model.fp8_quantization of a loaded model, as quantize_model sets it: the schemes (of the first layer), the
+    layers' records, config.json's quantization_config `qc`, the names kept in high precision and the K/V amaxes."""
+    first = next(iter(layers.values()))
+    return {"weights": first["weights"], "activations": first["activations"], "ignore": [],
+            "ignored_modules": ignored, "layers": sorted(layers),
+            "input_amax": {n: s["input_amax"] for n, s in layers.items() if s["input_amax"]},
+            "kv_cache_scheme": qc.get("kv_cache_scheme"), "kv_amax": kv_amax}
+
+
+def load_state(model: nn.Module, state: Dict[str, torch.Tensor], path: pathlib.Path) -> None:
+    """state into `model` (assigned: the meta tensors are replaced); ValueError when the file at `path` lacks a
+    tensor the model needs."""
+    missing = [k for k in model.load_state_dict(state, strict=False, assign=True).missing_keys
+               if not k.endswith("_extra_state")]  # high-precision fp8ext.Linear layers' FP8 state is not saved
+    if missing:
+        raise ValueError(f"load_quantized: {path} holds no {missing[:5]} for this model")
 
 
 def fp8_quantization_config(cfg: dict, d: pathlib.Path) -> dict:
@@ -320,10 +351,7 @@ def _assign_state(model: nn.Module, header, record: dict, device: torch.device) 
         mod = model.get_submodule(mod_name)
         if getattr(mod, leaf) is None:  # an unset buffer (the model as built): give it the file's tensor
             setattr(mod, leaf, state[key])
-    missing = [k for k in model.load_state_dict(state, strict=False, assign=True).missing_keys
-               if not k.endswith("_extra_state")]  # high-precision fp8ext.Linear layers' FP8 state is not saved
-    if missing:
-        raise ValueError(f"load_quantized: {header.path} holds no {missing[:5]} for this model")
+    load_state(model, state, header.path)
     for alias, target in tied.items():  # re-tie: one Parameter, as in the saved model
         mod_a, _, name_a = alias.rpartition(".")
         mod_t, _, name_t = target.rpartition(".")

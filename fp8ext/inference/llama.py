@@ -37,10 +37,9 @@ from typing import Any, Callable, Dict, List, Optional, Union
 import torch
 from torch import nn
 
-from .. import __version__
 from ..models.transformer import GroupedQueryAttention, SwiGLU, Transformer, TransformerBlock, TransformerConfig
 from ..modules.normalization import RMSNorm
-from ._checks import _HIGH_PRECISION, _ST_DTYPES, OUT_DTYPES, WEIGHT_LAYOUT, check_checkpoint
+from ._checks import OUT_DTYPES, check_checkpoint, check_fits
 from .layers import FP8InferenceLinear, fuse_norms
 from .quantize import _set_submodule
 
@@ -48,7 +47,6 @@ __all__ = ["CONFIG_KEY", "is_fp8ext_transformer", "is_fp8ext_llama", "save", "lo
            "to_llama", "from_llama"]
 
 CONFIG_KEY = "fp8ext_model_config"  # config.json's key for fp8ext's TransformerConfig
-_DTYPES = {name: dtype for dtype, name in _ST_DTYPES.items()}
 _KV = ("k_scale", "v_scale")
 
 
@@ -211,9 +209,7 @@ def save(model: Transformer, out_dir: Union[str, pathlib.Path], config: Optional
          max_shard_size: Union[int, str]) -> pathlib.Path:
     """save_quantized for fp8ext's Transformer: the Llama checkpoint described in the module docstring."""
     from . import export  # export calls this module: imported here, not at the top
-    q = getattr(model, "fp8_quantization", None)
-    if q is None:
-        raise ValueError("save_quantized: the model is not quantized: run fp8ext.inference.quantize_model first")
+    q = export.quantization_of(model)
     if config is not None and config != dataclasses.asdict(model.cfg):
         raise ValueError("save_quantized: fp8ext's Transformer is written as a Llama checkpoint whose config comes "
                          "from model.cfg; pass config=None (or model.cfg's fields)")
@@ -236,17 +232,12 @@ def save(model: Transformer, out_dir: Union[str, pathlib.Path], config: Optional
     mods = llama_modules(cfg)
     layers = {}
     for n in q["layers"]:
-        spec = {"format": "E4M3", "layout": WEIGHT_LAYOUT, "weights": q["weights"], "activations": q["activations"],
-                "input_amax": q["input_amax"].get(n),
-                "out_dtype": str(model.get_submodule(n).out_dtype).replace("torch.", "")}
+        spec = export.layer_record(model, q, n)
         layers.update({name: dict(spec) for name in mods[n]})
     kv = {mods[n][0]: a for n, a in (q.get("kv_amax") or {}).items()}
     record = {"layers": layers, "tied": {"lm_head.weight": "model.embed_tokens.weight"} if tied else {},
               "kv_cache": kv}
-    meta = {"format": "pt", "producer": f"fp8ext {__version__}", "fp8ext": json.dumps(record)}
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    export._write_shards(export._safetensors(), tensors, out, meta, export._bytes(max_shard_size))
+    out = export.write_tensors(tensors, out_dir, record, max_shard_size)
     config_json = llama_config(cfg, tied=tied, dtype=export.high_precision_dtype(tensors))
     ignored = _llama_names(cfg, q["ignored_modules"], "the modules kept in high precision")
     config_json["quantization_config"] = export.quantization_config({**q, "ignored_modules": ignored})
@@ -279,17 +270,7 @@ def _check_tensors(path, tensors: Dict[str, Any], expected: Dict[str, torch.Tens
     for key, (dtype, shape) in tensors.items():
         if key not in expected:
             raise ValueError(f"load_quantized: {path}: holds {key}, which fp8ext's Transformer has no place for")
-        want = expected[key]
-        if list(shape) != list(want.shape):
-            raise ValueError(f"load_quantized: {path}: {key} is {list(shape)}; the model's {key} is "
-                             f"{list(want.shape)}")
-        want_dtype = _ST_DTYPES.get(want.dtype, str(want.dtype))
-        if key in exact or want_dtype not in _HIGH_PRECISION:
-            if dtype != want_dtype:
-                raise ValueError(f"load_quantized: {path}: {key} is {dtype}; the model's {key} takes {want_dtype}")
-        elif dtype not in _HIGH_PRECISION:
-            raise ValueError(f"load_quantized: {path}: {key} is {dtype}; the model's {key} takes "
-                             f"{' / '.join(_HIGH_PRECISION)}")
+        check_fits(path, key, dtype, shape, expected[key], key in exact)
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise ValueError(f"load_quantized: {path} holds no {missing[:5]} for this model")
@@ -335,10 +316,7 @@ def load(model_dir: pathlib.Path, config: Dict[str, Any],
     for key in [k for k in state if k.endswith(_KV)]:
         mod_name, _, leaf = key.rpartition(".")
         setattr(model.get_submodule(mod_name), leaf, state[key])
-    missing = [k for k in model.load_state_dict(state, strict=False, assign=True).missing_keys
-               if not k.endswith("_extra_state")]
-    if missing:
-        raise ValueError(f"load_quantized: {header.path} holds no {missing[:5]} for this model")
+    export.load_state(model, state, header.path)
     if tied:
         model.lm_head.weight = model.embed.weight
     from ..models.transformer import rope_tables
@@ -346,12 +324,8 @@ def load(model_dir: pathlib.Path, config: Dict[str, Any],
     fuse_norms(model)
     back = {name: module for module, names in mods.items() for name in names}
     ignored = sorted({back.get(n, n) for n in qc.get("ignore", [])})
-    model.fp8_quantization = {
-        "weights": next(iter(layers.values()))["weights"], "activations": next(iter(layers.values()))["activations"],
-        "ignore": [], "ignored_modules": ignored, "layers": sorted(layers),
-        "input_amax": {n: s["input_amax"] for n, s in layers.items() if s["input_amax"]},
-        "kv_cache_scheme": qc.get("kv_cache_scheme"),
-        "kv_amax": {back.get(n, n): a for n, a in record.get("kv_cache", {}).items()}}
+    model.fp8_quantization = export.loaded_quantization(
+        layers, qc, ignored, {back.get(n, n): a for n, a in record.get("kv_cache", {}).items()})
     return model.eval()
 
 
