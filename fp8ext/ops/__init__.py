@@ -433,7 +433,10 @@ def quantize_blocks_eager(x, f: FP8Format, kind: str, pow2: bool, eps: float, de
     checks x)."""
     rows, cols = x.shape
     br, bc = {"row": (1, cols), "1x128": (1, 128), "128x128": (128, 128)}[kind]
-    buf, sr, sc = scale_buffer(kind, rows, cols, device)
+    if kind == "row":  # every row gets its scale (C refuses cols == 0): no fill kernel
+        buf, sr, sc = torch.empty((rows,), dtype=torch.float32, device=device), 1, 0
+    else:
+        buf, sr, sc = scale_buffer(kind, rows, cols, device)
     q = torch.empty((rows, cols), dtype=f.torch_dtype, device=device)
     _C.quantize_blocks(dl(x), _to_dl(q.view(torch.uint8)), _to_dl(buf), f.code, br, bc, sr, sc,
                        stream=stream_of(device), pow2_scale=pow2, amax_epsilon=eps)

@@ -166,6 +166,30 @@ def gemm_fp8(a: FP8Tensor, b: FP8Tensor, out_dtype: torch.dtype, bias: Optional[
                       out=out, accumulate=accumulate)
 
 
+def weight_capsules(w: FP8Tensor, bias: Optional[torch.Tensor]) -> tuple:
+    """The weight side of gemm_with_weight: (w's data, its scale_inv, bias or None) as DLPack capsules and w's
+    format code. A layer whose weight is fixed (inference) makes them once and keeps them while its buffers are
+    unchanged: fp8ext's C layer reads a capsule without consuming it."""
+    return dl_fp8(w.data), _to_dl(w.scale_inv), None if bias is None else _to_dl(bias), w.fmt.code
+
+
+def gemm_with_weight(x8: FP8Tensor, weight: tuple, n: int, out_dtype: torch.dtype, fast: bool
+                     ) -> Optional[torch.Tensor]:
+    """x8 @ W^T (+ bias) [rows, n] in out_dtype on the GPU, W and the bias given as weight_capsules: a decode step's
+    GEMMs without gemm()'s Python (the C call checks every argument all the same). None where gemm() must run
+    instead: on the CPU, under torch.compile, with fp8ext.debug or GEMM autotuning on."""
+    data = x8.data
+    if data.device.type != "cuda" or _autotune or torch.compiler.is_compiling() or debug.enabled():
+        return None
+    device = data.device
+    out = torch.empty((data.shape[0], n), dtype=out_dtype, device=device)
+    stream = stream_of(device)
+    w, w_sinv, bias, w_fmt = weight
+    _C.gemm(dl_fp8(data), w, x8.fmt.code, w_fmt, _to_dl(x8.scale_inv), w_sinv, _to_dl(out), bias=bias,
+            fast_accum=fast, workspace=workspace(device, stream), stream=stream)
+    return out
+
+
 def gemm_eager(a, b, a_scale_inv, b_scale_inv, *, out_dtype, bias=None, use_fast_accum=False, out=None,
                accumulate=False, out_scale=None, amax_out=None, tune: bool = False) -> torch.Tensor:
     """gemm() of float8 tensors without the public wrapper's checks (C checks everything), eagerly."""
