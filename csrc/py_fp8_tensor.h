@@ -6,7 +6,9 @@
  * writable where the call writes them; scales finite and positive; one-element float32 scalars) and fills the
  * descriptor. Shapes are the binding's to check: they depend on the operation (x's shape, x transposed, a GEMM's K).
  * Every check raises naming the function and the argument and returns -1; the views taken are released by
- * fp8ext_fp8_views_release, on every path.
+ * fp8ext_fp8_views_release, on every path. The descriptor's pointers are not const (one struct for what a call
+ * reads and what it writes): a call that only reads data or scale_inv (dequantize, the GEMM's operands) must not
+ * write through them.
  */
 #ifndef FP8EXT_PY_FP8_TENSOR_H
 #define FP8EXT_PY_FP8_TENSOR_H

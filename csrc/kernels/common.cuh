@@ -143,6 +143,13 @@ __device__ __forceinline__ float dswiglu_up(float gate, float dy) { return dy * 
 
 inline bool aligned(const void *p, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(p) % bytes) == 0; }
 
+// Blocks of `threads` for a grid-stride loop over n elements, one element per thread: enough to cover n, at most
+// 4 waves of full occupancy (2048 threads per multiprocessor).
+inline int grid_stride_blocks(int64_t n, int threads, int num_sms) {
+    const int64_t want = (n + threads - 1) / threads, cap = static_cast<int64_t>(num_sms) * (2048 / threads) * 4;
+    return static_cast<int>(want < cap ? want : cap);
+}
+
 }  // namespace fp8ext
 
 // Dispatch on a high-precision dtype code: runs the body with `T` bound to the element type.

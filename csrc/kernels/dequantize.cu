@@ -140,9 +140,7 @@ template <typename O, int FMT>
 cudaError_t launch_fpx(const fp8ext_dequantize_args *a, cudaStream_t stream, int num_sms) {
     const fp8ext_fp8_tensor &q = a->q;
     const int64_t n = fp8ext_fp8_numel(&q);
-    const int64_t want = (n + kThreads - 1) / kThreads;
-    const int64_t cap = static_cast<int64_t>(num_sms) * (2048 / kThreads) * 4;
-    const int blocks = static_cast<int>(want < cap ? want : cap);
+    const int blocks = grid_stride_blocks(n, kThreads, num_sms);
     dequantize_fpx_kernel<O, FMT><<<blocks, kThreads, 0, stream>>>(q.data, a->out, n, q.scale_inv, q.scale_inv_value);
     return cudaGetLastError();
 }

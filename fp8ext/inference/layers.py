@@ -29,7 +29,7 @@ from ..core.tensor import BLOCK_1x128, BLOCK_128x128, ROW, TENSOR, FP8Tensor, Qu
 from ..ops.mx import refuse_non_finite
 from ..modules.normalization import RMSNorm
 from ..ops import quantize, quantize_blockwise, quantize_rowwise, scale_buffer, scale_from_amax, scale_inv_view
-from ..ops._gemm import epilogue_bias_dtype, gemm, gemm_with_weight, weight_capsules
+from ..ops._gemm import direct_gemm_ok, epilogue_bias_dtype, gemm, gemm_with_weight, weight_capsules
 
 __all__ = ["FP8InferenceLinear", "FP8Activation", "FP8InputRMSNorm", "WEIGHT_SCHEMES", "ACTIVATION_SCHEMES"]
 
@@ -212,7 +212,7 @@ class FP8InferenceLinear(nn.Module):
             x2 = x.reshape(-1, self.in_features)
             x8, rows = self._quantize_input(x2 if x2.is_contiguous() else x2.contiguous()), x2.shape[0]
         y = None
-        if self.weights != "block128" and x8.data.is_cuda:  # a decode step's path: the weight side's capsules kept
+        if self.weights != "block128" and direct_gemm_ok(x8.data):  # a decode step's path: weight capsules kept
             caps = self._weight_capsules()
             if caps is not None:
                 y = gemm_with_weight(x8, caps, self.out_features, self.out_dtype, self._fast_accum())
@@ -224,23 +224,34 @@ class FP8InferenceLinear(nn.Module):
 
     def _weight_capsules(self) -> Optional[tuple]:
         """weight_fp8 and the bias as gemm_with_weight takes them, kept while weight, weight_scale and bias are the
-        same tensors, unchanged (their data_ptr and version); None for inference tensors (no version counter)."""
-        keys = (fused.version_key(self.weight), fused.version_key(self.weight_scale),
-                None if self.bias is None else fused.version_key(self.bias))
-        if keys[0] is None or keys[1] is None or (self.bias is not None and keys[2] is None):
+        same tensors, unchanged (their data_ptr and version; the entry holds them, so that no new tensor can take
+        their addresses meanwhile); None for inference tensors (no version counter)."""
+        w, ws, b = self.weight, self.weight_scale, self.bias
+        keys = (fused.version_key(w), fused.version_key(ws), None if b is None else fused.version_key(b))
+        if keys[0] is None or keys[1] is None or (b is not None and keys[2] is None):
             return None
         cached = self.__dict__.get("_capsules")
         if cached is None or cached[0] != keys:
-            cached = self.__dict__["_capsules"] = (keys, weight_capsules(self.weight_fp8, self.bias))
+            cached = self.__dict__["_capsules"] = (keys, weight_capsules(self.weight_fp8, b), (w, ws, b))
         return cached[1]
 
+    # Values derived from the buffers, kept between calls; none survives a move, a copy or a new buffer.
+    _DERIVED = ("_capsules", "_gemm_scale", "_static_scale", "_rows_scale_inv")
+
+    def __setattr__(self, name, value):
+        if name in ("weight", "weight_scale", "bias", "input_scale"):  # a new tensor: the old one is not kept alive
+            self.__dict__.pop("_capsules", None)
+        super().__setattr__(name, value)
+
     def _apply(self, fn, recurse=True):
-        self.__dict__.pop("_capsules", None)  # they hold the old tensors: .to("cpu") must free the GPU copies
+        for k in self._DERIVED:  # they hold the old tensors: .to("cpu") must free the GPU copies
+            self.__dict__.pop(k, None)
         return super()._apply(fn, recurse)
 
     def __getstate__(self):
         state = dict(super().__getstate__())
-        state.pop("_capsules", None)  # capsules do not copy or pickle; they are made again on the next call
+        for k in self._DERIVED:  # capsules do not copy or pickle; everything here is made again on the next call
+            state.pop(k, None)
         return state
 
     def _quantize_input(self, x2: torch.Tensor) -> FP8Tensor:

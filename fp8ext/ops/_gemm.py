@@ -173,14 +173,17 @@ def weight_capsules(w: FP8Tensor, bias: Optional[torch.Tensor]) -> tuple:
     return dl_fp8(w.data), _to_dl(w.scale_inv), None if bias is None else _to_dl(bias), w.fmt.code
 
 
-def gemm_with_weight(x8: FP8Tensor, weight: tuple, n: int, out_dtype: torch.dtype, fast: bool
-                     ) -> Optional[torch.Tensor]:
-    """x8 @ W^T (+ bias) [rows, n] in out_dtype on the GPU, W and the bias given as weight_capsules: a decode step's
-    GEMMs without gemm()'s Python (the C call checks every argument all the same). None where gemm() must run
-    instead: on the CPU, under torch.compile, with fp8ext.debug or GEMM autotuning on."""
+def direct_gemm_ok(data: torch.Tensor) -> bool:
+    """Whether gemm_with_weight runs for an operand on data's device: a GPU, outside torch.compile, with fp8ext.debug
+    and GEMM autotuning off (gemm() serves the rest)."""
+    return data.is_cuda and not _autotune and not torch.compiler.is_compiling() and not debug.enabled()
+
+
+@profiled("fp8ext.gemm")
+def gemm_with_weight(x8: FP8Tensor, weight: tuple, n: int, out_dtype: torch.dtype, fast: bool) -> torch.Tensor:
+    """x8 @ W^T (+ bias) [rows, n] in out_dtype, W and the bias given as weight_capsules: a decode step's GEMMs
+    without gemm()'s Python (the C call checks every argument all the same). Where direct_gemm_ok(x8.data)."""
     data = x8.data
-    if data.device.type != "cuda" or _autotune or torch.compiler.is_compiling() or debug.enabled():
-        return None
     device = data.device
     out = torch.empty((data.shape[0], n), dtype=out_dtype, device=device)
     stream = stream_of(device)

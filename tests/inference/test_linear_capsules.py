@@ -43,6 +43,24 @@ def test_the_capsules_are_dropped_on_copy_pickle_and_move():
     assert "_capsules" not in lay.__dict__
 
 
+def _tensors(v):
+    if isinstance(v, torch.Tensor):
+        yield v
+    elif isinstance(v, (tuple, list)):
+        for e in v:
+            yield from _tensors(e)
+
+
+def test_a_new_buffer_tensor_drops_the_kept_capsules():
+    lay, x = layer("channel", "dynamic", "cpu")
+    lay._weight_capsules()
+    lay.weight = lay.weight.clone()  # a buffer replaced: the old tensor must not stay alive through the cache
+    assert "_capsules" not in lay.__dict__
+    lay._weight_capsules()
+    lay.bias = lay.bias.clone()
+    assert "_capsules" not in lay.__dict__
+
+
 def test_the_capsules_follow_the_buffers():
     lay, _ = layer("channel", "static", "cpu")
     caps = lay._weight_capsules()
@@ -87,6 +105,7 @@ def test_a_layer_moved_off_the_gpu_keeps_no_gpu_tensor():
     with torch.no_grad():
         lay(x)
     lay.to("cpu")
-    assert "_capsules" not in lay.__dict__
+    kept = [t for k, v in lay.__dict__.items() if k not in ("_parameters", "_buffers") for t in _tensors(v)]
+    assert not [t for t in kept if t.is_cuda]
     with torch.no_grad():
         assert lay(x.cpu()).device.type == "cpu"

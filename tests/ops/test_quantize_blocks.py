@@ -8,6 +8,7 @@ import torch
 import fp8ext
 import reference
 from conftest import requires_cuda
+from fp8ext.core._boundary import FP8_DLPACK
 from fp8ext.testing import assert_fp8_equal
 
 FORMATS = [fp8ext.E4M3, fp8ext.E5M2]
@@ -84,3 +85,25 @@ def test_blocks_gpu_equals_cpu(fmt, dtype, kind, shape):
         qg, sg = fp8ext.quantize_blockwise(x.cuda(), fmt, block)
     assert_fp8_equal(qg, q, strict_nan=True, input=x, msg=f"{kind} {shape}")
     assert torch.equal(sg.cpu(), s) and sg.stride() == s.stride()
+
+
+@pytest.mark.skipif(not FP8_DLPACK,
+                    reason="this torch exports no float8 dtype through DLPack (fp8ext passes uint8 views then)")
+def test_the_binding_refuses_float8_outputs_of_the_other_format():
+    """The block casts' outputs go through the FP8 tensor descriptor's checks (csrc/py_fp8_tensor.c): an out or qt
+    that is a float8 tensor of the other format is refused, naming it, instead of receiving codes it would
+    misread."""
+    from fp8ext import _C
+    dl = torch._C._to_dlpack
+    x = torch.randn(16, 128)
+    sinv = torch.empty(16)
+    q5 = torch.empty(16, 128, dtype=torch.float8_e5m2)
+    with pytest.raises(ValueError, match=r"quantize_blocks\(\): out holds float8_e5m2 values but the format given "
+                                         r"for it is E4M3"):
+        _C.quantize_blocks(dl(x), dl(q5), dl(sinv), fp8ext.E4M3.code, 1, 128, 1, 0)
+    q4 = torch.empty(16, 128, dtype=torch.float8_e4m3fn)
+    qt5 = torch.empty(128, 16, dtype=torch.float8_e5m2)
+    with pytest.raises(ValueError, match=r"qt holds float8_e5m2"):
+        _C.quantize_blocks(dl(x), dl(q4), dl(sinv), fp8ext.E4M3.code, 1, 128, 1, 0, qt=dl(qt5),
+                           scale_inv_t=dl(torch.empty(128)), stride_rt=1, stride_ct=0)
+    _C.quantize_blocks(dl(x), dl(q4), dl(sinv), fp8ext.E4M3.code, 1, 128, 1, 0)  # the matching format is taken
