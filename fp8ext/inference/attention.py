@@ -25,7 +25,8 @@ from typing import Optional
 
 import torch
 
-from ..core._boundary import number
+from .. import _C
+from ..core._boundary import dl, dl_fp8, number, stream_of
 
 __all__ = ["decode_attention", "decode_attention_reference"]
 
@@ -135,8 +136,6 @@ def _decode_attention_dev(q, k_cache, v_cache, length, k_scale, v_scale, softmax
 
 def _kernel(q, k_cache, v_cache, length: int, k_scale, v_scale, softmax_scale, length_dev):
     """The CUDA kernel over positions [0, length), or [0, min(length_dev, length)) when length_dev is a tensor."""
-    from .. import _C
-    from ..core._boundary import dl, dl_fp8
     b, h, hd = q.shape
     kv = k_cache.shape[1]
     if not k_cache.is_contiguous() or not v_cache.is_contiguous():
@@ -147,13 +146,12 @@ def _kernel(q, k_cache, v_cache, length: int, k_scale, v_scale, softmax_scale, l
     out = torch.empty_like(q)
     workspace = torch.empty(b * h * splits * (hd + 2), dtype=torch.float32, device=q.device)
     _C.decode_attention(dl(q), dl_fp8(k_cache), dl_fp8(v_cache), dl(k_scale.contiguous()), dl(v_scale.contiguous()),
-                        dl(out), dl(workspace), length, scale, splits, torch.cuda.current_stream(q.device).cuda_stream,
+                        dl(out), dl(workspace), length, scale, splits, stream_of(q.device),
                         length_dev=None if length_dev is None else dl(length_dev))
     return out
 
 
 def _C_has_cuda() -> bool:
-    from .. import _C
     return bool(_C.WITH_CUDA)
 
 

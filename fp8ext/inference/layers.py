@@ -29,6 +29,7 @@ from ..core.tensor import BLOCK_1x128, BLOCK_128x128, ROW, TENSOR, FP8Tensor, Qu
 from ..ops.mx import refuse_non_finite
 from ..modules.normalization import RMSNorm
 from ..ops import quantize, quantize_blockwise, quantize_rowwise, scale_buffer, scale_from_amax, scale_inv_view
+from ..ops import quantize_blocks_eager, quantize_eager
 from ..ops._gemm import direct_gemm_ok, epilogue_bias_dtype, gemm, gemm_with_weight, weight_capsules
 
 __all__ = ["FP8InferenceLinear", "FP8Activation", "FP8InputRMSNorm", "WEIGHT_SCHEMES", "ACTIVATION_SCHEMES"]
@@ -261,8 +262,13 @@ class FP8InferenceLinear(nn.Module):
             xp = torch.nn.functional.pad(x2, (0, 0, 0, pad)) if pad else x2
             q, scale_inv = quantize_blockwise(xp, E4M3, block=(1, 128))
             return FP8Tensor(q, None, scale_inv, E4M3, BLOCK_1x128)
+        direct = direct_gemm_ok(x2)  # a decode step on a GPU: the casts without the public functions' Python
         if self.activations == "static":
-            q, scale_inv = quantize(x2, E4M3, self._input_scheme()[1].reshape(())), self._x_scale_inv(x2.shape[0], None)
+            scale = self._input_scheme()[1].reshape(())
+            q = quantize_eager(x2, E4M3, scale, True, False, 0, None) if direct else quantize(x2, E4M3, scale)
+            scale_inv = self._x_scale_inv(x2.shape[0], None)
+        elif direct:
+            q, scale_inv = quantize_blocks_eager(x2, E4M3, "row", False, 0.0, x2.device)
         else:
             q, scale_inv = quantize_rowwise(x2, E4M3)
         return FP8Tensor(q, None, scale_inv, E4M3, _layout(scale_inv))

@@ -22,7 +22,7 @@ from ..core._boundary import dl, dl_fp8, raw_stream, stream_of
 from ..core.formats import E4M3, E5M2, FP8Format
 from . import amax as _amax
 from . import dequantize, quantize
-from ..core.profiling import profiled
+from ..core.profiling import profiled, profiling_enabled
 from ..core.tensor import FP8Tensor
 
 __all__ = ["gemm", "set_gemm_autotune", "gemm_cache_info", "WORKSPACE_BYTES"]
@@ -174,12 +174,13 @@ def weight_capsules(w: FP8Tensor, bias: Optional[torch.Tensor]) -> tuple:
 
 
 def direct_gemm_ok(data: torch.Tensor) -> bool:
-    """Whether gemm_with_weight runs for an operand on data's device: a GPU, outside torch.compile, with fp8ext.debug
-    and GEMM autotuning off (gemm() serves the rest)."""
-    return data.is_cuda and not _autotune and not torch.compiler.is_compiling() and not debug.enabled()
+    """Whether gemm_with_weight (and the inference layers' direct casts) run for an operand on data's device: a GPU,
+    outside torch.compile, with fp8ext.debug, GEMM autotuning and fp8ext's profiling ranges off (the public
+    functions serve the rest)."""
+    return data.is_cuda and not _autotune and not torch.compiler.is_compiling() and not debug.enabled() and \
+        not profiling_enabled()
 
 
-@profiled("fp8ext.gemm")
 def gemm_with_weight(x8: FP8Tensor, weight: tuple, n: int, out_dtype: torch.dtype, fast: bool) -> torch.Tensor:
     """x8 @ W^T (+ bias) [rows, n] in out_dtype, W and the bias given as weight_capsules: a decode step's GEMMs
     without gemm()'s Python (the C call checks every argument all the same). Where direct_gemm_ok(x8.data)."""
