@@ -16,7 +16,13 @@ extern "C" {
  * to qkv's dtype; v is copied. head_dim % 16 == 0; all pointers 16-byte aligned. GPU only.
  * backward != 0: the gradient of that map. q, k, v hold dq, dk, dv and are read; qkv is written: for q and k,
  * dx1 = g1 * c + g2 * s and dx2 = g2 * c - g1 * s (each product and sum rounded in float32, then rounded to the
- * dtype), dv copied: bit for bit autograd's gradient of the float32 composition above. */
+ * dtype), dv copied: bit for bit autograd's gradient of the float32 composition above.
+ * k_cache != NULL (forward only): K (rotated) and V go into FP8 KV caches instead of k and v (NULL then), as
+ * fp8ext_kv_store_args stores them: k_cache, v_cache [batch, n_kv, max_len, head_dim] E4M3 (8-byte aligned), token
+ * s at position cache_pos + s, or *pos_dev + s when pos_dev is given (CUDA graphs; a position outside
+ * [0, max_len - seq] stores nothing), fp8(x / k_scale[head]) (v_scale for V), the division rounded to float32:
+ * the same bytes as rope_qkv followed by two kv_store calls, in one kernel. length_out: NULL, or an int64 in device
+ * memory that takes the position after the step's (position + seq), which decode attention reads as its length. */
 typedef struct {
     void *qkv;
     int backward;
@@ -24,6 +30,11 @@ typedef struct {
     const float *cos, *sin;
     void *q, *k, *v;
     int64_t batch, seq, n_heads, n_kv, head_dim, start_pos, table_stride;
+    uint8_t *k_cache, *v_cache;
+    const float *k_scale, *v_scale;
+    int64_t max_len, cache_pos;
+    const int64_t *pos_dev;
+    int64_t *length_out;
 } fp8ext_rope_qkv_args;
 
 /* Stores a step's K or V into an FP8 KV cache: x [batch, n_kv, seq, head_dim] (bf16/f16/f32, contiguous) ->

@@ -13,20 +13,47 @@ FP8EXT_CUDA_LAUNCHER(rope_qkv)
 FP8EXT_CUDA_LAUNCHER(kv_store)
 FP8EXT_CUDA_LAUNCHER(decode_attention)
 
-/* rope_qkv(qkv, cos, sin, q, k, v, n_heads, n_kv, start_pos, stream=0, backward=False): see fp8ext_rope_qkv_args;
- * with backward, q, k, v (the gradients) are read and qkv is written. */
+/* A KV cache argument of rope_qkv: E4M3, contiguous, writable, on qkv's GPU. */
+static int get_cache(PyObject *o, const fp8ext_view *x, Py_ssize_t stream, const char *fn, const char *arg,
+                     fp8ext_view *v) {
+    if (fp8ext_view_get(o, stream, fn, arg, v) < 0 || fp8ext_check_fp8(v, FP8EXT_E4M3, fn, arg) < 0 ||
+        fp8ext_check_contiguous(v, fn, arg) < 0 || fp8ext_check_same_device(v, x, fn, arg, "qkv") < 0 ||
+        fp8ext_check_writable(v, fn, arg) < 0)
+        return -1;
+    return 0;
+}
+
+/* rope_qkv(qkv, cos, sin, q, k, v, n_heads, n_kv, start_pos, stream=0, backward=False, k_scale=None,
+ * v_scale=None, cache_pos=0, pos_dev=None, length_out=None): see fp8ext_rope_qkv_args; with backward, q, k, v (the
+ * gradients) are read and qkv is written; with k_scale and v_scale, k and v are FP8 KV caches that take K and V at
+ * cache_pos (or *pos_dev), and length_out (int64 on the GPU) the position after them. */
 static PyObject *py_rope_qkv(PyObject *module, PyObject *args, PyObject *kwargs) {
     static const char *fn = "rope_qkv";
     static char *kwlist[] = {"qkv", "cos", "sin", "q", "k", "v", "n_heads", "n_kv", "start_pos", "stream",
-                             "backward", NULL};
-    PyObject *x_o, *c_o, *s_o, *q_o, *k_o, *v_o;
-    long long n_heads, n_kv, start_pos;
+                             "backward", "k_scale", "v_scale", "cache_pos", "pos_dev", "length_out", NULL};
+    PyObject *x_o, *c_o, *s_o, *q_o, *k_o, *v_o, *ks_o = NULL, *vs_o = NULL, *pd_o = NULL, *lo_o = NULL;
+    long long n_heads, n_kv, start_pos, cache_pos = 0;
     Py_ssize_t stream = 0;
     int backward = 0;
-    if (!fp8ext_parse_args(args, kwargs, "OOOOOOLLL|np:rope_qkv", kwlist, &x_o, &c_o, &s_o, &q_o, &k_o,
-                           &v_o, &n_heads, &n_kv, &start_pos, &stream, &backward))
+    if (!fp8ext_parse_args(args, kwargs, "OOOOOOLLL|npOOLOO:rope_qkv", kwlist, &x_o, &c_o, &s_o, &q_o, &k_o,
+                           &v_o, &n_heads, &n_kv, &start_pos, &stream, &backward, &ks_o, &vs_o, &cache_pos, &pd_o,
+                           &lo_o))
         return NULL;
-    fp8ext_view x = {0}, c = {0}, sn = {0}, q = {0}, k = {0}, v = {0};
+    if (ks_o == Py_None) ks_o = NULL;
+    if (vs_o == Py_None) vs_o = NULL;
+    if (pd_o == Py_None) pd_o = NULL;
+    if (lo_o == Py_None) lo_o = NULL;
+    const int cache = ks_o != NULL || vs_o != NULL;
+    if (cache && (!ks_o || !vs_o || backward)) {
+        fp8ext_value_error(fn, "k_scale and v_scale come together, and not with backward");
+        return NULL;
+    }
+    if (!cache && (pd_o || lo_o)) {
+        fp8ext_value_error(fn, "pos_dev and length_out are for stores into a KV cache (k_scale and v_scale given)");
+        return NULL;
+    }
+    fp8ext_view x = {0}, c = {0}, sn = {0}, q = {0}, k = {0}, v = {0}, ks = {0}, vs = {0}, pd = {0}, lo = {0};
+    const int64_t *length_out = NULL; /* written by the kernel: a writable view (checked below) */
     PyObject *ret = NULL;
     fp8ext_rope_qkv_args a = {0};
     if (fp8ext_get_view(x_o, -1, NULL, NULL, stream, fn, "qkv", &x) < 0 || fp8ext_check_on_gpu(&x, fn, "qkv") < 0 ||
@@ -34,11 +61,18 @@ static PyObject *py_rope_qkv(PyObject *module, PyObject *args, PyObject *kwargs)
         fp8ext_get_view(c_o, FP8EXT_KIND_F32, &x, "qkv", stream, fn, "cos", &c) < 0 ||
         fp8ext_get_view(s_o, FP8EXT_KIND_F32, &x, "qkv", stream, fn, "sin", &sn) < 0 ||
         fp8ext_get_view(q_o, x.kind, &x, "qkv", stream, fn, "q", &q) < 0 ||
-        (!backward && fp8ext_check_writable(&q, fn, "q") < 0) ||
-        fp8ext_get_view(k_o, x.kind, &x, "qkv", stream, fn, "k", &k) < 0 ||
-        (!backward && fp8ext_check_writable(&k, fn, "k") < 0) ||
-        fp8ext_get_view(v_o, x.kind, &x, "qkv", stream, fn, "v", &v) < 0 ||
-        (!backward && fp8ext_check_writable(&v, fn, "v") < 0))
+        (!backward && fp8ext_check_writable(&q, fn, "q") < 0))
+        goto done;
+    if (cache ? get_cache(k_o, &x, stream, fn, "k", &k) < 0 || get_cache(v_o, &x, stream, fn, "v", &v) < 0 ||
+                    fp8ext_get_view(ks_o, FP8EXT_KIND_F32, &x, "qkv", stream, fn, "k_scale", &ks) < 0 ||
+                    fp8ext_get_view(vs_o, FP8EXT_KIND_F32, &x, "qkv", stream, fn, "v_scale", &vs) < 0 ||
+                    fp8ext_get_i64_dev(pd_o, &x, "qkv", stream, fn, "pos_dev", &pd, &a.pos_dev) < 0 ||
+                    fp8ext_get_i64_dev(lo_o, &x, "qkv", stream, fn, "length_out", &lo, &length_out) < 0 ||
+                    (lo_o && fp8ext_check_writable(&lo, fn, "length_out") < 0)
+              : fp8ext_get_view(k_o, x.kind, &x, "qkv", stream, fn, "k", &k) < 0 ||
+                    (!backward && fp8ext_check_writable(&k, fn, "k") < 0) ||
+                    fp8ext_get_view(v_o, x.kind, &x, "qkv", stream, fn, "v", &v) < 0 ||
+                    (!backward && fp8ext_check_writable(&v, fn, "v") < 0))
         goto done;
     if (x.ndim != 3 || c.ndim != 2 || sn.ndim != 2 || q.ndim != 4 || k.ndim != 4 || v.ndim != 4) {
         fp8ext_value_error(fn, "qkv must be [batch, seq, width], cos and sin [positions, head_dim / 2], q, k, v 4-D");
@@ -67,24 +101,40 @@ static PyObject *py_rope_qkv(PyObject *module, PyObject *args, PyObject *kwargs)
         goto done;
     }
     {
-        const int64_t want[3][4] = {{a.batch, n_heads, a.seq, a.head_dim}, {a.batch, n_kv, a.seq, a.head_dim},
-                                    {a.batch, n_kv, a.seq, a.head_dim}};
+        const int64_t kv_len = cache ? k.shape[2] : a.seq;
+        const int64_t want[3][4] = {{a.batch, n_heads, a.seq, a.head_dim}, {a.batch, n_kv, kv_len, a.head_dim},
+                                    {a.batch, n_kv, kv_len, a.head_dim}};
         const fp8ext_view *outs[3] = {&q, &k, &v};
         for (int o = 0; o < 3; ++o)
             for (int i = 0; i < 4; ++i)
                 if (outs[o]->shape[i] != want[o][i]) {
-                    fp8ext_value_error(fn, "q must be [batch, n_heads, seq, head_dim] and k, v [batch, n_kv, seq, head_dim]");
+                    fp8ext_value_error(fn, cache ? "q must be [batch, n_heads, seq, head_dim] and the caches k, v [batch, "
+                                                   "n_kv, max_len, head_dim]"
+                                                 : "q must be [batch, n_heads, seq, head_dim] and k, v [batch, n_kv, seq, "
+                                                   "head_dim]");
                     goto done;
                 }
     }
-    if (((uintptr_t)x.data % 16) || ((uintptr_t)q.data % 16) || ((uintptr_t)k.data % 16) || ((uintptr_t)v.data % 16)) {
-        fp8ext_value_error(fn, "qkv, q, k and v must start on a 16-byte boundary; pass freshly allocated tensors");
+    if (cache) {
+        a.max_len = k.shape[2];
+        if (ks.numel != n_kv || vs.numel != n_kv || a.seq > a.max_len || cache_pos < 0 ||
+            cache_pos > a.max_len - a.seq) {
+            fp8ext_value_error(fn, "k_scale and v_scale must hold one float32 per K/V head, and cache_pos .. cache_pos + "
+                                   "seq lie within the caches");
+            goto done;
+        }
+    }
+    if (((uintptr_t)x.data % 16) || ((uintptr_t)q.data % 16) || ((uintptr_t)k.data % (cache ? 8 : 16)) ||
+        ((uintptr_t)v.data % (cache ? 8 : 16))) {
+        fp8ext_value_error(fn, cache ? "qkv and q must start on a 16-byte boundary and the caches on an 8-byte one"
+                                     : "qkv, q, k and v must start on a 16-byte boundary; pass freshly allocated tensors");
         goto done;
     }
     if (backward ? fp8ext_check_disjoint(fn, 1, 6, (const fp8ext_view *const[]){&x, &q, &k, &v, &c, &sn},
                                          (const char *const[]){"qkv", "q", "k", "v", "cos", "sin"}) < 0
-                 : fp8ext_check_disjoint(fn, 3, 6, (const fp8ext_view *const[]){&q, &k, &v, &x, &c, &sn},
-                                         (const char *const[]){"q", "k", "v", "qkv", "cos", "sin"}) < 0)
+                 : fp8ext_check_disjoint(fn, 4, 10, (const fp8ext_view *const[]){&q, &k, &v, &lo, &x, &c, &sn, &ks, &vs, &pd},
+                                         (const char *const[]){"q", "k", "v", "length_out", "qkv", "cos", "sin",
+                                                               "k_scale", "v_scale", "pos_dev"}) < 0)
         goto done;
     a.qkv = x.data;
     a.backward = backward;
@@ -92,14 +142,23 @@ static PyObject *py_rope_qkv(PyObject *module, PyObject *args, PyObject *kwargs)
     a.cos = c.data;
     a.sin = sn.data;
     a.q = q.data;
-    a.k = k.data;
-    a.v = v.data;
+    if (cache) {
+        a.k_cache = k.data;
+        a.v_cache = v.data;
+        a.k_scale = ks.data;
+        a.v_scale = vs.data;
+        a.cache_pos = cache_pos;
+        a.length_out = (int64_t *)length_out;
+    } else {
+        a.k = k.data;
+        a.v = v.data;
+    }
     a.start_pos = start_pos;
     a.table_stride = c.shape[1];
     if (fp8ext_run_op(module, &x, stream, fn, fp8ext_no_cpu, cuda_rope_qkv, &a) < 0) goto done;
     ret = Py_NewRef(Py_None);
 done:
-    FP8EXT_RELEASE_ALL(&x, &c, &sn, &q, &k, &v);
+    FP8EXT_RELEASE_ALL(&x, &c, &sn, &q, &k, &v, &ks, &vs, &pd, &lo);
     return ret;
 }
 
@@ -284,8 +343,11 @@ done:
 
 PyMethodDef fp8ext_attention_methods[] = {
     {"rope_qkv", (PyCFunction)(void (*)(void))py_rope_qkv, METH_VARARGS | METH_KEYWORDS,
-     "rope_qkv(qkv, cos, sin, q, k, v, n_heads, n_kv, start_pos, stream=0, backward=False): RoPE on a fused QKV "
-     "projection, split into q, k, v, on a GPU; with backward, its gradient (reads q, k, v, writes qkv)."},
+     "rope_qkv(qkv, cos, sin, q, k, v, n_heads, n_kv, start_pos, stream=0, backward=False, k_scale=None, "
+     "v_scale=None, cache_pos=0, pos_dev=None, length_out=None): RoPE on a fused QKV projection, split into q, k, v, on a GPU; with "
+     "backward, its gradient (reads q, k, v, writes qkv); with k_scale and v_scale, k and v are FP8 KV caches "
+     "[batch, n_kv, max_len, head_dim] that take K and V at cache_pos (or pos_dev, int64 on the GPU), and length_out "
+     "(int64 on the GPU) the position after them."},
     {"kv_store", (PyCFunction)(void (*)(void))py_kv_store, METH_VARARGS | METH_KEYWORDS,
      "kv_store(x, scale, cache, pos, stream=0, pos_dev=None): K or V of a step stored into an FP8 KV cache, on a "
      "GPU; pos_dev (int64 on the GPU) replaces pos when given (CUDA graphs)."},

@@ -61,6 +61,19 @@ __device__ __forceinline__ void store8_fp8(uint8_t *q, int64_t i, const float *f
     *reinterpret_cast<uint2 *>(q + i) = make_uint2(lo, hi);
 }
 
+// A KV cache's store of 8 values: fp8(f / scale), the division rounded to float32 first (fp8ext_kv_store_args).
+__device__ __forceinline__ void store8_kv(uint8_t *dst, const float *f, float scale) {
+    uint32_t w[2];
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+        uint32_t r = 0;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) r |= cvt1<FP8EXT_E4M3>(__fdiv_rn(f[4 * p + t], scale), 1.0f, 1) << (8 * t);
+        w[p] = r;
+    }
+    *reinterpret_cast<uint2 *>(dst) = make_uint2(w[0], w[1]);
+}
+
 // Block-wide reductions; every thread gets the result. The order is fixed by the block size, so a row's
 // result does not depend on the launch.
 __device__ __forceinline__ float block_sum(float v) {
@@ -220,13 +233,19 @@ __global__ void __launch_bounds__(kThreads) fused_rows_kernel(const T *__restric
 
 // RoPE: one block per token (b, s); each thread takes 8 consecutive pairs (j, j + head_dim / 2) of one head.
 // BACKWARD: the same walk in the other direction: reads dq, dk, dv, writes the token's row of dqkv.
-template <typename T, bool BACKWARD>
+// CACHE: K and V go into the FP8 KV caches (a.k_cache, a.v_cache) at the token's position instead of k and v.
+template <typename T, bool BACKWARD, bool CACHE>
 __global__ void __launch_bounds__(128) rope_qkv_kernel(fp8ext_rope_qkv_args a) {
     const int64_t token = blockIdx.x, b = token / a.seq, s = token % a.seq;
     const int64_t half = a.head_dim / 2, groups = half / 8, heads = a.n_heads + 2 * a.n_kv;
     T *row = static_cast<T *>(a.qkv) + token * heads * a.head_dim;
     const float *cr = a.cos + (a.start_pos + s) * a.table_stride;
     const float *sr = a.sin + (a.start_pos + s) * a.table_stride;
+    int64_t pos = 0;  // CACHE: the cache position of the first token; outside [0, max_len - seq]: no store
+    if constexpr (CACHE) {
+        pos = a.pos_dev ? *a.pos_dev : a.cache_pos;
+        if (a.length_out && token == 0 && threadIdx.x == 0) *a.length_out = pos + a.seq;
+    }
     for (int64_t item = threadIdx.x; item < heads * groups; item += blockDim.x) {
         const int64_t head = item / groups, j = (item % groups) * 8;
         T *dst;
@@ -235,6 +254,16 @@ __global__ void __launch_bounds__(128) rope_qkv_kernel(fp8ext_rope_qkv_args a) {
         else if (head < a.n_heads + a.n_kv) { dst = static_cast<T *>(a.k); nh = a.n_kv; hh = head - a.n_heads; }
         else { dst = static_cast<T *>(a.v); nh = a.n_kv; hh = head - a.n_heads - a.n_kv; }
         T *o = dst + ((b * nh + hh) * a.seq + s) * a.head_dim, *xi = row + head * a.head_dim;
+        uint8_t *c8 = nullptr;  // CACHE: this K/V head's row at the token's position
+        float c8_scale = 1.0f;
+        if constexpr (CACHE) {
+            if (head >= a.n_heads) {
+                if (pos < 0 || pos > a.max_len - a.seq) continue;
+                const bool is_k = head < a.n_heads + a.n_kv;
+                c8 = (is_k ? a.k_cache : a.v_cache) + ((b * a.n_kv + hh) * a.max_len + pos + s) * a.head_dim;
+                c8_scale = __ldg((is_k ? a.k_scale : a.v_scale) + hh);
+            }
+        }
         if constexpr (BACKWARD) {  // read the head's gradient, write the qkv row
             T *t = o;
             o = xi;
@@ -256,8 +285,16 @@ __global__ void __launch_bounds__(128) rope_qkv_kernel(fp8ext_rope_qkv_args a) {
                     o2[t] = round_to<T>(__fadd_rn(__fmul_rn(x1[t], n), __fmul_rn(x2[t], c)));
                 }
             }
-            store8(o, j, o1);
-            store8(o, half + j, o2);
+            if (CACHE && c8) {
+                store8_kv(c8 + j, o1, c8_scale);
+                store8_kv(c8 + half + j, o2, c8_scale);
+            } else {
+                store8(o, j, o1);
+                store8(o, half + j, o2);
+            }
+        } else if (CACHE && c8) {
+            store8_kv(c8 + j, x1, c8_scale);
+            store8_kv(c8 + half + j, x2, c8_scale);
         } else {
             store8(o, j, x1);
             store8(o, half + j, x2);
@@ -395,16 +432,7 @@ __global__ void __launch_bounds__(256) kv_store_kernel(fp8ext_kv_store_args a, i
     if (pos < 0 || pos > a.max_len - a.seq) return;
     float f[8];
     load8(static_cast<const T *>(a.x), i * 8, f);
-    const float sc = __ldg(a.scale + h);
-    uint32_t w[2];
-#pragma unroll
-    for (int p = 0; p < 2; ++p) {
-        uint32_t r = 0;
-#pragma unroll
-        for (int t = 0; t < 4; ++t) r |= cvt1<FP8EXT_E4M3>(__fdiv_rn(f[4 * p + t], sc), 1.0f, 1) << (8 * t);
-        w[p] = r;
-    }
-    *reinterpret_cast<uint2 *>(a.cache + (bh * a.max_len + pos + s) * a.head_dim + d) = make_uint2(w[0], w[1]);
+    store8_kv(a.cache + (bh * a.max_len + pos + s) * a.head_dim + d, f, __ldg(a.scale + h));
 }
 
 }  // namespace
@@ -476,14 +504,18 @@ extern "C" int fp8ext_cuda_rope_qkv(const fp8ext_rope_qkv_args *a, void *stream,
     using namespace fp8ext;
     const int64_t tokens = a->batch * a->seq;
     if (tokens == 0) return cudaSuccess;
+    const bool cache = a->k_cache != nullptr;
+    if (cache && (a->backward || !a->v_cache || !a->k_scale || !a->v_scale)) return cudaErrorInvalidValue;
     if (a->head_dim % 16 || !aligned(a->qkv, 16) || !aligned(a->q, 16) ||
-        !aligned(a->k, 16) || !aligned(a->v, 16))
+        (cache ? !aligned(a->k_cache, 8) || !aligned(a->v_cache, 8) : !aligned(a->k, 16) || !aligned(a->v, 16)))
         return cudaErrorMisalignedAddress;
     if (tokens > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
     cudaStream_t s = static_cast<cudaStream_t>(stream);
+    const unsigned grid = static_cast<unsigned>(tokens);
     FP8EXT_DISPATCH_DTYPE(a->dtype, {
-        if (a->backward) rope_qkv_kernel<T, true><<<static_cast<unsigned>(tokens), 128, 0, s>>>(*a);
-        else rope_qkv_kernel<T, false><<<static_cast<unsigned>(tokens), 128, 0, s>>>(*a);
+        if (a->backward) rope_qkv_kernel<T, true, false><<<grid, 128, 0, s>>>(*a);
+        else if (cache) rope_qkv_kernel<T, false, true><<<grid, 128, 0, s>>>(*a);
+        else rope_qkv_kernel<T, false, false><<<grid, 128, 0, s>>>(*a);
     });
     return cudaGetLastError();
 }

@@ -113,6 +113,8 @@ class KVCache:
         self._k_scales: List[Optional[torch.Tensor]] = self._per_layer(k_scale, "k_scale", device)
         self._v_scales: List[Optional[torch.Tensor]] = self._per_layer(v_scale, "v_scale", device)
         self.scale_source = None if dtype != "fp8" else "prefill" if k_scale is None else "given"
+        # rope_append's kernel writes the cache's length there (graphed steps): decode attention's length_dev
+        self._length_dev = torch.empty(1, dtype=torch.int64, device=device) if device.type == "cuda" else None
 
     @classmethod
     def from_model(cls, model, batch: int, max_len: int, dtype: str = "fp8", device=None, *,
@@ -337,13 +339,56 @@ class KVCache:
             return (*self._load_all(layer, torch.float32), end, None, None)
         return self.k[layer], self.v[layer], end, self._k_scales[layer], self._v_scales[layer]
 
-    def _append_graphed(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor):
-        if self.dtype != "fp8" or not k.is_cuda or not _C.WITH_CUDA or self.overflow is not None:
-            raise ValueError("KVCache.append: a tensor start_pos (CUDA graphs) needs an FP8 cache on a GPU, without "
+    def _check_pos_dev(self, pos: torch.Tensor, device: torch.device, fn: str) -> None:
+        if self.dtype != "fp8" or device.type != "cuda" or not _C.WITH_CUDA or self.overflow is not None:
+            raise ValueError(f"KVCache.{fn}: a tensor start_pos (CUDA graphs) needs an FP8 cache on a GPU, without "
                              f"overflow (got overflow={self.overflow!r})")
-        if pos.dtype != torch.int64 or pos.numel() != 1 or pos.device != k.device:
-            raise ValueError(f"KVCache.append: a tensor start_pos must be one int64 element on {k.device}, got "
+        if pos.dtype != torch.int64 or pos.numel() != 1 or pos.device != device:
+            raise ValueError(f"KVCache.{fn}: a tensor start_pos must be one int64 element on {device}, got "
                              f"{pos.dtype} {list(pos.shape)} on {pos.device}")
+
+    def rope_append(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
+                    start_pos):
+        """A decode step's RoPE with its K and V stored straight into this FP8 cache: one kernel where
+        fp8ext.fused.rope_qkv and append take three, the same bytes (the rotation rounded to qkv's dtype, then
+        fp8(x / scale)). qkv [batch, 1, (n_heads + 2 n_kv_heads) * head_dim] on a GPU; cos, sin [positions,
+        head_dim / 2] float32 whose first row is the step's position. start_pos as append takes it (an int, or a
+        one-element int64 tensor on the GPU for CUDA graphs).
+
+        Returns (q [batch, n_heads, 1, head_dim], k_cache, v_cache, length, k_scale, v_scale) as append returns the
+        last five, or None where this cache cannot take the step that way (a bf16 cache, overflow, scales not
+        set yet, a CPU tensor, no CUDA kernel, torch.compile tracing): then rope_qkv and append."""
+        hd, kv = self.cfg.head_dim, self.cfg.n_kv_heads
+        if (self.dtype != "fp8" or self.overflow is not None or not 0 <= layer < len(self._lengths)
+                or self._k_scales[layer] is None or not qkv.is_cuda or not _C.WITH_CUDA or hd % 16
+                or qkv.dim() != 3 or qkv.shape[1] != 1 or qkv.shape[2] != (n_heads + 2 * kv) * hd
+                or qkv.shape[0] != self.k.shape[1] or qkv.dtype not in (torch.bfloat16, torch.float16, torch.float32)
+                or torch.compiler.is_compiling()):
+            return None
+        graphed = isinstance(start_pos, torch.Tensor)
+        if graphed:
+            self._check_pos_dev(start_pos, qkv.device, "rope_append")
+        else:
+            if start_pos != self._lengths[layer]:
+                raise ValueError(f"KVCache.rope_append: layer {layer} holds {self._lengths[layer]} positions; "
+                                 f"start_pos {start_pos} must continue it")
+            if start_pos + 1 > self.max_len:
+                raise ValueError(f"KVCache: {start_pos + 1} positions exceed max_len {self.max_len}")
+        x = qkv if qkv.is_contiguous() and qkv.data_ptr() % 16 == 0 else qkv.clone()
+        q = torch.empty(qkv.shape[0], n_heads, 1, hd, dtype=qkv.dtype, device=qkv.device)
+        ks, vs = self._k_scales[layer], self._v_scales[layer]
+        kc, vc = self.k[layer], self.v[layer]
+        _C.rope_qkv(dl(x), dl(cos.contiguous()), dl(sin.contiguous()), dl(q), dl_fp8(kc), dl_fp8(vc), n_heads, kv, 0,
+                    stream_of(qkv.device), k_scale=dl(ks), v_scale=dl(vs), cache_pos=0 if graphed else start_pos,
+                    pos_dev=dl(start_pos) if graphed else None,
+                    length_out=dl(self._length_dev) if graphed else None)
+        if graphed:  # the kernel wrote start_pos + 1 there: no launch of its own for the length
+            return q, kc, vc, self._length_dev, ks, vs
+        self._lengths[layer] = start_pos + 1
+        return q, kc, vc, start_pos + 1, ks, vs
+
+    def _append_graphed(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor):
+        self._check_pos_dev(pos, k.device, "append")
         if k.dim() != 4 or v.shape != k.shape or k.shape[2] != 1 or k.shape[0] != self.k.shape[1] or \
                 k.shape[1] != self.cfg.n_kv_heads or k.shape[3] != self.cfg.head_dim or k.shape[3] % 8:
             raise ValueError(f"KVCache.append: with a tensor start_pos, k and v must be one position, [batch "

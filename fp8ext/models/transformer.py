@@ -199,6 +199,13 @@ class GroupedQueryAttention(nn.Module):
         no_grad = not torch.is_grad_enabled()
         if self.cfg.fused_qkv:
             qkv = self.qkv_proj(x, **mb)
+            if kv_cache is not None and s == 1 and no_grad and self.kv_observer is None and \
+                    hasattr(kv_cache, "rope_append") and fused.available(qkv, 16 if hd % 16 == 0 else 1):
+                # decode step over an FP8 cache on a GPU: RoPE and the K/V stores in one kernel
+                step = kv_cache.rope_append(self.layer_idx, qkv, cos, sin, h, start_pos)
+                if step is not None:
+                    q, k_cache, v_cache, length, k_scale, v_scale = step
+                    return self._decode(q, k_cache, v_cache, length, k_scale, v_scale, mb)
             if (no_grad or fused.TRAINING) and fused.available(qkv, 16 if hd % 16 == 0 else 1):
                 # one pass: split, rotate, lay out (and one pass back in the backward)
                 q, k, v = fused.rope_qkv(qkv, cos, sin, h, kv)
@@ -216,10 +223,8 @@ class GroupedQueryAttention(nn.Module):
             if s == 1 and kv_cache.dtype == "fp8":
                 # decode step over an FP8 cache: attention reads the E4M3 bytes with the per-head scales (a CUDA
                 # kernel on a GPU, no dequantized copy of the cache; a float32 reference elsewhere)
-                from ..inference import attention
                 k_cache, v_cache, length, k_scale, v_scale = kv_cache.append(self.layer_idx, k, v, start_pos)
-                y = attention.decode_attention(q[:, :, 0], k_cache, v_cache, length, k_scale, v_scale)
-                return self.o_proj(y.reshape(b, 1, h * hd), **mb)
+                return self._decode(q, k_cache, v_cache, length, k_scale, v_scale, mb)
             k, v = kv_cache.update(self.layer_idx, k, v, start_pos)
             pick = s == 1 and _DECODE_SDPA is not None and not _capturing()
             # several positions after cached ones (speculative decoding's verification): SDPA's is_causal aligns
@@ -241,6 +246,14 @@ class GroupedQueryAttention(nn.Module):
             k, v = k.repeat_interleave(h // kv, dim=1), v.repeat_interleave(h // kv, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=s > 1)  # one new token attends to all before it
         return self.o_proj(y.transpose(1, 2).reshape(b, s, h * hd), **mb)
+
+
+    def _decode(self, q, k_cache, v_cache, length, k_scale, v_scale, mb):
+        """o_proj of decode attention of q [b, n_heads, 1, head_dim] over the cache's positions [0, length)."""
+        from ..inference import attention
+        b, h, _, hd = q.shape
+        y = attention.decode_attention(q[:, :, 0], k_cache, v_cache, length, k_scale, v_scale)
+        return self.o_proj(y.reshape(b, 1, h * hd), **mb)
 
 
 class SwiGLU(nn.Module):

@@ -196,3 +196,97 @@ def test_graphed_decode_steps_match_the_eager_ones(quantized):
             step(ids[:1, 12:13], 12)
         step(ids[:, 12:13], 12)
         assert cache.lengths == [13] * model.cfg.n_layers
+
+
+def _prefilled(cfg, b, max_len, pre, dtype, device, seed=1):
+    """An FP8 cache whose every layer holds `pre` positions (its scales set from them), and the same twice more."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (b, cfg.n_kv_heads, pre, cfg.head_dim)
+    caches = [KVCache(cfg, b, max_len, "fp8", device) for _ in range(3)]
+    for layer in range(cfg.n_layers):
+        k, v = (torch.randn(shape, generator=g).mul(4).to(device, dtype) for _ in range(2))
+        for cache in caches:
+            cache.append(layer, k, v, 0)
+    return caches
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rope_append_stores_the_bytes_of_rope_qkv_then_append(dtype):
+    from fp8ext.ops import fused
+    cfg = preset("tiny", d_model=256, n_heads=4, n_kv_heads=2)  # head_dim 64
+    h, kv, hd, b, max_len, pre = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, 3, 40, 9
+    ref, got, graphed = _prefilled(cfg, b, max_len, pre, dtype, "cuda")
+    torch.manual_seed(0)
+    cos, sin = torch.randn(max_len, hd // 2, device="cuda"), torch.randn(max_len, hd // 2, device="cuda")
+    qkv = torch.randn(b, 1, (h + 2 * kv) * hd, device="cuda", dtype=dtype) * 5
+    q_ref, k_ref, v_ref = fused.rope_qkv(qkv, cos[pre:], sin[pre:], h, kv)
+    want = ref.append(1, k_ref, v_ref, pre)
+    step = got.rope_append(1, qkv, cos[pre:], sin[pre:], h, pre)
+    assert step is not None and torch.equal(step[0], q_ref) and step[0].shape == (b, h, 1, hd)
+    assert step[3] == want[2] == pre + 1 and got.lengths == [pre, pre + 1] == ref.lengths
+
+    def stored(cache, layer, n):  # the bytes of positions [0, n) of a layer's K and V (the rest is empty memory)
+        return [t[layer, :, :, :n].view(torch.uint8) for t in (cache.k, cache.v)]
+
+    for layer, n in ((0, pre), (1, pre + 1)):
+        assert all(torch.equal(a, c) for a, c in zip(stored(got, layer, n), stored(ref, layer, n))), layer
+    assert all(t[:, :, pre].any() for t in stored(got, 1, pre + 1))
+    # CUDA graphs' form: the position in device memory, the step's rows of cos and sin; lengths stay the host's
+    pos = torch.tensor([pre], device="cuda")
+    for layer in (1, 0):
+        step = graphed.rope_append(layer, qkv, cos.index_select(0, pos), sin.index_select(0, pos), h, pos)
+        assert torch.equal(step[0], q_ref) and int(step[3]) == pre + 1
+    assert graphed.lengths == [pre, pre]  # the host's lengths: advance_to's business
+    ref.append(0, k_ref, v_ref, pre)
+    for layer in (0, 1):
+        assert all(torch.equal(a, c) for a, c in zip(stored(graphed, layer, pre + 1), stored(ref, layer, pre + 1)))
+    pos.fill_(pre + 1)  # the length is written by the kernel, from the position it reads
+    assert int(graphed.rope_append(1, qkv, cos[pre:], sin[pre:], h, pos)[3]) == pre + 2
+    # a device position outside the cache stores nothing (q is still written)
+    before = (graphed.k.clone(), graphed.v.clone())
+    for bad in (-1, max_len):
+        step = graphed.rope_append(0, qkv * 2, cos[pre:], sin[pre:], h, torch.tensor([bad], device="cuda"))
+        assert torch.equal(step[0], fused.rope_qkv(qkv * 2, cos[pre:], sin[pre:], h, kv)[0])
+    for now, then in zip((graphed.k, graphed.v), before):
+        assert torch.equal(now.view(torch.uint8), then.view(torch.uint8))
+    with pytest.raises(ValueError, match="start_pos 3 must continue it"):
+        got.rope_append(0, qkv, cos, sin, h, 3)
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_decode_steps_with_and_without_the_fused_store_agree(monkeypatch):
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny")).to("cuda", torch.bfloat16).eval()
+    prompt = torch.randint(0, 256, (3, 12), device="cuda")
+    fused_out, _ = generate(model, prompt, 6, kv_cache="fp8", cuda_graph=False)
+    calls = []
+    monkeypatch.setattr(KVCache, "rope_append", lambda self, *a: calls.append(1))  # None: rope_qkv, then append
+    plain, _ = generate(model, prompt, 6, kv_cache="fp8", cuda_graph=False)
+    assert calls and torch.equal(fused_out, plain)
+
+
+def test_rope_append_leaves_cpu_and_bf16_caches_to_rope_qkv_and_append():
+    cfg = preset("tiny")
+    qkv = torch.randn(2, 1, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim)
+    cos = sin = torch.ones(4, cfg.head_dim // 2)
+    fp8, = _prefilled(cfg, 2, 16, 3, torch.float32, "cpu")[:1]
+    assert fp8.rope_append(0, qkv, cos, sin, cfg.n_heads, 3) is None  # a CPU tensor
+    assert KVCache(cfg, 2, 16, "bf16").rope_append(0, qkv, cos, sin, cfg.n_heads, 0) is None
+
+
+def test_rope_qkv_cache_arguments_are_checked():
+    from fp8ext import _C
+    from fp8ext.core._boundary import dl
+    x = torch.zeros(1, 1, 64)
+    args = (dl(x), dl(torch.ones(4, 8)), dl(torch.ones(4, 8)), dl(torch.zeros(1, 2, 1, 16)), dl(torch.zeros(1)),
+            dl(torch.zeros(1)), 2, 1, 0)
+    with pytest.raises(ValueError, match="k_scale and v_scale come together"):
+        _C.rope_qkv(*args, k_scale=dl(torch.ones(1)))
+    with pytest.raises(ValueError, match="k_scale and v_scale come together, and not with backward"):
+        _C.rope_qkv(*args, 0, True, k_scale=dl(torch.ones(1)), v_scale=dl(torch.ones(1)))
+    for kw in ("pos_dev", "length_out"):
+        with pytest.raises(ValueError, match="pos_dev and length_out are for stores into a KV cache"):
+            _C.rope_qkv(*args, **{kw: dl(torch.zeros(1, dtype=torch.int64))})
