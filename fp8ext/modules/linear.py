@@ -37,7 +37,7 @@ from ..core import debug
 from ..core._boundary import stream_of
 from ..ops._gemm import bias_epilogue
 from ..core.context import activation_dtype, current_context, get_scaling_manager
-from .linear_autograd import (COMPOSED, HIGH_PRECISION, ONE_CALL, LinearFunction, LinearPlan,
+from .linear_autograd import (COMPOSED, HIGH_PRECISION, ONE_CALL, ONE_CALL_OP, LinearFunction, LinearPlan,
                               recast_in_backward)
 from ..core.profiling import profiled
 from ..core.recipe import CurrentScaling, DelayedScaling
@@ -278,8 +278,8 @@ class FP8Linear(nn.Module):
         False reuses the kept cast for the next micro-batches of the same step."""
         ctx = current_context()
         if ctx is not None and ctx.enabled and is_first_microbatch is None and not ctx.calibrating and _FAST_PATH \
-                and not torch.compiler.is_compiling() and not _capturing():
-            lean = self._lean
+                and (torch.compiler.is_compiling() or not _capturing()):
+            lean = self._compiled_lean(ctx.recipe) if torch.compiler.is_compiling() else self._lean
             if lean is not None and (lean[0] is ctx.recipe or lean[0] == ctx.recipe) and lean[1][0].current():
                 y = self._lean_forward(input, lean[1])
                 if y is not None:
@@ -344,9 +344,21 @@ class FP8Linear(nn.Module):
                           out_dtype=activation_dtype(input), w8=w8, main_grad=main_grad, prologue=prologue,
                           recast=self.fp8_recast_in_backward)
 
+    def _compiled_lean(self, recipe):
+        """Under torch.compile: (recipe, quantizers) for the fast path, whose two C calls compiled code makes as
+        torch ops (ONE_CALL_OP), or None. Delayed scaling: the slots registered before tracing (prepare_fp8, or an
+        eager step; tracing never registers); per-tensor current scaling; not with recast_in_backward or
+        fuse_wgrad_accumulation (the composed path's)."""
+        if self.fp8_recast_in_backward or self.fuse_wgrad_accumulation:
+            return None
+        if isinstance(recipe, DelayedScaling):
+            st = self._fp8_views.get(recipe)
+            return None if st is None else (recipe, st[3])
+        return (recipe, role_quantizers(recipe)) if isinstance(recipe, CurrentScaling) else None
+
     def _lean_forward(self, input, quantizers):
-        """The fast path's forward (fp8ext.linear_autograd's ONE_CALL), or None when this input needs the composed
-        path."""
+        """The fast path's forward (fp8ext.linear_autograd's ONE_CALL; ONE_CALL_OP under torch.compile), or None
+        when this input needs the composed path."""
         if debug.enabled() or not isinstance(input, torch.Tensor):
             return None
         w = self.weight
@@ -368,8 +380,8 @@ class FP8Linear(nn.Module):
         main_grad = self._main_grad() if self.fuse_wgrad_accumulation and torch.is_grad_enabled() else None
         if mgr is not None:
             mgr.dirty = True
-        plan = LinearPlan(ONE_CALL, quantizers, w, bias, out_dtype=out_dtype, main_grad=main_grad,
-                          fuse_bias=fuse_bias)
+        plan = LinearPlan(ONE_CALL_OP if torch.compiler.is_compiling() else ONE_CALL, quantizers, w, bias,
+                          out_dtype=out_dtype, main_grad=main_grad, fuse_bias=fuse_bias)
         y = LinearFunction.apply(input, w, bias, plan)
         return (y, self.bias) if self.return_bias else y
 

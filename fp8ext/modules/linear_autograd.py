@@ -4,6 +4,8 @@ One Function serves every linear layer of fp8ext in training (FP8Linear, LayerNo
 the SwiGLU-in-the-cast path); what differs between them is the LinearPlan, built per call by FP8Linear.fp8_plan:
     backend    COMPOSED: the casts and the GEMMs as separate ops (eager, or traced by torch.compile);
                ONE_CALL: each pass one fp8ext._C call (csrc/py_linear.c; the eager fast path);
+               ONE_CALL_OP: those two calls as the torch ops fp8ext::linear_fwd / linear_bwd (the fast path under
+               torch.compile);
                HIGH_PRECISION: outside fp8_autocast with fuse_wgrad_accumulation, y = x W^T + b in high precision
                with the weight's gradient added into main_grad
     input, weight, grad   the Quantizers of the layer's three tensor roles (fp8ext.tensor)
@@ -18,7 +20,7 @@ linear_backward, which LayerNormMLP's fused Function (fp8ext._fused_linear) uses
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +31,10 @@ from ..core import debug
 from ..core._boundary import refuse_broadcast
 from ..ops._gemm import bias_epilogue, pass_stream
 from ..ops._gemm import gemm_fp8 as _gemm
+from ..core.formats import format_of_code
 from ..core.tensor import BLOCK_1x128, BLOCK_128x128, TENSOR, FP8Tensor, Quantizer
 
-__all__ = ["LinearPlan", "LinearFunction", "COMPOSED", "ONE_CALL", "HIGH_PRECISION", "forward_gemm",
+__all__ = ["LinearPlan", "LinearFunction", "COMPOSED", "ONE_CALL", "ONE_CALL_OP", "HIGH_PRECISION", "forward_gemm",
            "recast_in_backward", "linear_backward"]
 
 _to_dl = torch._C._to_dlpack
@@ -265,6 +268,68 @@ def _operand(buf: torch.Tensor, offset: int, rows: int, cols: int, fmt, saved: t
     return FP8Tensor(data, None, _saved_sinv(saved, i), fmt)
 
 
+def _fwd_call(x2, weight, b, xs, xa, wsc, wa, fmt, margin, out_dtype):
+    """A forward pass as one C call: (y [m, n], the buffer kept for backward). xs, xa, wsc, wa: DLPack capsules of
+    the input's and the weight's scale and amax slots (delayed scaling), or None with `margin` (current scaling:
+    the call computes the scales)."""
+    (m, k), n, dev = x2.shape, weight.shape[0], x2.device
+    rmk = _round_up(m * k)
+    saved = torch.empty(_SINV_BYTES + rmk + n * k, dtype=torch.uint8, device=dev)
+    scratch = torch.empty(rmk + n * k, dtype=torch.uint8, device=dev)
+    y = torch.empty((m, n), dtype=out_dtype, device=dev)
+    stream, ws = pass_stream(dev)
+    if not _C.linear_fwd(_to_dl(x2), _to_dl(weight), _to_dl(saved), _to_dl(scratch), _to_dl(y), xs, xa, wsc, wa,
+                         fmt.code, None if b is None else _to_dl(b), ws, stream, margin):
+        _gemm(_operand(scratch, 0, m, k, fmt, saved, 0), _operand(scratch, rmk, n, k, fmt, saved, 1), out_dtype, b,
+              True, out=y)
+    return y, saved
+
+
+def _bwd_call(dy2, saved, dims, ffmt, bfmt, gs, ga, margin, need_dx, need_dw, db_dtype, x_dtype, w_dtype,
+              main_grad=None):
+    """A backward pass as one C call: (dx or None, dW or None, db or None). gs, ga: capsules of the gradient's
+    scale and amax slots, or None with `margin`; db_dtype: None (no bias gradient), the bias's dtype when it is
+    dy's (the float32 column sums rounded once by the cast) or float32; main_grad: dW is added into it."""
+    m, k, n = dims
+    dev = dy2.device
+    rmn = _round_up(m * n)
+    want_db = db_dtype is not None
+    # dy8 and dy8^T, then (with a bias) the float32 per-64-row-tile column sums of cast_transpose_dbias
+    scratch = torch.empty(2 * rmn + 4 * ((m + 63) // 64) * n if want_db else rmn + m * n, dtype=torch.uint8,
+                          device=dev)
+    db = torch.empty((n,), dtype=db_dtype, device=dev) if want_db else None
+    dx = torch.empty((m, k), dtype=x_dtype, device=dev) if need_dx else None
+    dw = main_grad if main_grad is not None else torch.empty((n, k), dtype=w_dtype, device=dev) if need_dw else None
+    stream, ws = pass_stream(dev)
+    if not _C.linear_bwd(_to_dl(dy2), _to_dl(saved), _to_dl(scratch), m, k, n, ffmt.code, gs, ga, bfmt.code,
+                         None if dx is None else _to_dl(dx), None if dw is None else _to_dl(dw),
+                         main_grad is not None, ws, stream, None if db is None else _to_dl(db), margin):
+        rmk = _round_up(m * k)
+        if dx is not None:
+            w_t = _operand(saved, _SINV_BYTES + rmk, k, n, ffmt, saved, 1)
+            _gemm(_operand(scratch, 0, m, n, bfmt, saved, 2), w_t, dx.dtype, out=dx)
+        if dw is not None:
+            x_t = _operand(saved, _SINV_BYTES, k, m, ffmt, saved, 0)
+            _gemm(_operand(scratch, rmn, n, m, bfmt, saved, 2), x_t, dw.dtype, out=dw, accumulate=main_grad is not None)
+    return dx, dw, db
+
+
+def _backward_args(ctx, dy):
+    """(plan, the saved buffer, dy as a contiguous [m, n], dx wanted, dW wanted, db's dtype out of the call (see
+    _bwd_call) or None when no bias gradient is wanted)."""
+    saved, = ctx.saved_tensors
+    plan = ctx.plan
+    m, k, n = ctx.dims
+    dy2 = dy.reshape(m, n)
+    if not dy2.is_contiguous():
+        dy2 = dy2.contiguous()
+    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+    db_dtype = None
+    if plan.b_dtype is not None and need_db:
+        db_dtype = plan.b_dtype if plan.b_dtype == dy2.dtype else torch.float32
+    return plan, saved, dy2, need_dx, need_dw, db_dtype
+
+
 class ONE_CALL:
     """FP8Linear's fast path (see above): each pass one fp8ext._C call. Delayed scaling passes the scaling slots'
     capsules; current scaling passes the margin instead, and the call computes each tensor's amax and scale first
@@ -275,71 +340,122 @@ class ONE_CALL:
         plan = ctx.plan
         n, k = weight.shape
         m = x.numel() // k
-        dev = x.device
-        rmk = _round_up(m * k)
-        saved = torch.empty(_SINV_BYTES + rmk + n * k, dtype=torch.uint8, device=dev)
-        scratch = torch.empty(rmk + n * k, dtype=torch.uint8, device=dev)
-        y = torch.empty((m, n), dtype=plan.out_dtype, device=dev)
-        stream, ws = pass_stream(dev)
-        b = bias if plan.fuse_bias else None
-        fmt = plan.input.fmt
         if plan.input.manager is None:  # current scaling: the call computes the scales
             (xs, xa), (wsc, wa), margin = (None, None), (None, None), plan.input.margin
         else:
             (xs, xa), (wsc, wa), margin = plan.input.capsules, plan.weight.capsules, None  # FP8Linear checked them
-        if not _C.linear_fwd(_to_dl(x.view(m, k)), _to_dl(weight), _to_dl(saved), _to_dl(scratch), _to_dl(y), xs, xa,
-                             wsc, wa, fmt.code, None if b is None else _to_dl(b), ws, stream, margin):
-            _gemm(_operand(scratch, 0, m, k, fmt, saved, 0), _operand(scratch, rmk, n, k, fmt, saved, 1),
-                  plan.out_dtype, b, True, out=y)
-        if bias is not None and not plan.fuse_bias:
-            y = y + bias.to(y.dtype)
-        ctx.save_for_backward(saved)
-        ctx.dims, ctx.x_shape, ctx.x_dtype = (m, k, n), x.shape, x.dtype
-        return y.view(*x.shape[:-1], n)
+        y, saved = _fwd_call(x.view(m, k), weight, bias if plan.fuse_bias else None, xs, xa, wsc, wa, plan.input.fmt,
+                             margin, plan.out_dtype)
+        return _after_forward(ctx, x, bias, y, saved, (m, k, n))
 
     @staticmethod
     def backward(ctx, dy):
-        saved, = ctx.saved_tensors
-        plan = ctx.plan
-        m, k, n = ctx.dims
-        dy2 = dy.reshape(m, n)
-        if not dy2.is_contiguous():
-            dy2 = dy2.contiguous()
-        dev = dy2.device
-        rmn = _round_up(m * n)
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        want_db = plan.b_dtype is not None and need_db
-        # dy8 and dy8^T, then (with a bias) the float32 per-64-row-tile column sums of cast_transpose_dbias
-        scratch = torch.empty(2 * rmn + 4 * ((m + 63) // 64) * n if want_db else rmn + m * n, dtype=torch.uint8,
-                              device=dev)
-        # the bias gradient: float32 column sums rounded once to the bias's dtype by the cast (when it is dy's dtype)
-        db_dtype = plan.b_dtype if plan.b_dtype == dy2.dtype else torch.float32
-        db = torch.empty((n,), dtype=db_dtype, device=dev) if want_db else None
-        dx = torch.empty((m, k), dtype=ctx.x_dtype, device=dev) if need_dx else None
-        main_grad = plan.main_grad
-        if main_grad is not None:
-            dw = main_grad
-        else:
-            dw = torch.empty((n, k), dtype=plan.w_dtype, device=dev) if need_dw else None
-        stream, ws = pass_stream(dev)
+        plan, saved, dy2, need_dx, need_dw, db_dtype = _backward_args(ctx, dy)
         if plan.grad.manager is None:  # current scaling: the call computes the scale
             gs, ga, margin = None, None, plan.grad.margin
         else:
             (gs, ga), margin = plan.grad.slot_capsules(), None
-        ffmt, bfmt = plan.input.fmt, plan.grad.fmt
-        if not _C.linear_bwd(_to_dl(dy2), _to_dl(saved), _to_dl(scratch), m, k, n, ffmt.code, gs, ga, bfmt.code,
-                             None if dx is None else _to_dl(dx), None if dw is None else _to_dl(dw),
-                             main_grad is not None, ws, stream, None if db is None else _to_dl(db), margin):
-            rmk = _round_up(m * k)
-            if dx is not None:
-                w_t = _operand(saved, _SINV_BYTES + rmk, k, n, ffmt, saved, 1)
-                _gemm(_operand(scratch, 0, m, n, bfmt, saved, 2), w_t, dx.dtype, out=dx)
-            if dw is not None:
-                x_t = _operand(saved, _SINV_BYTES, k, m, ffmt, saved, 0)
-                _gemm(_operand(scratch, rmn, n, m, bfmt, saved, 2), x_t, dw.dtype, out=dw,
-                      accumulate=main_grad is not None)
-        if want_db and db.dtype != plan.b_dtype:
-            db = db.to(plan.b_dtype)  # the float32 sum, for a bias of another dtype than dy's
-        if main_grad is not None:
+        dx, dw, db = _bwd_call(dy2, saved, ctx.dims, plan.input.fmt, plan.grad.fmt, gs, ga, margin, need_dx, need_dw,
+                               db_dtype, ctx.x_dtype, plan.w_dtype, plan.main_grad)
+        if plan.main_grad is not None:
             dw = _wgrad_placeholder(plan.weight_ref)
-        return None if dx is None else dx.view(ctx.x_shape), dw, db, None, None
+        return _after_backward(ctx, plan, dx, dw, db)
+
+
+def _after_forward(ctx, x, bias, y, saved, dims):
+    if bias is not None and not ctx.plan.fuse_bias:
+        y = y + bias.to(y.dtype)
+    ctx.save_for_backward(saved)
+    ctx.dims, ctx.x_shape, ctx.x_dtype = dims, x.shape, x.dtype
+    return y.view(*x.shape[:-1], dims[2])
+
+
+def _after_backward(ctx, plan, dx, dw, db):
+    if db is not None and db.dtype != plan.b_dtype:
+        db = db.to(plan.b_dtype)  # the float32 sum, for a bias of another dtype than dy's
+    return None if dx is None else dx.view(ctx.x_shape), dw, db, None, None
+
+
+class ONE_CALL_OP:
+    """ONE_CALL under torch.compile: its two C calls as the torch ops fp8ext::linear_fwd and fp8ext::linear_bwd
+    (below), which compiled code calls without a graph break. The slots' scales and amaxes cross as tensors, and
+    an updated amax comes back as an output that is copied into its slot (as fp8ext's other ops do: custom ops
+    with mutated arguments trip inductor). The same kernels and bytes as an eager step; no main_grad."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, gamma):
+        plan = ctx.plan
+        n, k = weight.shape
+        m = x.numel() // k
+        delayed = plan.input.manager is not None
+        (xs, xa), (wsc, wa) = (plan.input.slot_views(), plan.weight.slot_views()) if delayed else ((None,) * 2,) * 2
+        y, saved, xa_new, wa_new = torch.ops.fp8ext.linear_fwd(x.view(m, k), weight, bias if plan.fuse_bias else None,
+                                                               xs, xa, wsc, wa, plan.input.fmt.code, plan.input.margin,
+                                                               plan.out_dtype)
+        if delayed:
+            xa.copy_(xa_new)
+            wa.copy_(wa_new)
+        return _after_forward(ctx, x, bias, y, saved, (m, k, n))
+
+    @staticmethod
+    def backward(ctx, dy):
+        plan, saved, dy2, need_dx, need_dw, db_dtype = _backward_args(ctx, dy)
+        m, k, n = ctx.dims
+        gs, ga = plan.grad.slot_views() if plan.grad.manager is not None else (None, None)
+        dx, dw, db, ga_new = torch.ops.fp8ext.linear_bwd(
+            dy2, saved, m, k, n, plan.input.fmt.code, plan.grad.fmt.code, gs, ga, plan.grad.margin, need_dx, need_dw,
+            db_dtype is not None, db_dtype or dy2.dtype, ctx.x_dtype, plan.w_dtype)
+        if ga is not None:
+            ga.copy_(ga_new)
+        return _after_backward(ctx, plan, dx if need_dx else None, dw if need_dw else None,
+                               db if db_dtype is not None else None)
+
+
+def _capsules(*tensors):
+    return tuple(None if t is None else _to_dl(t) for t in tensors)
+
+
+@torch.library.custom_op("fp8ext::linear_fwd", mutates_args=())
+def _linear_fwd_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                   x_scale: Optional[torch.Tensor], x_amax: Optional[torch.Tensor], w_scale: Optional[torch.Tensor],
+                   w_amax: Optional[torch.Tensor], fmt: int, margin: float, out_dtype: torch.dtype
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ONE_CALL's forward call: (y, the saved buffer, the input's amax, the weight's amax). With scales (delayed
+    scaling) the amaxes are the slots' updated copies; without (current scaling, by `margin`) zeros."""
+    delayed = x_scale is not None
+    xa, wa = (x_amax.clone(), w_amax.clone()) if delayed else (x.new_zeros((), dtype=torch.float32),) * 2
+    caps = _capsules(x_scale, xa, w_scale, wa) if delayed else (None,) * 4
+    y, saved = _fwd_call(x, weight, bias, *caps, format_of_code(fmt), None if delayed else margin, out_dtype)
+    return y, saved, xa, wa.clone() if not delayed else wa
+
+
+@_linear_fwd_op.register_fake
+def _(x, weight, bias, x_scale, x_amax, w_scale, w_amax, fmt, margin, out_dtype):
+    (m, k), n = x.shape, weight.shape[0]
+    amax = [a.new_empty(a.shape) if a is not None else x.new_empty((), dtype=torch.float32) for a in (x_amax, w_amax)]
+    return (x.new_empty((m, n), dtype=out_dtype), x.new_empty((_SINV_BYTES + _round_up(m * k) + n * k,),
+                                                              dtype=torch.uint8), *amax)
+
+
+@torch.library.custom_op("fp8ext::linear_bwd", mutates_args=())
+def _linear_bwd_op(dy: torch.Tensor, saved: torch.Tensor, m: int, k: int, n: int, ffmt: int, bfmt: int,
+                   g_scale: Optional[torch.Tensor], g_amax: Optional[torch.Tensor], margin: float, need_dx: bool,
+                   need_dw: bool, want_db: bool, db_dtype: torch.dtype, x_dtype: torch.dtype, w_dtype: torch.dtype
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ONE_CALL's backward call: (dx, dW, db, the gradient's amax); a gradient not wanted comes back empty."""
+    delayed = g_scale is not None
+    ga = g_amax.clone() if delayed else dy.new_zeros((), dtype=torch.float32)
+    gs_c, ga_c = _capsules(g_scale, ga) if delayed else (None, None)
+    dx, dw, db = _bwd_call(dy, saved, (m, k, n), format_of_code(ffmt), format_of_code(bfmt), gs_c, ga_c,
+                           None if delayed else margin, need_dx, need_dw, db_dtype if want_db else None, x_dtype,
+                           w_dtype)
+    empty = lambda: dy.new_empty((0,))  # noqa: E731
+    return (empty() if dx is None else dx, empty() if dw is None else dw, empty() if db is None else db, ga)
+
+
+@_linear_bwd_op.register_fake
+def _(dy, saved, m, k, n, ffmt, bfmt, g_scale, g_amax, margin, need_dx, need_dw, want_db, db_dtype, x_dtype, w_dtype):
+    ga = g_amax.new_empty(g_amax.shape) if g_amax is not None else dy.new_empty((), dtype=torch.float32)
+    return (dy.new_empty((m, k) if need_dx else (0,), dtype=x_dtype if need_dx else dy.dtype),
+            dy.new_empty((n, k) if need_dw else (0,), dtype=w_dtype if need_dw else dy.dtype),
+            dy.new_empty((n,) if want_db else (0,), dtype=db_dtype if want_db else dy.dtype), ga)

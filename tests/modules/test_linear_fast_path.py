@@ -245,3 +245,53 @@ def test_c_entry_points_check_their_current_scaling_arguments(which, change, mes
         args[i] = v
     with pytest.raises((ValueError, TypeError), match=message):
         (fp8ext._C.linear_fwd if which == "fwd" else fp8ext._C.linear_bwd)(*args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_compiled_fast_path_is_the_eager_one_bit_for_bit(device, recipe, bias, monkeypatch):
+    """Under torch.compile the fast path's two C calls run as the torch ops fp8ext::linear_fwd / linear_bwd (one
+    graph, one op per pass): the outputs, gradients and scaling state of eager steps, bit for bit, over several
+    steps with SGD between them."""
+    torch._dynamo.reset()
+    eager, comp = twins(device, torch.bfloat16, bias)
+
+    def make():
+        if recipe == "delayed":
+            return fp8ext.DelayedScaling(fp8_format=HYBRID, amax_history_len=4)
+        return fp8ext.CurrentScaling(fp8_format=HYBRID)
+
+    r_eager, r_comp = make(), make()
+    fp8ext.prepare_fp8(comp, r_comp)  # delayed scaling: the slots registered before tracing
+    g = torch.Generator().manual_seed(3)
+    xs = [(torch.randn(2, 24, 64, generator=g) * (1 + i)).to(device, torch.bfloat16) for i in range(3)]
+    gys = [(torch.randn(2, 24, 32, generator=g) * 1e-3).to(device, torch.bfloat16) for _ in range(3)]
+    calls = []
+    real = L._C.linear_fwd
+    monkeypatch.setattr(L._C, "linear_fwd", lambda *a: calls.append(1) or real(*a))
+    compiled = torch.compile(comp, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
+    runs = {}
+    for name, layer, call, r in (("eager", eager, eager, r_eager), ("compiled", comp, compiled, r_comp)):
+        calls.clear()
+        out = []
+        for x, gy in zip(xs, gys):
+            x = x.clone().requires_grad_(True)
+            with fp8ext.fp8_autocast(fp8_recipe=r):
+                y = call(x)
+            y.backward(gy)
+            out.append((y.detach().clone(), x.grad.clone(), [p.grad.clone() for p in layer.parameters()]))
+            with torch.no_grad():
+                for p in layer.parameters():
+                    p -= 0.05 * p.grad
+                    p.grad = None
+        runs[name] = (out, layer.get_extra_state() if recipe == "delayed" else None, len(calls))
+    assert runs["compiled"][2] == len(xs), "every compiled step takes the fast path's forward call"
+    for i, (e, c) in enumerate(zip(runs["eager"][0], runs["compiled"][0])):
+        same(c[0], e[0], f"step {i}: output")
+        same(c[1], e[1], f"step {i}: input gradient")
+        for j, (ge, gc) in enumerate(zip(e[2], c[2])):
+            same(gc, ge, f"step {i}: gradient of parameter {j}")
+    if recipe == "delayed":
+        for key in ("amax_history", "scale", "scale_inv"):
+            assert torch.equal(runs["compiled"][1][key], runs["eager"][1][key]), f"scaling state {key} differs"
