@@ -33,7 +33,7 @@ reference definitions of fp8ext.fused (the tests use it there).
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -46,7 +46,6 @@ from ..core.context import activation_dtype, current_context
 from .linear import FP8Linear
 from .linear_autograd import LinearFunction, forward_gemm, linear_backward
 from ..core.profiling import profiled
-from ..core.formats import format_of_code
 from ..core.recipe import DelayedScaling, Float8BlockScaling
 from ..core.tensor import BLOCK_1x128, FP8Tensor, Quantizer
 
@@ -58,12 +57,6 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _cast_with_prologue(op, x2, g, eps, quantizer: Quantizer, dy=None):
     """(x8, rstd or None): the step's output for x2 cast by `quantizer` (SwiGLU: x2 [m, 2k]; RMSNorm: [m, k];
     SwiGLU's gradient: h [m, k] and dy [m, k / 2])."""
-    if torch.compiler.is_compiling():  # the per-tensor cast as a torch op (fp8ext::cast_transpose_prologue)
-        scale, amax = quantizer.slot_views()
-        q, qt, sinv, rstd, amax_new = torch.ops.fp8ext.cast_transpose_prologue(x2, op, g, float(eps), dy,
-                                                                              quantizer.fmt.code, scale, amax)
-        amax.copy_(amax_new)
-        return FP8Tensor(q, qt, sinv, quantizer.fmt), rstd if op == RMSNORM else None
     m, k = x2.shape[0], x2.shape[1] // (2 if op == SWIGLU else 1)
     if not x2.is_cuda:  # the reference definitions, then the cast
         rstd = None
@@ -96,34 +89,6 @@ def _cast_with_prologue(op, x2, g, eps, quantizer: Quantizer, dy=None):
     return FP8Tensor(x8, x8t, sinv, fmt), rstd
 
 
-@torch.library.custom_op("fp8ext::cast_transpose_prologue", mutates_args=())
-def _cast_prologue_op(x2: torch.Tensor, op: int, gamma: Optional[torch.Tensor], eps: float, dy: Optional[torch.Tensor],
-                      fmt: int, scale: torch.Tensor, amax: torch.Tensor
-                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """_cast_with_prologue's per-tensor cast with the scale and amax of a slot, for compiled code: (x8, x8^T,
-    scale_inv, rstd (RMSNorm; empty otherwise), the slot's amax updated), the same kernels and bytes."""
-    amax = amax.clone()
-    x2 = fused.kernel_rows(x2, x2.shape[-1], "cast_transpose_prologue")
-    g = None if gamma is None else fused.contiguous_aligned(gamma, torch.float32)
-    quantizer = Quantizer(format_of_code(fmt), 0.0, scale=scale, amax=amax)
-    x8, rstd = _cast_with_prologue(op, x2, g, eps, quantizer, dy)
-    return x8.data, x8.data_t, x8.scale_inv, x2.new_empty((0,), dtype=torch.float32) if rstd is None else rstd, amax
-
-
-@_cast_prologue_op.register_fake
-def _(x2, op, gamma, eps, dy, fmt, scale, amax):
-    m, k = x2.shape[0], x2.shape[1] // (2 if op == SWIGLU else 1)
-    dtype = format_of_code(fmt).torch_dtype
-    return (x2.new_empty((m, k), dtype=dtype), x2.new_empty((k, m), dtype=dtype),
-            x2.new_empty((), dtype=torch.float32), x2.new_empty((m,) if op == RMSNORM else (0,), dtype=torch.float32),
-            amax.new_empty(amax.shape))
-
-
-def _compiled_rows(x: torch.Tensor, gamma: Optional[torch.Tensor]):
-    """x as contiguous rows and gamma as float32, in traced code (fp8ext::cast_transpose_prologue aligns them)."""
-    return x.reshape(-1, x.shape[-1]).contiguous(), None if gamma is None else gamma.detach().to(torch.float32)
-
-
 class Prologue:
     """The step computed inside a linear layer's input cast (a LinearPlan's prologue): RMSNORM (gamma, eps) or
     SWIGLU; fn names the module in error messages."""
@@ -135,9 +100,6 @@ class Prologue:
 
     def cast(self, x: torch.Tensor, gamma: Optional[torch.Tensor], quantizer: Quantizer):
         """(x8, kept): op(x) cast to FP8, and what backward() reads: (x2, gamma as float32, rstd)."""
-        if torch.compiler.is_compiling():  # the torch op aligns the rows (tracing reads no address); backward
-            x8, rstd = _cast_with_prologue(self.op, *_compiled_rows(x, gamma), self.eps, quantizer)
-            return x8, (x, gamma, rstd)  # reshapes the inputs themselves again: no view of them is kept
         x2 = fused.kernel_rows(x, x.shape[-1], self.fn, "input")
         g = None if gamma is None else fused.contiguous_aligned(gamma.detach(), torch.float32)
         x8, rstd = _cast_with_prologue(self.op, x2, g, self.eps, quantizer)
@@ -146,11 +108,6 @@ class Prologue:
     def backward(self, kept, d_op: torch.Tensor):
         """(dx, dgamma or None) from the gradient of op's output."""
         x2, g, rstd = kept
-        if torch.compiler.is_compiling():  # the same kernels as torch ops
-            x2, g = _compiled_rows(x2, g)
-            if self.op == RMSNORM:
-                return torch.ops.fp8ext.rms_norm_train_backward(x2, d_op.reshape(x2.shape), g, rstd)
-            return torch.ops.fp8ext.swiglu_backward(x2, d_op.reshape(x2.shape[0], x2.shape[1] // 2)), None
         if self.op == RMSNORM:
             if x2.is_cuda:
                 return fused.rms_norm_train_backward_gpu(x2, d_op, g, rstd)
@@ -182,8 +139,7 @@ def _eligible(x: torch.Tensor, width: int, linears, reference: bool, block_ok: b
         return False
     if block and getattr(x, "dtype", None) not in (torch.bfloat16, torch.float16) and not reference:
         return False
-    compiling = torch.compiler.is_compiling()  # traced: per-tensor delayed scaling (fp8ext::cast_transpose_prologue)
-    if not ENABLED or not fused.TRAINING or (compiling and block) or debug.enabled():
+    if not ENABLED or not fused.TRAINING or torch.compiler.is_compiling() or debug.enabled():
         return False
     if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != width or x.dtype not in _DTYPES \
             or activation_dtype(x) != x.dtype or x.is_meta:
@@ -195,8 +151,7 @@ def _eligible(x: torch.Tensor, width: int, linears, reference: bool, block_ok: b
     m = x.numel() // width
     if m == 0 or m % 16:
         return False
-    available = fused.train_available if compiling else fused.available
-    return available(x, linears[0].in_features) or (reference and x.device.type == "cpu")
+    return fused.available(x, linears[0].in_features) or (reference and x.device.type == "cpu")
 
 
 @profiled("fp8ext.fused_input_linear")
@@ -206,6 +161,8 @@ def fused_input_linear(linear: FP8Linear, op: int, x: torch.Tensor, gamma: Optio
     fused path takes (see the module docstring): the caller then runs op and the layer separately, with the same
     result. op is RMSNORM (gamma: the norm's scale as a float32 tensor, eps) or SWIGLU (x holds gate, then up).
     reference=True takes the path on a CPU too, with fp8ext.fused's reference definitions (for tests)."""
+    if torch.compiler.is_compiling():  # nothing of this path is traced: the separate steps' ops are
+        return None
     k = linear.in_features
     if not _eligible(x, 2 * k if op == SWIGLU else k, (linear,), reference, block_ok=True):
         return None

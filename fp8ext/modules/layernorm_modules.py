@@ -87,10 +87,10 @@ class _TENamedParameters(nn.Module):
     def _fusable_gamma(self, inp) -> Optional[torch.Tensor]:
         """The float32 gamma of the module's RMSNorm, for the paths that compute the norm inside the next FP8 cast
         (fp8ext._fused_linear, which decides whether the call is one it takes); None where they cannot run:
-        LayerNorm, return_layernorm_output=True (the norm's output is wanted), or forward hooks on the norm (the
-        fused path does not call it as a module)."""
+        LayerNorm, return_layernorm_output=True (the norm's output is wanted), torch.compile tracing, or forward hooks
+        on the norm (the fused path does not call it as a module)."""
         norm = self.layer_norm
-        if self.return_layernorm_output or not isinstance(norm, RMSNorm) \
+        if self.return_layernorm_output or torch.compiler.is_compiling() or not isinstance(norm, RMSNorm) \
                 or not isinstance(inp, torch.Tensor) or len(norm.normalized_shape) != 1 or has_hooks(norm):
             return None
         return norm.gamma(torch.float32)

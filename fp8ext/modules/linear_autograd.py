@@ -69,7 +69,7 @@ class LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        if ctx.plan.prologue is not None and not torch.compiler.is_compiling():
+        if ctx.plan.prologue is not None:
             return _once_differentiable_backward(ctx, dy)
         return ctx.plan.backend.backward(ctx, dy)
 
@@ -170,10 +170,10 @@ class COMPOSED:
             if not x2.is_contiguous():
                 x2 = x2.contiguous()
             x8, kept = plan.input.quantize(_pad_rows(x2), recast_in_backward(plan.recast)), ()
-            m = x2.shape[0]
         else:  # kept: what the prologue's backward reads
             x8, kept = plan.prologue.cast(x, gamma, plan.input)
-            m = x8.shape[0]  # (the fused paths take row counts that need no padding)
+            x2 = kept[0]
+        m = x2.shape[0]
         y = forward_gemm(x8, plan.w8, plan.out_dtype, bias, m)
         ctx.recast = plan.prologue is None and x8.scale is not None and plan.w8.scale is not None
         if ctx.recast:  # see recast_in_backward: x, W (no new memory) and two scales; backward casts x8^T, W8^T again
