@@ -357,13 +357,16 @@ class KVCache:
 
         Returns (q [batch, n_heads, 1, head_dim], k_cache, v_cache, length, k_scale, v_scale) as append returns the
         last five, or None where this cache cannot take the step that way (a bf16 cache, overflow, scales not
-        set yet, a CPU tensor, no CUDA kernel, torch.compile tracing): then rope_qkv and append."""
+        set yet, a CPU tensor, no CUDA kernel, torch.compile tracing, a qkv that wants a gradient): then rope_qkv
+        and append. With a tensor start_pos, `length` is one int64 tensor of the cache's that the kernel writes
+        (start_pos + 1) on every such call, for the decode attention that follows it: read it before the next
+        call, and do not pass it back as a start_pos."""
         hd, kv = self.cfg.head_dim, self.cfg.n_kv_heads
         if (self.dtype != "fp8" or self.overflow is not None or not 0 <= layer < len(self._lengths)
                 or self._k_scales[layer] is None or not qkv.is_cuda or not _C.WITH_CUDA or hd % 16
                 or qkv.dim() != 3 or qkv.shape[1] != 1 or qkv.shape[2] != (n_heads + 2 * kv) * hd
                 or qkv.shape[0] != self.k.shape[1] or qkv.dtype not in (torch.bfloat16, torch.float16, torch.float32)
-                or torch.compiler.is_compiling()):
+                or torch.compiler.is_compiling() or (qkv.requires_grad and torch.is_grad_enabled())):
             return None
         graphed = isinstance(start_pos, torch.Tensor)
         if graphed:
@@ -374,7 +377,9 @@ class KVCache:
                                  f"start_pos {start_pos} must continue it")
             if start_pos + 1 > self.max_len:
                 raise ValueError(f"KVCache: {start_pos + 1} positions exceed max_len {self.max_len}")
-        x = qkv if qkv.is_contiguous() and qkv.data_ptr() % 16 == 0 else qkv.clone()
+        x = qkv.contiguous()
+        if x.data_ptr() % 16:
+            x = x.clone()
         q = torch.empty(qkv.shape[0], n_heads, 1, hd, dtype=qkv.dtype, device=qkv.device)
         ks, vs = self._k_scales[layer], self._v_scales[layer]
         kc, vc = self.k[layer], self.v[layer]

@@ -253,6 +253,13 @@ def test_rope_append_stores_the_bytes_of_rope_qkv_then_append(dtype):
         assert torch.equal(now.view(torch.uint8), then.view(torch.uint8))
     with pytest.raises(ValueError, match="start_pos 3 must continue it"):
         got.rope_append(0, qkv, cos, sin, h, 3)
+    # a strided qkv is copied first; one that wants a gradient is left to rope_qkv (whose autograd it needs)
+    strided = qkv.transpose(0, 2).contiguous().transpose(0, 2)
+    assert not strided.is_contiguous()
+    again = _prefilled(cfg, b, max_len, pre, dtype, "cuda")[0]
+    assert torch.equal(again.rope_append(1, strided, cos[pre:], sin[pre:], h, pre)[0], q_ref)
+    assert all(torch.equal(a, c) for a, c in zip(stored(again, 1, pre + 1), stored(ref, 1, pre + 1)))
+    assert again.rope_append(0, qkv.clone().requires_grad_(), cos[pre:], sin[pre:], h, pre) is None
 
 
 @requires_cuda
