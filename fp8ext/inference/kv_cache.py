@@ -44,7 +44,7 @@ import torch
 from .. import _C
 from ..core._boundary import dl, dl_fp8, stream_of
 from ..core.formats import E4M3
-from ..ops import dequantize, quantize
+from ..ops import dequantize, fused, quantize
 from ..ops.mx import dequantize_nvfp4, quantize_nvfp4
 from ..ops.packing import pack_fp4, unpack_fp4
 
@@ -377,9 +377,7 @@ class KVCache:
                                  f"start_pos {start_pos} must continue it")
             if start_pos + 1 > self.max_len:
                 raise ValueError(f"KVCache: {start_pos + 1} positions exceed max_len {self.max_len}")
-        x = qkv.contiguous()
-        if x.data_ptr() % 16:
-            x = x.clone()
+        x = fused.contiguous_aligned(qkv, qkv.dtype)
         q = torch.empty(qkv.shape[0], n_heads, 1, hd, dtype=qkv.dtype, device=qkv.device)
         ks, vs = self._k_scales[layer], self._v_scales[layer]
         kc, vc = self.k[layer], self.v[layer]
