@@ -31,7 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 VARIANTS = ["bf16-eager", "bf16-compiled", "fp8ext-eager", "fp8ext-current-eager", "fp8ext-compiled",
-            "fp8ext-current-compiled", "fp8ext-current-recast-compiled", "torchao-compiled"]
+            "fp8ext-current-compiled", "fp8ext-recast-compiled", "fp8ext-current-recast-compiled", "torchao-compiled"]
 FULL = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
             num_key_value_heads=8, vocab_size=32000)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -30,7 +30,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 VARIANTS = ["bf16", "fp8ext-delayed", "fp8ext-current"]
-COMPILED = ["bf16-compiled", "fp8ext-compiled", "fp8ext-current-recast-compiled", "torchao-compiled"]
+COMPILED = ["bf16-compiled", "fp8ext-compiled", "fp8ext-recast-compiled", "fp8ext-current-recast-compiled",
+            "torchao-compiled"]
 WIDTHS = {"small": dict(hidden_size=256, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=2),
           "1b": dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=16, num_key_value_heads=8)}
 COLUMNS = ["fp8", "fp8 W", "bf16", "fp32", "other"]

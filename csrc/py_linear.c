@@ -59,15 +59,16 @@ static int get_matrix(PyObject *o, const fp8ext_view *ref, int64_t rows, int64_t
     return 0;
 }
 
-/* A uint8 byte buffer on ref's device, contiguous, writable, of at least `bytes`, starting on a 16-byte boundary
- * (cuBLASLt's rule for FP8 operands; the sub-buffers lie at multiples of 256 bytes from the start). */
-static int get_bytes(PyObject *o, const fp8ext_view *ref, int64_t bytes, Py_ssize_t stream, const char *fn,
-                     const char *arg, fp8ext_view *v) {
+/* A uint8 byte buffer on ref's device (named ref_name in errors), contiguous, starting on a 16-byte boundary
+ * (cuBLASLt's rule for FP8 operands; the sub-buffers lie at multiples of 256 bytes from the start), of at least
+ * `bytes` (exactly `bytes` with exact), writable where asked. */
+static int get_buffer(PyObject *o, const fp8ext_view *ref, const char *ref_name, int64_t bytes, int exact,
+                      int writable, Py_ssize_t stream, const char *fn, const char *arg, fp8ext_view *v) {
     if (fp8ext_view_get(o, stream, fn, arg, v) < 0 || fp8ext_check_kind(v, FP8EXT_KIND_U8, fn, arg) < 0 ||
-        fp8ext_check_contiguous(v, fn, arg) < 0 || fp8ext_check_writable(v, fn, arg) < 0 ||
-        fp8ext_check_same_device(v, ref, fn, arg, "x") < 0)
+        fp8ext_check_contiguous(v, fn, arg) < 0 || (writable && fp8ext_check_writable(v, fn, arg) < 0) ||
+        fp8ext_check_same_device(v, ref, fn, arg, ref_name) < 0)
         return -1;
-    if (v->numel < bytes) {
+    if (exact ? v->numel != bytes : v->numel < bytes) {
         PyErr_Format(PyExc_ValueError, "%s(): %s holds %lld bytes, needs %lld", fn, arg, (long long)v->numel,
                      (long long)bytes);
         return -1;
@@ -77,6 +78,18 @@ static int get_bytes(PyObject *o, const fp8ext_view *ref, int64_t bytes, Py_ssiz
         return -1;
     }
     return 0;
+}
+
+/* A writable buffer of the call (saved, scratch, workspace). */
+static int get_bytes(PyObject *o, const fp8ext_view *ref, int64_t bytes, Py_ssize_t stream, const char *fn,
+                     const char *arg, fp8ext_view *v) {
+    return get_buffer(o, ref, "x", bytes, 0, 1, stream, fn, arg, v);
+}
+
+/* An FP8 operand given as its own uint8 tensor of exactly `bytes` bytes (read only). */
+static int get_operand(PyObject *o, const fp8ext_view *ref, int64_t bytes, Py_ssize_t stream, const char *fn,
+                       const char *arg, fp8ext_view *v) {
+    return get_buffer(o, ref, "dy", bytes, 1, 0, stream, fn, arg, v);
 }
 
 /* A one-element float32 tensor on ref's device (a scale or an amax slot). */
@@ -204,6 +217,11 @@ static int check_scale_args(PyObject *const *args, int n, int current, const cha
 
 /* Up to two current scalings, up to two cast_transposes then up to two GEMMs, on x's device. 1 when the GEMMs
  * ran (GPU), 0 when only the casts did (CPU), -1 with an exception. */
+/* A cast without its transposed copy (q.data_t NULL): the same bytes of q, by quantize. */
+static fp8ext_quantize_args plain_cast(const fp8ext_cast_transpose_args *a) {
+    return (fp8ext_quantize_args){.x = a->x, .x_dtype = a->x_dtype, .q = a->q, .saturate = a->saturate};
+}
+
 static int run(PyObject *module, const char *fn, const fp8ext_view *where, Py_ssize_t stream, fp8ext_view *ws,
                int n_cur, const fp8ext_current_scale_args *cur, int n_casts, const fp8ext_cast_transpose_args *casts,
                const fp8ext_cast_transpose_dbias_args *dbias, int n_gemms, fp8ext_gemm_args *gemms,
@@ -211,7 +229,14 @@ static int run(PyObject *module, const char *fn, const fp8ext_view *where, Py_ss
     if (where->device_type == kDLCPU) {
         Py_BEGIN_ALLOW_THREADS
         for (int i = 0; i < n_cur; ++i) fp8ext_cpu_current_scale(&cur[i]);
-        for (int i = 0; i < n_casts; ++i) fp8ext_cpu_cast_transpose(&casts[i]);
+        for (int i = 0; i < n_casts; ++i) {
+            if (casts[i].q.data_t) {
+                fp8ext_cpu_cast_transpose(&casts[i]);
+            } else {
+                const fp8ext_quantize_args qa = plain_cast(&casts[i]);
+                fp8ext_cpu_quantize(&qa);
+            }
+        }
         if (dbias) fp8ext_cpu_cast_transpose_dbias(dbias);
         Py_END_ALLOW_THREADS
         return 0;
@@ -228,7 +253,14 @@ static int run(PyObject *module, const char *fn, const fp8ext_view *where, Py_ss
     fp8ext_gemm_status s = {0};
     Py_BEGIN_ALLOW_THREADS
     for (int i = 0; i < n_cur && !err; ++i) err = fp8ext_cuda_current_scale(&cur[i], (void *)stream, scope.num_sms);
-    for (int i = 0; i < n_casts && !err; ++i) err = fp8ext_cuda_cast_transpose(&casts[i], (void *)stream, scope.num_sms);
+    for (int i = 0; i < n_casts && !err; ++i) {
+        if (casts[i].q.data_t) {
+            err = fp8ext_cuda_cast_transpose(&casts[i], (void *)stream, scope.num_sms);
+        } else {
+            const fp8ext_quantize_args qa = plain_cast(&casts[i]);
+            err = fp8ext_cuda_quantize(&qa, (void *)stream, scope.num_sms);
+        }
+    }
     if (dbias && !err) err = fp8ext_cuda_cast_transpose_dbias(dbias, (void *)stream, scope.num_sms);
     for (int i = 0; i < n_gemms && !err && failed < 0; ++i) {
         gemms[i].workspace = ws->data, gemms[i].workspace_size = (size_t)ws->numel, gemms[i].device = where->device_id;
@@ -253,19 +285,23 @@ static int get_workspace(PyObject *o, const fp8ext_view *x, Py_ssize_t stream, c
     return get_bytes(o, x, 1, stream, fn, "workspace", ws);
 }
 
-/* linear_fwd(x, w, saved, scratch, y, x_scale, x_amax, w_scale, w_amax, fmt, bias, workspace, stream[, margin])
- * -> bool */
+/* linear_fwd(x, w, saved, scratch, y, x_scale, x_amax, w_scale, w_amax, fmt, bias, workspace, stream[, margin[,
+ *            keep]]) -> bool. keep False: nothing is kept for backward (it casts x8^T and W8^T again): `saved` is only
+ * the header (SINV_BYTES, the scale_invs; with current scaling the amaxes and scales), x and W are cast without
+ * their transposed copies. */
 static PyObject *py_linear_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     static const char *fn = "linear_fwd";
-    if (nargs != 13 && nargs != 14) {
-        PyErr_Format(PyExc_TypeError, "%s() takes 13 arguments (14 with a margin), got %zd", fn, nargs);
+    if (nargs < 13 || nargs > 15) {
+        PyErr_Format(PyExc_TypeError, "%s() takes 13 arguments (14 with a margin, 15 with keep), got %zd", fn, nargs);
         return NULL;
     }
     long long fmt, stream_ll;
     int current;
     double margin = 0.0;
+    const int keep = nargs == 15 ? PyObject_IsTrue(args[14]) : 1;
+    if (keep < 0) return NULL;
     if (get_int(args[9], fn, "fmt", &fmt) < 0 || get_int(args[12], fn, "stream", &stream_ll) < 0 ||
-        get_margin(nargs == 14 ? args[13] : Py_None, fn, &current, &margin) < 0 ||
+        get_margin(nargs >= 14 ? args[13] : Py_None, fn, &current, &margin) < 0 ||
         check_scale_args(args + 5, 4, current, fn, (const char *const[]){"x_scale", "x_amax", "w_scale", "w_amax"}) < 0)
         return NULL;
     const Py_ssize_t stream = (Py_ssize_t)stream_ll;
@@ -284,7 +320,7 @@ static PyObject *py_linear_fwd(PyObject *module, PyObject *const *args, Py_ssize
     const int64_t n = w.shape[0];
     if (check_dims(m, k, n, fn) < 0) goto done;
     const int64_t rmk = round_up(m * k);
-    if (get_bytes(args[2], &x, SINV_BYTES + rmk + n * k, stream, fn, "saved", &saved) < 0 ||
+    if (get_bytes(args[2], &x, keep ? SINV_BYTES + rmk + n * k : SINV_BYTES, stream, fn, "saved", &saved) < 0 ||
         get_bytes(args[3], &x, rmk + n * k, stream, fn, "scratch", &scratch) < 0 ||
         get_matrix(args[4], &x, m, n, stream, fn, "y", &y) < 0 || fp8ext_check_writable(&y, fn, "y") < 0 ||
         get_workspace(args[11], &x, stream, fn, &ws) < 0)
@@ -313,8 +349,9 @@ static PyObject *py_linear_fwd(PyObject *module, PyObject *const *args, Py_ssize
     uint8_t *sv = saved.data, *sc = scratch.data;
     fp8ext_current_scale_args cur[2];
     if (current) current_args(&cur[0], &x, sv, 0, fmt, margin), current_args(&cur[1], &w, sv, 1, fmt, margin);
-    const fp8ext_fp8_tensor x8 = layer_fp8(sv, 0, sc, sv + SINV_BYTES, m, k, fmt, current, &xs, &xa);
-    const fp8ext_fp8_tensor w8 = layer_fp8(sv, 1, sc + rmk, sv + SINV_BYTES + rmk, n, k, fmt, current, &wsc, &wa);
+    const fp8ext_fp8_tensor x8 = layer_fp8(sv, 0, sc, keep ? sv + SINV_BYTES : NULL, m, k, fmt, current, &xs, &xa);
+    const fp8ext_fp8_tensor w8 = layer_fp8(sv, 1, sc + rmk, keep ? sv + SINV_BYTES + rmk : NULL, n, k, fmt, current,
+                                           &wsc, &wa);
     const fp8ext_cast_transpose_args casts[2] = {
         {.x = x.data, .x_dtype = fp8ext_view_dtype(&x), .q = x8, .saturate = 1},
         {.x = w.data, .x_dtype = fp8ext_view_dtype(&w), .q = w8, .saturate = 1},
@@ -332,28 +369,33 @@ done:
 }
 
 /* linear_bwd(dy, saved, scratch, m, k, n, fwd_fmt, g_scale, g_amax, bwd_fmt, dx, dw, accumulate, workspace, stream,
- *            db[, margin]) -> bool. dx [M, K] or None; dw [N, K] or None (accumulate: dw += the weight gradient, e.g. a
- * float32 main_grad); db: None, or [N] in float32 or dy's dtype, set to the bias gradient (the column sums of dy in
- * float32, rounded once to db's dtype) by the cast itself (cast_transpose_dbias; its per-tile sums go in the scratch
- * buffer after dy8^T, R(M*N) + R(4 * ceil(M/64) * N)). */
+ *            db[, margin[, x_t, w_t]]) -> bool. dx [M, K] or None; dw [N, K] or None (accumulate: dw += the weight
+ * gradient, e.g. a float32 main_grad); db: None, or [N] in float32 or dy's dtype, set to the bias gradient (the column
+ * sums of dy in float32, rounded once to db's dtype) by the cast itself (cast_transpose_dbias; its per-tile sums go in
+ * the scratch buffer after dy8^T, R(M*N) + R(4 * ceil(M/64) * N)). x_t, w_t: x8^T [K, M] and W8^T [K, N] as uint8
+ * tensors of their own (cast again in backward, not saved), in place of the saved buffer's; `saved` is then only
+ * its header (SINV_BYTES: the scale_invs of x and W, and dy's slot, written here). */
 static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     static const char *fn = "linear_bwd";
-    if (nargs != 16 && nargs != 17) {
-        PyErr_Format(PyExc_TypeError, "%s() takes 16 arguments (17 with a margin), got %zd", fn, nargs);
+    if (nargs != 16 && nargs != 17 && nargs != 19) {
+        PyErr_Format(PyExc_TypeError, "%s() takes 16 arguments (17 with a margin, 19 with x_t and w_t), got %zd", fn,
+                     nargs);
         return NULL;
     }
+    const int separate = nargs == 19;
     long long m, k, n, ffmt, bfmt, stream_ll;
     int current;
     double margin = 0.0;
     if (get_int(args[3], fn, "m", &m) < 0 || get_int(args[4], fn, "k", &k) < 0 || get_int(args[5], fn, "n", &n) < 0 ||
         get_int(args[6], fn, "fwd_fmt", &ffmt) < 0 || get_int(args[9], fn, "bwd_fmt", &bfmt) < 0 ||
-        get_int(args[14], fn, "stream", &stream_ll) < 0 || get_margin(nargs == 17 ? args[16] : Py_None, fn, &current, &margin) < 0 ||
+        get_int(args[14], fn, "stream", &stream_ll) < 0 || get_margin(nargs >= 17 ? args[16] : Py_None, fn, &current, &margin) < 0 ||
         check_scale_args(args + 7, 2, current, fn, (const char *const[]){"g_scale", "g_amax"}) < 0)
         return NULL;
     const int accumulate = PyObject_IsTrue(args[12]);
     if (accumulate < 0) return NULL;
     const Py_ssize_t stream = (Py_ssize_t)stream_ll;
     fp8ext_view dy = {0}, saved = {0}, scratch = {0}, gs = {0}, ga = {0}, dx = {0}, dw = {0}, ws = {0}, db = {0};
+    fp8ext_view xt = {0}, wt = {0};
     PyObject *ret = NULL;
     if (check_dims(m, k, n, fn) < 0 || check_fmt(ffmt, fn, "fwd_fmt") < 0 || check_fmt(bfmt, fn, "bwd_fmt") < 0)
         goto done;
@@ -365,9 +407,13 @@ static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize
     const int want_db = args[15] != Py_None;
     const int64_t scratch_bytes = want_db ? 2 * rmn + 4 * fp8ext_dbias_workspace_rows(m) * n : rmn + m * n;
     if (get_matrix(args[0], NULL, m, n, stream, fn, "dy", &dy) < 0 ||
-        get_bytes(args[1], &dy, SINV_BYTES + rmk + n * k, stream, fn, "saved", &saved) < 0 ||
+        get_bytes(args[1], &dy, separate ? SINV_BYTES : SINV_BYTES + rmk + n * k, stream, fn, "saved", &saved) < 0 ||
         get_bytes(args[2], &dy, scratch_bytes, stream, fn, "scratch", &scratch) < 0 ||
         get_workspace(args[13], &dy, stream, fn, &ws) < 0)
+        goto done;
+    /* each given where its GEMM runs: x8^T for the weight gradient, W8^T for the input gradient (else None) */
+    if (separate && ((args[11] != Py_None && get_operand(args[17], &dy, k * m, stream, fn, "x_t", &xt) < 0) ||
+                     (args[10] != Py_None && get_operand(args[18], &dy, k * n, stream, fn, "w_t", &wt) < 0)))
         goto done;
     if (!current &&
         (get_scale(args[7], &dy, stream, fn, "g_scale", &gs) < 0 || get_scalar(args[8], &dy, stream, fn, "g_amax", &ga) < 0 ||
@@ -394,19 +440,20 @@ static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize
         PyErr_Format(PyExc_ValueError, "%s(): accumulate=True adds into dw: pass dw", fn);
         goto done;
     }
-    if (fp8ext_check_disjoint(fn, 7, 9, (const fp8ext_view *const[]){&saved, &scratch, &ga, &dx, &dw, &db, &ws, &dy, &gs},
+    if (fp8ext_check_disjoint(fn, 7, 11, (const fp8ext_view *const[]){&saved, &scratch, &ga, &dx, &dw, &db, &ws, &dy, &gs,
+                                                                        &xt, &wt},
                               (const char *const[]){"saved", "scratch", "g_amax", "dx", "dw", "db", "workspace", "dy",
-                                                    "g_scale"}) < 0)
+                                                    "g_scale", "x_t", "w_t"}) < 0)
         goto done;
     uint8_t *sv = saved.data, *sc = scratch.data;
     fp8ext_current_scale_args cur;
     if (current) current_args(&cur, &dy, sv, 2, bfmt, margin);
     /* dy8 [M, N] with dy8^T in the scratch buffer; x8^T [K, M] and W8^T [K, N] saved by the forward */
     const fp8ext_fp8_tensor dy8 = layer_fp8(sv, 2, sc, sc + rmn, m, n, bfmt, current, &gs, &ga);
-    const fp8ext_fp8_tensor x8t = {.data = sv + SINV_BYTES, .rows = k, .cols = m, .fmt = (int)ffmt,
-                                   .scale_inv = SINV(sv, 0)};
-    const fp8ext_fp8_tensor w8t = {.data = sv + SINV_BYTES + rmk, .rows = k, .cols = n, .fmt = (int)ffmt,
-                                   .scale_inv = SINV(sv, 1)};
+    const fp8ext_fp8_tensor x8t = {.data = separate ? xt.data : sv + SINV_BYTES, .rows = k, .cols = m,
+                                   .fmt = (int)ffmt, .scale_inv = SINV(sv, 0)};
+    const fp8ext_fp8_tensor w8t = {.data = separate ? wt.data : sv + SINV_BYTES + rmk, .rows = k, .cols = n,
+                                   .fmt = (int)ffmt, .scale_inv = SINV(sv, 1)};
     const fp8ext_cast_transpose_args cast = {.x = dy.data, .x_dtype = fp8ext_view_dtype(&dy), .q = dy8, .saturate = 1};
     const fp8ext_cast_transpose_dbias_args cast_db = {.ct = cast, .dbias = db.data,
                                                       .dbias_dtype = fp8ext_view_dtype(&db),
@@ -429,7 +476,7 @@ static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize
                         : run(module, fn, &dy, stream, &ws, nc, &cur, 1, &cast, NULL, ng, g, names);
     if (r >= 0) ret = Py_NewRef(r ? Py_True : Py_False);
 done:
-    FP8EXT_RELEASE_ALL(&dy, &saved, &scratch, &gs, &ga, &dx, &dw, &ws, &db);
+    FP8EXT_RELEASE_ALL(&dy, &saved, &scratch, &gs, &ga, &dx, &dw, &ws, &db, &xt, &wt);
     return ret;
 }
 
@@ -444,16 +491,17 @@ int fp8ext_linear_add_layout(PyObject *module) {
 PyMethodDef fp8ext_linear_methods[] = {
     {"linear_fwd", (PyCFunction)(void (*)(void))py_linear_fwd, METH_FASTCALL,
      "linear_fwd(x, w, saved, scratch, y, x_scale, x_amax, w_scale, w_amax, fmt, bias, workspace, stream[,\n"
-     "           margin]) -> bool\n"
+     "           margin[, keep]]) -> bool\n"
      "An FP8 linear layer's forward pass in one call: cast_transpose of x and w into the saved and scratch byte\n"
      "buffers (layout in py_linear.c), then y = x8 @ w8^T (+ bias) on a GPU. False on the CPU: the GEMM is left\n"
      "to the caller. margin None: the scales and amax cells are given (delayed scaling); a number: they are None\n"
-     "and each tensor's amax and scale are computed from it first (current scaling)."},
+     "and each tensor's amax and scale are computed from it first (current scaling). keep False: saved is only\n"
+     "the header of scale_invs, and x and w are cast without their transposed copies (backward casts again)."},
     {"linear_bwd", (PyCFunction)(void (*)(void))py_linear_bwd, METH_FASTCALL,
      "linear_bwd(dy, saved, scratch, m, k, n, fwd_fmt, g_scale, g_amax, bwd_fmt, dx, dw, accumulate, workspace,\n"
-     "           stream, db[, margin]) -> bool\n"
+     "           stream, db[, margin[, x_t, w_t]]) -> bool\n"
      "An FP8 linear layer's backward pass in one call: cast_transpose (with the bias gradient into db) of dy, then\n"
-     "the dgrad and wgrad GEMMs on a\n"
-     "GPU. False on the CPU: the GEMMs are left to the caller."},
+     "the dgrad and wgrad GEMMs on a GPU. False on the CPU: the GEMMs are left to the caller. x_t, w_t: x8^T and\n"
+     "W8^T as uint8 tensors of their own; `saved` is then only the header of scale_invs."},
     {NULL, NULL, 0, NULL},
 };

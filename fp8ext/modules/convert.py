@@ -66,18 +66,20 @@ def prepare_fp8(module: nn.Module, fp8_recipe=None, *, recast_in_backward: bool 
     eagerly on their first step (a graph break there); after prepare_fp8 even the first step compiles as one
     graph (fullgraph=True works).
     recast_in_backward=True: under torch.compile each layer keeps its high-precision input and weight for backward
-    and casts them to FP8 again there (as torchao does), instead of keeping FP8 copies: less memory where layers
-    share an input, some more time (on a 1B Hugging Face Llama: peak 30.5 -> 28.6 GiB, 5.7 % fewer tokens/s).
-    Float8CurrentScaling only (each cast's scale is its own tensor: with delayed scaling a slot's scale changes in
-    place when a later fp8_autocast begins, before an earlier micro-batch's backward recasts with it); layers with
-    a fused norm or activation keep their FP8 copies; eager steps are unchanged."""
+    and casts them to FP8 again there (as torchao does), instead of keeping FP8 copies: the partitioner can then
+    recompute an input from the norm or activation that made it, so that no copy of it lives from the forward to
+    the backward: less memory, some more time (benchmarks/bench_hf.py measures both). Per-tensor scales
+    (DelayedScaling or Float8CurrentScaling; the backward recasts with the scales its forward used, even when a
+    later forward has updated a delayed slot); with delayed scaling only the layers on the fast path recast
+    (contiguous inputs with a token count that is a multiple of 16); layers with a fused norm or activation keep
+    their FP8 copies; eager steps are unchanged."""
     from ..core.context import _DEFAULT_RECIPE
     from ..core.recipe import CurrentScaling, DelayedScaling
     recipe = fp8_recipe if fp8_recipe is not None else _DEFAULT_RECIPE
-    if recast_in_backward and not isinstance(recipe, CurrentScaling):
-        raise ValueError(f"prepare_fp8: recast_in_backward=True needs Float8CurrentScaling, got "
-                         f"{type(recipe).__name__} (a delayed scale changes in place between a forward and a later "
-                         f"backward; row-wise and block scales are not recast)")
+    if recast_in_backward and not isinstance(recipe, (CurrentScaling, DelayedScaling)):
+        raise ValueError(f"prepare_fp8: recast_in_backward=True needs per-tensor scales (DelayedScaling or "
+                         f"Float8CurrentScaling), got {type(recipe).__name__} (row-wise and block scales are not "
+                         f"recast)")
     layers = [m for m in module.modules() if isinstance(m, FP8Linear)]
     for m in layers:
         m.fp8_recast_in_backward = bool(recast_in_backward)

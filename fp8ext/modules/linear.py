@@ -250,7 +250,7 @@ class FP8Linear(nn.Module):
             missing_keys.remove(key)
 
     # ---- forward ----------------------------------------------------------------------------------
-    def _weight_fp8(self, quantizer: Quantizer, is_first_microbatch) -> FP8Tensor:
+    def _weight_fp8(self, quantizer: Quantizer, is_first_microbatch, recast: bool = False) -> FP8Tensor:
         """The weight's FP8 cast. As in Transformer Engine: recast on every forward by default (so a weight
         changed in any way, `.data` writes included, is never served stale); is_first_microbatch=True casts and
         keeps the cast, False reuses the kept one across the micro-batches of a step. A kept cast is still
@@ -261,7 +261,7 @@ class FP8Linear(nn.Module):
             w.is_cuda and torch.cuda.is_current_stream_capturing())
         if not keep:  # cast for this call only; compiled, its scale is kept for backward's recast of W8^T
             self._weight_cache = None
-            return _cast(w.detach(), quantizer, recast_in_backward(self.fp8_recast_in_backward))
+            return _cast(w.detach(), quantizer, recast_in_backward(recast))
         key = (id(w), w.data_ptr(), w._version, quantizer.fmt.code, id(quantizer.scale), id(quantizer),
                torch.is_inference_mode_enabled())
         c = self._weight_cache
@@ -321,9 +321,14 @@ class FP8Linear(nn.Module):
         quantizers of its three tensors (delayed scaling: the layer's slots, the manager marked for its next
         update), the weight's FP8 cast (see is_first_microbatch in forward), main_grad and the output dtype.
         prologue: the step that fp8ext's fused paths compute inside the input's cast (fp8ext._fused_linear)."""
-        if self.fp8_recast_in_backward and not isinstance(recipe, CurrentScaling):
+        if self.fp8_recast_in_backward and not isinstance(recipe, (CurrentScaling, DelayedScaling)):
             raise ValueError(f"FP8Linear({self.in_features}, {self.out_features}): fp8_recast_in_backward (set by "
-                             f"prepare_fp8) needs Float8CurrentScaling, got {type(recipe).__name__}")
+                             f"prepare_fp8) needs per-tensor scales (DelayedScaling or Float8CurrentScaling), got "
+                             f"{type(recipe).__name__}")
+        # The composed path recasts with current scaling only: its copy of a delayed slot's scale is an op the
+        # partitioner may move into the backward, after the manager has updated the slot (the fast path's scales
+        # come out of its forward op, which the partitioner never moves)
+        recast = self.fp8_recast_in_backward and isinstance(recipe, CurrentScaling)
         if isinstance(recipe, DelayedScaling):
             mgr, _ = self._manager_views(recipe)
             quantizers = self._fp8_views[recipe][3]
@@ -338,18 +343,18 @@ class FP8Linear(nn.Module):
                 self._lean = (recipe, quantizers)  # per-tensor current scaling takes the fast path too
         if debug.enabled():
             self._debug_checks(input, quantizers)
-        w8 = self._weight_fp8(quantizers[1], is_first_microbatch)
+        w8 = self._weight_fp8(quantizers[1], is_first_microbatch, recast)
         main_grad = self._main_grad() if self.fuse_wgrad_accumulation and torch.is_grad_enabled() else None
         return LinearPlan(COMPOSED, quantizers, self.weight, None if self.return_bias else self.bias,
                           out_dtype=activation_dtype(input), w8=w8, main_grad=main_grad, prologue=prologue,
-                          recast=self.fp8_recast_in_backward)
+                          recast=recast)
 
     def _compiled_lean(self, recipe):
         """Under torch.compile: (recipe, quantizers) for the fast path, whose two C calls compiled code makes as
         torch ops (ONE_CALL_OP), or None. Delayed scaling: the slots registered before tracing (prepare_fp8, or an
-        eager step; tracing never registers); per-tensor current scaling; not with recast_in_backward or
-        fuse_wgrad_accumulation (the composed path's)."""
-        if self.fp8_recast_in_backward or self.fuse_wgrad_accumulation:
+        eager step; tracing never registers); per-tensor current scaling; not with fuse_wgrad_accumulation (the
+        composed path's)."""
+        if self.fuse_wgrad_accumulation:
             return None
         if isinstance(recipe, DelayedScaling):
             st = self._fp8_views.get(recipe)
@@ -380,8 +385,9 @@ class FP8Linear(nn.Module):
         main_grad = self._main_grad() if self.fuse_wgrad_accumulation and torch.is_grad_enabled() else None
         if mgr is not None:
             mgr.dirty = True
-        plan = LinearPlan(ONE_CALL_OP if torch.compiler.is_compiling() else ONE_CALL, quantizers, w, bias,
-                          out_dtype=out_dtype, main_grad=main_grad, fuse_bias=fuse_bias)
+        compiling = torch.compiler.is_compiling()
+        plan = LinearPlan(ONE_CALL_OP if compiling else ONE_CALL, quantizers, w, bias, out_dtype=out_dtype,
+                          main_grad=main_grad, fuse_bias=fuse_bias, recast=compiling and self.fp8_recast_in_backward)
         y = LinearFunction.apply(input, w, bias, plan)
         return (y, self.bias) if self.return_bias else y
 

@@ -268,28 +268,30 @@ def _operand(buf: torch.Tensor, offset: int, rows: int, cols: int, fmt, saved: t
     return FP8Tensor(data, None, _saved_sinv(saved, i), fmt)
 
 
-def _fwd_call(x2, weight, b, xs, xa, wsc, wa, fmt, margin, out_dtype):
+def _fwd_call(x2, weight, b, xs, xa, wsc, wa, fmt, margin, out_dtype, keep=True):
     """A forward pass as one C call: (y [m, n], the buffer kept for backward). xs, xa, wsc, wa: DLPack capsules of
     the input's and the weight's scale and amax slots (delayed scaling), or None with `margin` (current scaling:
-    the call computes the scales)."""
+    the call computes the scales). keep False: only the buffer's header is made (backward casts again)."""
     (m, k), n, dev = x2.shape, weight.shape[0], x2.device
     rmk = _round_up(m * k)
-    saved = torch.empty(_SINV_BYTES + rmk + n * k, dtype=torch.uint8, device=dev)
+    saved = torch.empty(_SINV_BYTES + rmk + n * k if keep else _SINV_BYTES, dtype=torch.uint8, device=dev)
     scratch = torch.empty(rmk + n * k, dtype=torch.uint8, device=dev)
     y = torch.empty((m, n), dtype=out_dtype, device=dev)
     stream, ws = pass_stream(dev)
+    extra = (margin,) if keep else (margin, False)
     if not _C.linear_fwd(_to_dl(x2), _to_dl(weight), _to_dl(saved), _to_dl(scratch), _to_dl(y), xs, xa, wsc, wa,
-                         fmt.code, None if b is None else _to_dl(b), ws, stream, margin):
+                         fmt.code, None if b is None else _to_dl(b), ws, stream, *extra):
         _gemm(_operand(scratch, 0, m, k, fmt, saved, 0), _operand(scratch, rmk, n, k, fmt, saved, 1), out_dtype, b,
               True, out=y)
     return y, saved
 
 
 def _bwd_call(dy2, saved, dims, ffmt, bfmt, gs, ga, margin, need_dx, need_dw, db_dtype, x_dtype, w_dtype,
-              main_grad=None):
+              main_grad=None, operands=None):
     """A backward pass as one C call: (dx or None, dW or None, db or None). gs, ga: capsules of the gradient's
     scale and amax slots, or None with `margin`; db_dtype: None (no bias gradient), the bias's dtype when it is
-    dy's (the float32 column sums rounded once by the cast) or float32; main_grad: dW is added into it."""
+    dy's (the float32 column sums rounded once by the cast) or float32; main_grad: dW is added into it.
+    operands: (x8^T, W8^T) as uint8 tensors of their own (recast in backward), `saved` then only the header."""
     m, k, n = dims
     dev = dy2.device
     rmn = _round_up(m * n)
@@ -301,25 +303,29 @@ def _bwd_call(dy2, saved, dims, ffmt, bfmt, gs, ga, margin, need_dx, need_dw, db
     dx = torch.empty((m, k), dtype=x_dtype, device=dev) if need_dx else None
     dw = main_grad if main_grad is not None else torch.empty((n, k), dtype=w_dtype, device=dev) if need_dw else None
     stream, ws = pass_stream(dev)
+    extra = (margin,) if operands is None else (margin, *_capsules(*operands))
     if not _C.linear_bwd(_to_dl(dy2), _to_dl(saved), _to_dl(scratch), m, k, n, ffmt.code, gs, ga, bfmt.code,
                          None if dx is None else _to_dl(dx), None if dw is None else _to_dl(dw),
-                         main_grad is not None, ws, stream, None if db is None else _to_dl(db), margin):
+                         main_grad is not None, ws, stream, None if db is None else _to_dl(db), *extra):
         rmk = _round_up(m * k)
+        xbuf, xoff, wbuf, woff = (saved, _SINV_BYTES, saved, _SINV_BYTES + rmk) if operands is None else \
+            (operands[0], 0, operands[1], 0)
         if dx is not None:
-            w_t = _operand(saved, _SINV_BYTES + rmk, k, n, ffmt, saved, 1)
+            w_t = _operand(wbuf, woff, k, n, ffmt, saved, 1)
             _gemm(_operand(scratch, 0, m, n, bfmt, saved, 2), w_t, dx.dtype, out=dx)
         if dw is not None:
-            x_t = _operand(saved, _SINV_BYTES, k, m, ffmt, saved, 0)
+            x_t = _operand(xbuf, xoff, k, m, ffmt, saved, 0)
             _gemm(_operand(scratch, rmn, n, m, bfmt, saved, 2), x_t, dw.dtype, out=dw, accumulate=main_grad is not None)
     return dx, dw, db
 
 
-def _backward_args(ctx, dy):
-    """(plan, the saved buffer, dy as a contiguous [m, n], dx wanted, dW wanted, db's dtype out of the call (see
-    _bwd_call) or None when no bias gradient is wanted)."""
-    saved, = ctx.saved_tensors
+def _backward_args(ctx, dy, saved=None):
+    """(plan, the saved buffer (or `saved`), dy as a contiguous [m, n], dx wanted, dW wanted, db's dtype out of the
+    call (see _bwd_call) or None when no bias gradient is wanted)."""
     plan = ctx.plan
     m, k, n = ctx.dims
+    if saved is None:
+        saved, = ctx.saved_tensors
     dy2 = dy.reshape(m, n)
     if not dy2.is_contiguous():
         dy2 = dy2.contiguous()
@@ -362,10 +368,17 @@ class ONE_CALL:
         return _after_backward(ctx, plan, dx, dw, db)
 
 
-def _after_forward(ctx, x, bias, y, saved, dims):
+def _after_forward(ctx, x, bias, y, saved, dims, weight=None):
+    """saved: the buffer kept for backward; or, given the weight (recast_in_backward), its header only, kept with x
+    and W."""
     if bias is not None and not ctx.plan.fuse_bias:
         y = y + bias.to(y.dtype)
-    ctx.save_for_backward(saved)
+    if weight is None:
+        ctx.save_for_backward(saved)
+        ctx.recast_fmt = None
+    else:
+        ctx.save_for_backward(x, weight, saved)
+        ctx.recast_fmt = ctx.plan.input.fmt
     ctx.dims, ctx.x_shape, ctx.x_dtype = dims, x.shape, x.dtype
     return y.view(*x.shape[:-1], dims[2])
 
@@ -380,7 +393,12 @@ class ONE_CALL_OP:
     """ONE_CALL under torch.compile: its two C calls as the torch ops fp8ext::linear_fwd and fp8ext::linear_bwd
     (below), which compiled code calls without a graph break. The slots' scales and amaxes cross as tensors, and
     an updated amax comes back as an output that is copied into its slot (as fp8ext's other ops do: custom ops
-    with mutated arguments trip inductor). The same kernels and bytes as an eager step; no main_grad."""
+    with mutated arguments trip inductor). The same kernels and bytes as an eager step; no main_grad.
+    With recast_in_backward (plan.recast) the forward op keeps only the saved buffer's header (the scale_invs and
+    the scales it cast with) and backward casts x8^T and W8^T again from x and W with torch ops (_recast_t),
+    which the partitioner can fuse with whatever recomputes x (the norm before q/k/v), as torchao's casts: no FP8
+    copy lives from the forward to the backward. The scales come out of the forward op, which the partitioner never
+    moves, so a delayed slot updated between a forward and its backward changes nothing the recast reads."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, gamma):
@@ -391,20 +409,29 @@ class ONE_CALL_OP:
         (xs, xa), (wsc, wa) = (plan.input.slot_views(), plan.weight.slot_views()) if delayed else ((None,) * 2,) * 2
         y, saved, xa_new, wa_new = torch.ops.fp8ext.linear_fwd(x.view(m, k), weight, bias if plan.fuse_bias else None,
                                                                xs, xa, wsc, wa, plan.input.fmt.code, plan.input.margin,
-                                                               plan.out_dtype)
+                                                               plan.out_dtype, not plan.recast)
         if delayed:
             xa.copy_(xa_new)
             wa.copy_(wa_new)
-        return _after_forward(ctx, x, bias, y, saved, (m, k, n))
+        return _after_forward(ctx, x, bias, y, saved, (m, k, n), weight if plan.recast else None)
 
     @staticmethod
     def backward(ctx, dy):
-        plan, saved, dy2, need_dx, need_dw, db_dtype = _backward_args(ctx, dy)
-        m, k, n = ctx.dims
+        if ctx.recast_fmt is not None:  # x, W and the forward's header: cast x8^T and W8^T again
+            x, weight, header = ctx.saved_tensors
+            plan, saved, dy2, need_dx, need_dw, db_dtype = _backward_args(ctx, dy, header)
+            m, k, n = ctx.dims
+            scales = header.view(torch.float32)
+            x_t = _recast_t(x.view(m, k), scales[_CUR_SCALE], ctx.recast_fmt) if need_dw else None
+            w_t = _recast_t(weight, scales[_SINV_STEP + _CUR_SCALE], ctx.recast_fmt) if need_dx else None
+        else:
+            plan, saved, dy2, need_dx, need_dw, db_dtype = _backward_args(ctx, dy)
+            m, k, n = ctx.dims
+            x_t = w_t = None
         gs, ga = plan.grad.slot_views() if plan.grad.manager is not None else (None, None)
         dx, dw, db, ga_new = torch.ops.fp8ext.linear_bwd(
             dy2, saved, m, k, n, plan.input.fmt.code, plan.grad.fmt.code, gs, ga, plan.grad.margin, need_dx, need_dw,
-            db_dtype is not None, db_dtype or dy2.dtype, ctx.x_dtype, plan.w_dtype)
+            db_dtype is not None, db_dtype or dy2.dtype, ctx.x_dtype, plan.w_dtype, x_t, w_t)
         if ga is not None:
             ga.copy_(ga_new)
         return _after_backward(ctx, plan, dx if need_dx else None, dw if need_dw else None,
@@ -418,23 +445,44 @@ def _capsules(*tensors):
 @torch.library.custom_op("fp8ext::linear_fwd", mutates_args=())
 def _linear_fwd_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                    x_scale: Optional[torch.Tensor], x_amax: Optional[torch.Tensor], w_scale: Optional[torch.Tensor],
-                   w_amax: Optional[torch.Tensor], fmt: int, margin: float, out_dtype: torch.dtype
+                   w_amax: Optional[torch.Tensor], fmt: int, margin: float, out_dtype: torch.dtype, keep: bool = True
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """ONE_CALL's forward call: (y, the saved buffer, the input's amax, the weight's amax). With scales (delayed
-    scaling) the amaxes are the slots' updated copies; without (current scaling, by `margin`) zeros."""
+    scaling) the amaxes are the slots' updated copies; without (current scaling, by `margin`) zeros.
+    keep=False: instead of the saved buffer, its header only (_SINV_BYTES: the scale_invs, and each tensor's scale
+    at its slot's CUR_SCALE place, the slot's scale copied in with delayed scaling), for the backward's recast
+    (ONE_CALL_OP.backward); x and W are cast without their transposed copies."""
     delayed = x_scale is not None
     xa, wa = (x_amax.clone(), w_amax.clone()) if delayed else (x.new_zeros((), dtype=torch.float32),) * 2
     caps = _capsules(x_scale, xa, w_scale, wa) if delayed else (None,) * 4
-    y, saved = _fwd_call(x, weight, bias, *caps, format_of_code(fmt), None if delayed else margin, out_dtype)
+    y, saved = _fwd_call(x, weight, bias, *caps, format_of_code(fmt), None if delayed else margin, out_dtype, keep)
+    if not keep:
+        if delayed:
+            hf = saved.view(torch.float32)
+            hf[_CUR_SCALE:_CUR_SCALE + 1].copy_(x_scale.reshape(1))
+            hf[_SINV_STEP + _CUR_SCALE:_SINV_STEP + _CUR_SCALE + 1].copy_(w_scale.reshape(1))
     return y, saved, xa, wa.clone() if not delayed else wa
 
 
 @_linear_fwd_op.register_fake
-def _(x, weight, bias, x_scale, x_amax, w_scale, w_amax, fmt, margin, out_dtype):
+def _(x, weight, bias, x_scale, x_amax, w_scale, w_amax, fmt, margin, out_dtype, keep=True):
     (m, k), n = x.shape, weight.shape[0]
     amax = [a.new_empty(a.shape) if a is not None else x.new_empty((), dtype=torch.float32) for a in (x_amax, w_amax)]
-    return (x.new_empty((m, n), dtype=out_dtype), x.new_empty((_SINV_BYTES + _round_up(m * k) + n * k,),
-                                                              dtype=torch.uint8), *amax)
+    saved = _SINV_BYTES + _round_up(m * k) + n * k if keep else _SINV_BYTES
+    return (x.new_empty((m, n), dtype=out_dtype), x.new_empty((saved,), dtype=torch.uint8), *amax)
+
+
+_CUR_SCALE = 2  # float32 index of a tensor's scale within its header slot (py_linear.c's CUR_SCALE)
+
+
+def _recast_t(t2d: torch.Tensor, scale: torch.Tensor, fmt) -> torch.Tensor:
+    """The bytes [cols, rows] of t2d's transposed FP8 cast by `scale`, in torch ops (inductor fuses them with what
+    produces t2d): fp8ext's cast rule (fp8ext.core numerics: the float32 product, round to nearest even,
+    saturating; NaN -> x's sign | 0x7F), bit for bit the C cast's."""
+    v = t2d.float() * scale
+    q = v.clamp(-fmt.max, fmt.max).to(fmt.torch_dtype).view(torch.uint8)
+    nan = (torch.signbit(t2d).to(torch.uint8) << 7) | fmt.nan_code
+    return torch.where(torch.isnan(v), nan, q).t().contiguous()
 
 
 # Declared pure although the C call writes dy's scale_inv (with current scaling also its amax and scale) into the
@@ -446,21 +494,28 @@ def _(x, weight, bias, x_scale, x_amax, w_scale, w_amax, fmt, margin, out_dtype)
 @torch.library.custom_op("fp8ext::linear_bwd", mutates_args=())
 def _linear_bwd_op(dy: torch.Tensor, saved: torch.Tensor, m: int, k: int, n: int, ffmt: int, bfmt: int,
                    g_scale: Optional[torch.Tensor], g_amax: Optional[torch.Tensor], margin: float, need_dx: bool,
-                   need_dw: bool, want_db: bool, db_dtype: torch.dtype, x_dtype: torch.dtype, w_dtype: torch.dtype
+                   need_dw: bool, want_db: bool, db_dtype: torch.dtype, x_dtype: torch.dtype, w_dtype: torch.dtype,
+                   x_t: Optional[torch.Tensor] = None, w_t: Optional[torch.Tensor] = None
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ONE_CALL's backward call: (dx, dW, db, the gradient's amax); a gradient not wanted comes back empty."""
+    """ONE_CALL's backward call: (dx, dW, db, the gradient's amax); a gradient not wanted comes back empty.
+    x_t, w_t: x8^T and W8^T cast again in backward (recast_in_backward; the one not needed may be None), `saved`
+    then the forward's header only: copied, since the call writes dy's scale into it."""
     delayed = g_scale is not None
     ga = g_amax.clone() if delayed else dy.new_zeros((), dtype=torch.float32)
     gs_c, ga_c = _capsules(g_scale, ga) if delayed else (None, None)
+    operands = None
+    if saved.numel() == _SINV_BYTES:  # a header (a saved buffer is larger: m * k >= 256)
+        saved, operands = saved.clone(), (x_t, w_t)
     dx, dw, db = _bwd_call(dy, saved, (m, k, n), format_of_code(ffmt), format_of_code(bfmt), gs_c, ga_c,
                            None if delayed else margin, need_dx, need_dw, db_dtype if want_db else None, x_dtype,
-                           w_dtype)
+                           w_dtype, operands=operands)
     empty = lambda: dy.new_empty((0,))  # noqa: E731
     return (empty() if dx is None else dx, empty() if dw is None else dw, empty() if db is None else db, ga)
 
 
 @_linear_bwd_op.register_fake
-def _(dy, saved, m, k, n, ffmt, bfmt, g_scale, g_amax, margin, need_dx, need_dw, want_db, db_dtype, x_dtype, w_dtype):
+def _(dy, saved, m, k, n, ffmt, bfmt, g_scale, g_amax, margin, need_dx, need_dw, want_db, db_dtype, x_dtype, w_dtype,
+      x_t=None, w_t=None):
     ga = g_amax.new_empty(g_amax.shape) if g_amax is not None else dy.new_empty((), dtype=torch.float32)
     return (dy.new_empty((m, k) if need_dx else (0,), dtype=x_dtype if need_dx else dy.dtype),
             dy.new_empty((n, k) if need_dw else (0,), dtype=w_dtype if need_dw else dy.dtype),

@@ -198,6 +198,29 @@ def test_c_entry_points_check_their_arguments(which, change, message):
         (fp8ext._C.linear_fwd if which == "fwd" else fp8ext._C.linear_bwd)(*args)
 
 
+def test_c_entry_points_with_operands_of_their_own_check_them():
+    """linear_bwd's x_t and w_t (x8^T and W8^T cast again in backward, `saved` then only its header): each checked
+    where its GEMM runs, by size and dtype; linear_fwd with keep=False needs only the header."""
+    fwd, bwd = _call_args()
+    header = _dl(torch.empty(768, dtype=torch.uint8))
+    x_t, w_t = torch.zeros(64 * 32, dtype=torch.uint8), torch.zeros(64 * 48, dtype=torch.uint8)
+    fwd[2] = header
+    assert fp8ext._C.linear_fwd(*fwd, None, False) is False
+    bwd[1] = header
+    assert fp8ext._C.linear_bwd(*bwd, None, _dl(x_t), _dl(w_t)) is False
+    with pytest.raises(ValueError, match="x_t holds 2047 bytes, needs 2048"):
+        fp8ext._C.linear_bwd(*bwd, None, _dl(x_t[1:]), _dl(w_t))
+    with pytest.raises(TypeError, match="w_t"):
+        fp8ext._C.linear_bwd(*bwd, None, _dl(x_t), _dl(w_t.float()))
+    no_dw = list(bwd)
+    no_dw[11] = None
+    assert fp8ext._C.linear_bwd(*no_dw, None, None, _dl(w_t)) is False  # x8^T is not read without dW
+    with pytest.raises(ValueError, match="saved holds 768 bytes"):
+        fp8ext._C.linear_bwd(*bwd)  # without x_t and w_t the header is too small
+    with pytest.raises(TypeError, match="19 with x_t and w_t"):
+        fp8ext._C.linear_bwd(*bwd, None, _dl(x_t))
+
+
 def _slots(saved, i):
     """Slot i of a saved buffer as float32 (scale_inv, amax, scale): x 0, W 1, dy 2 (py_linear.c's layout)."""
     return saved[256 * i:256 * i + 12].view(torch.float32).tolist()
