@@ -16,6 +16,8 @@ with --kv_cache also the FP8 model's, reading the same text one token per step t
 FP8 one (its calibrated K/V scales, or scales from a one-token prefill when the checkpoint has none). generate
 --draft FMT decodes speculatively: a copy of the model with FMT weights (make_draft) proposes --speculate tokens per
 round, the model checks them in one forward (the same greedy output), and the acceptance rate is printed.
+generate --model also takes a local transformers causal LM directory: with --draft it decodes speculatively through
+transformers' KV caches (fp8ext.inference.speculative), without it by the model's own generate().
 
 quantize --model takes a local Hugging Face transformers causal LM directory (Llama, Mistral, Qwen2, ...; nothing
 is downloaded) instead: the text is tokenized with the directory's tokenizer (or read as bytes when it has none and
@@ -39,7 +41,8 @@ from ..train.checkpoint import CheckpointError, read
 from ..train.data import batch, load_corpus
 from ..lowp.weight_only import WEIGHT_ONLY_FORMATS
 from . import calibrate, decode_loss, load_quantized, model_kv_scales, quantize_model, save_quantized
-from ._hf_cli import HF_SEQ_LEN, HFModelError, eval_hf as _eval_hf, is_hf_dir, quantize_hf as _quantize_hf
+from ._hf_cli import HF_SEQ_LEN, HFModelError, eval_hf as _eval_hf, generate_hf as _generate_hf, is_hf_dir
+from ._hf_cli import quantize_hf as _quantize_hf
 from .layers import ACTIVATION_SCHEMES, WEIGHT_SCHEMES
 from .speculative import make_draft
 
@@ -136,6 +139,8 @@ def _generate(args) -> None:
     from .generate import generate
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     _check_generate_options(args, device)
+    if is_hf_dir(pathlib.Path(args.model)):
+        return _generate_hf(args, device, _report)
     model = load_quantized(args.model, lambda c: Transformer(TransformerConfig(**c)), device=device).to(device)
     prompt = torch.tensor([list(args.prompt.encode("utf-8"))], dtype=torch.long, device=device)
     draft = make_draft(model, args.draft) if args.draft else None
@@ -144,12 +149,18 @@ def _generate(args) -> None:
                           cuda_graph={"auto": None, "on": True, "off": False}[args.cuda_graph], draft=draft,
                           speculate=args.speculate)
     print(bytes(ids[0].tolist()).decode("utf-8", errors="replace"))
-    dec = stats["decode_tokens_per_s"]
-    print(f"--\nprefill {stats['prefill_tokens_per_s']:,.0f} tokens/s, decode "
-          f"{'n/a' if dec is None else f'{dec:,.1f}'} tokens/s, KV cache {args.kv_cache}: "
+    _report(args, stats, device)
+
+
+def _report(args, stats: dict, device: torch.device) -> None:
+    """generate's speed, cache and (with --draft) acceptance lines."""
+    dec, pre = stats["decode_tokens_per_s"], stats["prefill_tokens_per_s"]
+    speed = f"prefill {pre:,.0f} tokens/s, decode {'n/a' if dec is None else f'{dec:,.1f}'} tokens/s" \
+        if pre is not None else f"generate() {dec:,.1f} new tokens/s, prefill included"
+    print(f"--\n{speed}, KV cache {args.kv_cache}: "
           f"{stats['cache_bytes'] / 2**20:.2f} MiB" + (f", {stats['kv_scales']} scales" if stats["kv_scales"] else "")
           + f" ({device}{', decode steps as a CUDA graph' if stats['cuda_graph'] else ''})")
-    if draft is not None:
+    if args.draft:
         rate = stats["acceptance_rate"]
         print(f"speculative decoding: {args.draft} draft, {stats['speculate']} tokens per round, acceptance rate "
               f"{'n/a' if rate is None else f'{rate:.1%}'} ({stats['accepted']} of {stats['proposed']} draft tokens "
@@ -176,7 +187,8 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--kv_cache", action="store_true",
                    help="also decode the held-out text one token per step through a bf16 and an FP8 KV cache")
     g = sub.add_parser("generate", help="generate text from a prompt with a bf16 or FP8 KV cache")
-    g.add_argument("--model", required=True, help="a directory written by `quantize`")
+    g.add_argument("--model", required=True, help="a directory written by `quantize`, or a local transformers "
+                   "causal LM directory")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max_new_tokens", type=int, default=64)
     g.add_argument("--kv_cache", choices=["fp8", "bf16", "none"], default="fp8")

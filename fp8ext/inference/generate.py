@@ -26,7 +26,8 @@ def _check_model(model, fn: str) -> None:
     """fp8ext's generation drives fp8ext's Transformer (its KV cache follows model.cfg); others are refused."""
     if is_transformers_model(model) or not hasattr(model, "cfg"):
         hint = (" (a transformers model: use its own model.generate(ids, max_new_tokens=...), with "
-                "cache=fp8ext.inference.hf.fp8_kv_cache(model) for an FP8 KV cache's numbers)"
+                "cache=fp8ext.inference.hf.fp8_kv_cache(model) for an FP8 KV cache's numbers; generate takes it "
+                "with a draft, draft=make_draft(model, fmt), for speculative decoding)"
                 if is_transformers_model(model) else "")
         raise TypeError(f"{fn}: model must be fp8ext's Transformer (fp8ext.models.transformer), got "
                         f"{type(model).__name__}{hint}")
@@ -88,8 +89,13 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, kv_cache: Opti
     hold the acceptance rate (see speculative_generate).
 
     kv_overflow="nvfp4" with kv_budget_bytes: an FP8 cache whose oldest positions move to NVFP4 to stay within the
-    budget (KVCache's overflow and budget_bytes; decode steps run eagerly; not with a draft)."""
-    _check_model(model, "generate")
+    budget (KVCache's overflow and budget_bytes; decode steps run eagerly; not with a draft).
+
+    A transformers causal LM is taken with a draft only (make_draft(model, fmt) of it): speculative decoding
+    through transformers' own KV caches, kv_cache "bf16" (its DynamicCache, in the model's dtype) or "fp8"
+    (fp8ext.inference.hf.fp8_kv_cache: K/V rounded to E4M3); without a draft use the model's own generate()."""
+    if not (is_transformers_model(model) and (draft is not None or speculate is not None)):
+        _check_model(model, "generate")
     if prompt.dim() != 2 or prompt.shape[1] == 0:
         raise ValueError(f"generate: prompt must be [batch, length > 0] token ids, got shape {list(prompt.shape)}")
     _check_overflow(kv_cache, kv_overflow, kv_budget_bytes, "generate")

@@ -23,6 +23,11 @@ other sequences' independent draws), and the next round draws that position's su
 The draft's one-token steps run as a CUDA graph where generate's decode steps would (an FP8 cache on a GPU; see
 fp8ext.inference._graphs): on a small model a step's launches, not its weight bytes, bound its time. The target's
 verification (k + 1 positions) and the draft's catch-up (one or two) run eagerly.
+
+transformers causal LMs (LlamaForCausalLM and the like) take the same rounds: make_draft copies one with its
+decoder's linear layers held in the draft format, and generate drives both models through transformers' own KV
+caches (a DynamicCache, or fp8ext.inference.hf.fp8_kv_cache's E4M3-rounded one), rolled back with their crop().
+Their steps run eagerly.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from torch import nn
 
 from ..modules.linear import FP8Linear
 from ..lowp.weight_only import WEIGHT_ONLY_FORMATS, WeightOnlyLinear
-from .hf import is_transformers_model
+from .hf import cache_argument, fp8_kv_cache, is_transformers_model
 from ._graphs import GraphedStep, graph_wanted
 from .kv_cache import KVCache
 from .layers import FP8InferenceLinear
@@ -71,6 +76,11 @@ def _weight_only(layer: nn.Module, fmt: str, name: str) -> WeightOnlyLinear:
         src.weight = nn.Parameter(_fp8_inference_weight(layer), requires_grad=False)
         if layer.bias is not None:
             src.bias = nn.Parameter(layer.bias.float(), requires_grad=False)
+    w = getattr(src, "weight", None)
+    if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.element_size() < 2:
+        raise ValueError(f"make_draft: {name} ({type(layer).__name__}) holds {getattr(w, 'dtype', None)} weights, "
+                         f"not a high-precision weight to pack (a checkpoint quantized by another library: draft "
+                         f"from the high-precision model, or load the checkpoint with fp8ext.inference)")
     try:
         return _DraftLinear.from_linear(src, fmt)
     except ValueError as e:
@@ -83,6 +93,18 @@ def _block_linears(model: nn.Module) -> Dict[str, nn.Module]:
     return {f"blocks.{n}": m for n, m in model.blocks.named_modules() if isinstance(m, _LINEARS)}
 
 
+def _hf_linears(model: nn.Module) -> Dict[str, nn.Module]:
+    """{qualified name: layer} of a transformers causal LM's linear layers but its output head."""
+    head = model.get_output_embeddings()
+    return {n: m for n, m in model.named_modules() if isinstance(m, _LINEARS) and m is not head}
+
+
+def _hf_causal_lm(model) -> bool:
+    """Whether `model` is a transformers model with an output head (a causal LM's logits)."""
+    return is_transformers_model(model) and callable(getattr(model, "get_output_embeddings", None)) and \
+        model.get_output_embeddings() is not None
+
+
 @torch.no_grad()
 def make_draft(model: nn.Module, fmt: str = "mxfp4") -> nn.Module:
     """A draft model for speculative decoding: a copy of fp8ext's Transformer `model` whose blocks' linear layers
@@ -90,20 +112,23 @@ def make_draft(model: nn.Module, fmt: str = "mxfp4") -> nn.Module:
     ("mxfp4", "nvfp4", "mxfp6", "fp8", or another of fp8ext.weight_only.WEIGHT_ONLY_FORMATS), packed from the
     target's weights. Everything else (the embedding, the norms, the output head, the rotary tables, the KV-cache
     scales) is the target's own tensors, shared, not copied: the draft adds only its packed weights
-    (WeightOnlyLinear.nbytes each). The target is left unchanged."""
-    if is_transformers_model(model):
+    (WeightOnlyLinear.nbytes each). The target is left unchanged.
+    A transformers causal LM (LlamaForCausalLM and the like) gives a copy of its class in the same way: every
+    linear layer but the output head (get_output_embeddings()) held in `fmt`, the rest shared."""
+    hf = is_transformers_model(model)
+    if hf and not _hf_causal_lm(model):
         kind = getattr(getattr(model, "config", None), "model_type", None)
-        raise NotImplementedError(f"make_draft: {type(model).__name__} (model_type {kind!r}) is a transformers "
-                                  "model; drafts are made of fp8ext's Transformer only, whose generate() and KV "
-                                  "cache speculative decoding uses")
-    if not hasattr(model, "cfg") or not isinstance(getattr(model, "blocks", None), nn.ModuleList):
-        raise TypeError(f"make_draft: model must be fp8ext's Transformer (fp8ext.models.transformer), got "
-                        f"{type(model).__name__}")
+        raise TypeError(f"make_draft: {type(model).__name__} (model_type {kind!r}) is a transformers model without "
+                        "an output head (get_output_embeddings()); drafts are made of causal LMs")
+    if not hf and (not hasattr(model, "cfg") or not isinstance(getattr(model, "blocks", None), nn.ModuleList)):
+        raise TypeError(f"make_draft: model must be fp8ext's Transformer (fp8ext.models.transformer) or a "
+                        f"transformers causal LM, got {type(model).__name__}")
     if fmt not in WEIGHT_ONLY_FORMATS:
         raise ValueError(f"make_draft: fmt must be one of {list(WEIGHT_ONLY_FORMATS)}, got {fmt!r}")
-    linears = _block_linears(model)
+    linears = _hf_linears(model) if hf else _block_linears(model)
     if not linears:
-        raise ValueError("make_draft: model.blocks holds no linear layer to quantize")
+        raise ValueError("make_draft: the model holds no linear layer to quantize" + ("" if hf else
+                         " in model.blocks"))
     # deepcopy's memo maps an object to its copy: every tensor and every layer to be replaced maps to itself, so
     # the copy shares the tensors and copies no weight that is then thrown away
     memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
@@ -151,6 +176,48 @@ def _cached(cache: KVCache) -> int:
     return min(cache.lengths)
 
 
+class _HFCache:
+    """A transformers cache as the rounds use a KVCache: lengths, truncate (crop), nbytes, scale_source.
+    kv_cache "bf16": transformers' DynamicCache (K/V in the model's dtype); "fp8": fp8_kv_cache(model, scales=...)
+    (K/V rounded to E4M3, held in the model's dtype)."""
+
+    def __init__(self, model, kv_cache: str, scales: str):
+        import transformers
+        self.cache = fp8_kv_cache(model, scales=scales) if kv_cache == "fp8" else \
+            transformers.DynamicCache(config=model.config)
+        self.scale_source = getattr(self.cache, "scale_source", None)
+
+    @property
+    def lengths(self):
+        return [self.cache.get_seq_length()]
+
+    def truncate(self, n: int) -> None:
+        drop = self.cache.get_seq_length() - n
+        if drop > 0:  # a negative count: the number of positions to remove (transformers 5.24 takes no other form)
+            self.cache.crop(-drop)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in getattr(self.cache, "layers", ())
+                   for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+                   if isinstance(t, torch.Tensor))
+
+
+class _HFRunner:
+    """A transformers causal LM called as the rounds call fp8ext's Transformer: (ids, kv_cache=, start_pos=) ->
+    logits [batch, len(ids), vocab]. Positions follow the cache's length, which the rounds keep at start_pos."""
+
+    def __init__(self, model):
+        self.model, self.arg = model, cache_argument(model)
+
+    def __call__(self, ids: torch.Tensor, *, kv_cache: _HFCache, start_pos: int) -> torch.Tensor:
+        return self.model(input_ids=ids, use_cache=True, **{self.arg: kv_cache.cache}).logits
+
+
+def _vocab(model) -> int:
+    return model.get_output_embeddings().weight.shape[0] if is_transformers_model(model) else model.cfg.vocab_size
+
+
 def _propose(draft, cache: KVCache, ids: torch.Tensor, pending: Optional[torch.Tensor], *, k: int,
              pick, step: Optional[GraphedStep]) -> Tuple[torch.Tensor, torch.Tensor]:
     """(k draft tokens [b, k], the draft's logits they were picked from [b, k, vocab]). The draft first reads the
@@ -185,12 +252,22 @@ def _score(model, cache: KVCache, ids: torch.Tensor, drafts: torch.Tensor, *,
 
 
 def _check(model, draft, *, speculate: int, kv_cache: Optional[str], cuda_graph: Optional[bool]) -> None:
-    if is_transformers_model(draft) or not hasattr(draft, "cfg"):
+    if is_transformers_model(model):
+        if not _hf_causal_lm(model):
+            raise TypeError(f"generate: model {type(model).__name__} is a transformers model without an output head "
+                            "(get_output_embeddings()); speculative decoding needs a causal LM")
+        if not _hf_causal_lm(draft):
+            raise TypeError(f"generate: with a transformers model the draft must be a transformers causal LM too "
+                            f"(make_draft(model, fmt) makes one), got {type(draft).__name__}")
+        if cuda_graph:
+            raise ValueError("generate: cuda_graph=True is not available with transformers models (their steps run "
+                             "eagerly); leave it None")
+    elif is_transformers_model(draft) or not hasattr(draft, "cfg"):
         raise TypeError(f"generate: draft must be fp8ext's Transformer (make_draft(model, fmt) makes one), got "
                         f"{type(draft).__name__}")
-    if draft.cfg.vocab_size != model.cfg.vocab_size:
-        raise ValueError(f"generate: the draft's vocabulary ({draft.cfg.vocab_size} tokens) must be the model's "
-                         f"({model.cfg.vocab_size})")
+    if _vocab(draft) != _vocab(model):
+        raise ValueError(f"generate: the draft's vocabulary ({_vocab(draft)} tokens) must be the model's "
+                         f"({_vocab(model)})")
     if isinstance(speculate, bool) or not isinstance(speculate, int) or speculate < 1:
         raise ValueError(f"generate: speculate (draft tokens per round) must be an int >= 1, got {speculate!r}")
     if kv_cache is None:
@@ -262,11 +339,17 @@ def speculative_generate(model, draft, prompt: torch.Tensor, max_new_tokens: int
     _check(model, draft, speculate=speculate, kv_cache=kv_cache, cuda_graph=cuda_graph)
     b, n = prompt.shape
     total = n + max_new_tokens
-    caches = [KVCache.from_model(m, b, total, kv_cache, device=prompt.device, scales=kv_scales)
-              for m in (model, draft)]
+    if is_transformers_model(model):  # transformers' own caches, eager steps (see the module docstring)
+        if kv_cache not in ("fp8", "bf16"):
+            raise ValueError(f"generate: kv_cache must be 'fp8' or 'bf16', got {kv_cache!r}")
+        caches = [_HFCache(m, kv_cache, kv_scales) for m in (model, draft)]
+        model, draft, step = _HFRunner(model), _HFRunner(draft), None
+    else:
+        caches = [KVCache.from_model(m, b, total, kv_cache, device=prompt.device, scales=kv_scales)
+                  for m in (model, draft)]
+        step = GraphedStep(draft, caches[1], b, prompt.device) \
+            if _draft_graph_wanted(draft, cuda_graph, kv_cache, prompt) else None
     g = torch.Generator(device=prompt.device).manual_seed(seed)
-    step = GraphedStep(draft, caches[1], b, prompt.device) \
-        if _draft_graph_wanted(draft, cuda_graph, kv_cache, prompt) else None
     sync = (lambda: torch.cuda.synchronize(prompt.device)) if prompt.is_cuda else (lambda: None)  # noqa: E731
     sync()
     t0 = time.perf_counter()

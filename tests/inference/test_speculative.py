@@ -94,8 +94,9 @@ def test_draft_refuses_other_models_and_formats():
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1))
-    with pytest.raises(NotImplementedError, match="LlamaForCausalLM \\(model_type 'llama'\\) is a transformers"):
-        make_draft(hf)
+    with pytest.raises(TypeError, match="LlamaModel \\(model_type 'llama'\\) is a transformers model without an "
+                                        "output head"):
+        make_draft(hf.model)  # a causal LM's drafts: tests/inference/test_speculative_hf.py
 
 
 # --- greedy: the target's output, token for token ---
