@@ -386,8 +386,10 @@ class FP8Linear(nn.Module):
         if mgr is not None:
             mgr.dirty = True
         compiling = torch.compiler.is_compiling()
+        # recast: bfloat16 and float32 inputs (see linear_autograd._recast_t); float16 keeps its FP8 copies
+        recast = compiling and self.fp8_recast_in_backward and input.dtype != torch.float16
         plan = LinearPlan(ONE_CALL_OP if compiling else ONE_CALL, quantizers, w, bias, out_dtype=out_dtype,
-                          main_grad=main_grad, fuse_bias=fuse_bias, recast=compiling and self.fp8_recast_in_backward)
+                          main_grad=main_grad, fuse_bias=fuse_bias, recast=recast)
         y = LinearFunction.apply(input, w, bias, plan)
         return (y, self.bias) if self.return_bias else y
 

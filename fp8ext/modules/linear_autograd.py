@@ -475,11 +475,30 @@ def _(x, weight, bias, x_scale, x_amax, w_scale, w_amax, fmt, margin, out_dtype,
 _CUR_SCALE = 2  # float32 index of a tensor's scale within its header slot (py_linear.c's CUR_SCALE)
 
 
+def _as_stored(t2d: torch.Tensor) -> torch.Tensor:
+    """t2d's values in float32 as its dtype holds them. Where the compiler computes t2d again in the backward (a
+    norm's output, recomputed inside the recast's kernel) it keeps the value in float32 and skips the rounding to
+    bfloat16 that storing it did in the forward; the rounding is redone here in integer ops, which it cannot skip
+    (round to nearest even on the 16 bits bfloat16 drops; NaN left as it is). A no-op on stored bfloat16 values;
+    float32 needs none."""
+    v = t2d.float()
+    return _bf16_rounded(v) if t2d.dtype == torch.bfloat16 else v
+
+
+def _bf16_rounded(v: torch.Tensor) -> torch.Tensor:
+    """float32 v rounded to bfloat16's values (nearest, ties to even; past the largest, infinity; NaN kept), in
+    float32, by integer ops on its bits."""
+    bits = v.view(torch.int32)
+    rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) & -65536).view(torch.float32)  # -65536: 0xFFFF0000
+    return torch.where(torch.isnan(v), v, rounded)
+
+
 def _recast_t(t2d: torch.Tensor, scale: torch.Tensor, fmt) -> torch.Tensor:
     """The bytes [cols, rows] of t2d's transposed FP8 cast by `scale`, in torch ops (inductor fuses them with what
     produces t2d): fp8ext's cast rule (fp8ext.core numerics: the float32 product, round to nearest even,
-    saturating; NaN -> x's sign | 0x7F), bit for bit the C cast's."""
-    v = t2d.float() * scale
+    saturating; NaN -> x's sign | 0x7F), bit for bit the C cast's, on t2d as its dtype stores it (_as_stored).
+    bfloat16 or float32 (FP8Linear recasts no other dtype: a compiler may skip float16's rounding too)."""
+    v = _as_stored(t2d) * scale
     q = v.clamp(-fmt.max, fmt.max).to(fmt.torch_dtype).view(torch.uint8)
     nan = (torch.signbit(t2d).to(torch.uint8) << 7) | fmt.nan_code
     return torch.where(torch.isnan(v), nan, q).t().contiguous()

@@ -89,19 +89,44 @@ def test_compiled_backward_recasts_the_same_bytes_and_saves_no_fp8(recipe, fast,
 def test_compiled_recast_keeps_no_fp8_copy_where_the_input_can_be_made_again(recipe, device):
     """On the fast path an input the backward can compute again (here from x and the scale, as from a norm's) is
     not kept in any form for the linear layers: each keeps its forward's header of scales (LINEAR_SINV_BYTES) and
-    nothing else; without recast each keeps its FP8 copies of x and W."""
+    nothing else; without recast each keeps its FP8 copies of x and W. The compiler computes the scaled input again
+    inside the recast's kernel, in float32: the recast rounds it to bfloat16 as the forward stored it, so that
+    outputs and every gradient are those of the saved FP8 copies, bit for bit."""
     torch.manual_seed(0)
     model = ScaledSharedInput().to(device)
+    with torch.no_grad():
+        model.g.copy_(1 + 0.37 * torch.randn(64))  # scaled values far from bfloat16's grid
     x = torch.randn(32, 64, dtype=torch.bfloat16, device=device, requires_grad=True)
     header = L._C.LINEAR_SINV_BYTES
+    results = {}
     for recast in (True, False):
         m, r, saved = copy.deepcopy(model), recipe(), []
         fp8ext.prepare_fp8(m, r, recast_in_backward=recast)
-        _step(torch.compile(m, fullgraph=True), r, x, saved)
+        x.grad = None
+        ys, dx, _ = _step(torch.compile(m, fullgraph=True), r, x, saved)
+        results[recast] = [*ys, dx] + [p.grad for p in m.parameters()]
         if recast:
             assert sorted(saved) == [header, header], f"two headers of {header} bytes, nothing else: {saved}"
         else:
             assert len(saved) == 2 and min(saved) > header + 32 * 64, f"each layer's saved buffer: {saved}"
+    names = ["y_a", "y_b", "dx"] + [n for n, _ in model.named_parameters()]
+    for name, a, b in zip(names, results[True], results[False]):
+        assert torch.equal(a, b), f"{name}: recast and saved copies differ"
+
+
+def test_the_recast_rounds_a_value_computed_again_as_bfloat16_stores_it():
+    """_bf16_rounded (what the recast applies to a bfloat16 value the compiler computed again in float32): the
+    values of torch's float32 -> bfloat16 cast, ties to even, overflow to infinity, NaN kept, zeros' signs."""
+    from fp8ext.modules.linear_autograd import _bf16_rounded
+    g = torch.Generator().manual_seed(2)
+    v = torch.cat([torch.randn(1 << 16, generator=g) * 10.0 ** torch.randint(-38, 38, (1 << 16,), generator=g),
+                   torch.randint(-2 ** 31, 2 ** 31 - 1, (1 << 16,), generator=g, dtype=torch.int32).view(torch.float32),
+                   torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 3.4e38, -3.4e38, float("inf"),
+                                 -float("inf"), float("nan"), 0.0, -0.0, 1e-40, -1e-40])])
+    got, want = _bf16_rounded(v), v.to(torch.bfloat16).float()
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32)), "the same bits, signs of zero too"
 
 
 class One(torch.nn.Module):
