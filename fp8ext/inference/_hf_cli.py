@@ -111,41 +111,53 @@ def quantize_hf(args) -> None:
 
 @torch.no_grad()
 def generate_hf(args, device: torch.device, report) -> None:
-    """generate --model DIR for a transformers causal LM directory: with --draft, speculative decoding by fp8ext
-    (make_draft of the model, rounds over transformers' caches: --kv_cache bf16 is its DynamicCache, fp8
-    fp8_kv_cache's E4M3-rounded K/V); without, the model's own generate() through the same caches (--kv_cache none:
-    none). The prompt goes through the directory's tokenizer, or as bytes where it has none."""
-    import time
-
+    """generate --model DIR for a transformers causal LM directory: fp8ext.inference.generate on the model, through
+    transformers' caches (--kv_cache bf16: its DynamicCache; fp8: fp8_kv_cache's E4M3-rounded K/V; none: none), with
+    --draft speculatively (make_draft of the model). The prompt goes through the directory's tokenizer (with its
+    special tokens), or as bytes where it has none; the text is cut after the first end-of-sequence token."""
     from .generate import generate
-    from .hf import cache_argument
-    from .speculative import _HFCache, make_draft
+    from .speculative import make_draft
     if args.cuda_graph == "on":
         raise HFModelError("--cuda_graph on: a transformers model's decode steps run eagerly here")
     model = _load_source(args.model, device, "--model")
     tokenizer = _tokenizer(args.model)
-    prompt = _token_stream(torch.tensor(list(args.prompt.encode("utf-8")), dtype=torch.uint8), tokenizer,
-                           model.config.vocab_size, "--model")[None].to(device)
-    n = args.max_new_tokens
-    if args.draft:
-        ids, stats = generate(model, prompt, n, kv_cache=args.kv_cache, temperature=args.temperature, seed=args.seed,
-                              draft=make_draft(model, args.draft), speculate=args.speculate)
+    if tokenizer is not None:
+        prompt = torch.tensor([tokenizer(args.prompt)["input_ids"]], dtype=torch.long)
     else:
-        c = None if args.kv_cache == "none" else _HFCache(model, args.kv_cache, "auto")
-        cache = {"use_cache": False} if c is None else {cache_argument(model): c.cache}
-        sample = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else {"do_sample": False}
-        torch.manual_seed(args.seed)
-        t0 = time.perf_counter()
-        ids = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
-                             pad_token_id=getattr(model.config, "pad_token_id", None) or 0, **sample, **cache)
-        seconds = time.perf_counter() - t0
-        stats = {"prefill_tokens_per_s": None, "decode_tokens_per_s": n / seconds,
-                 "cache_bytes": 0 if c is None else c.nbytes, "kv_scales": None if c is None else c.scale_source,
-                 "cuda_graph": False}
-    text = tokenizer.decode(ids[0].tolist()) if tokenizer is not None else \
-        bytes(ids[0].tolist()).decode("utf-8", errors="replace")
-    print(text)
+        prompt = _token_stream(torch.tensor(list(args.prompt.encode("utf-8")), dtype=torch.uint8), None,
+                               model.config.vocab_size, "--model")[None]
+    draft = None
+    if args.draft:
+        try:
+            draft = make_draft(model, args.draft)
+        except ValueError as e:  # a directory quantized by `quantize`: its linear layers hold FP8 weights
+            raise HFModelError(f"--draft {args.draft}: {e}; give --model the high-precision directory (a quantized "
+                               f"one's config.json names it under fp8ext_source.model)") from e
+    ids, stats = generate(model, prompt.to(device), args.max_new_tokens, kv_cache=None if args.kv_cache == "none"
+                          else args.kv_cache, temperature=args.temperature, seed=args.seed, draft=draft,
+                          speculate=args.speculate)
+    out = ids[0].tolist()
+    eos = getattr(model.config, "eos_token_id", None)
+    eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    end = next((i + 1 for i in range(prompt.shape[1], len(out)) if out[i] in eos), len(out))
+    print(_detokenize(out[:end], tokenizer))
     report(args, stats, device)
+
+
+def _detokenize(ids, tokenizer) -> str:
+    """Text of token ids: by the tokenizer, else ids below 256 as UTF-8 bytes and others as <id>."""
+    if tokenizer is not None:
+        return tokenizer.decode(ids)
+    out, run = [], []
+    for i in ids + [None]:
+        if i is not None and 0 <= i < 256:
+            run.append(i)
+            continue
+        out.append(bytes(run).decode("utf-8", errors="replace"))
+        run = []
+        if i is not None:
+            out.append(f"<{i}>")
+    return "".join(out)
 
 
 def _loss(logits: torch.Tensor, y: torch.Tensor) -> float:

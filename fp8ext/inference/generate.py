@@ -12,7 +12,7 @@ import torch
 from .hf import is_transformers_model
 from .kv_cache import KVCache
 from ._graphs import GraphedStep as _GraphedStep, graph_wanted as _graph_wanted  # noqa: F401 (tests use _GraphedStep)
-from .speculative import speculative_generate
+from .speculative import _HFCache, _HFRunner, _hf_causal_lm, speculative_generate
 
 __all__ = ["generate", "decode_loss"]
 
@@ -23,14 +23,27 @@ def _sync(device: torch.device) -> None:
 
 
 def _check_model(model, fn: str) -> None:
-    """fp8ext's generation drives fp8ext's Transformer (its KV cache follows model.cfg); others are refused."""
+    """fp8ext's generation drives fp8ext's Transformer (its KV cache follows model.cfg); decode_loss only that,
+    generate also transformers causal LMs; others are refused."""
+    if fn == "generate" and _hf_causal_lm(model):
+        return
     if is_transformers_model(model) or not hasattr(model, "cfg"):
-        hint = (" (a transformers model: use its own model.generate(ids, max_new_tokens=...), with "
-                "cache=fp8ext.inference.hf.fp8_kv_cache(model) for an FP8 KV cache's numbers; generate takes it "
-                "with a draft, draft=make_draft(model, fmt), for speculative decoding)"
-                if is_transformers_model(model) else "")
-        raise TypeError(f"{fn}: model must be fp8ext's Transformer (fp8ext.models.transformer), got "
-                        f"{type(model).__name__}{hint}")
+        hint = " (a transformers model: decode_loss takes fp8ext's Transformer only)" \
+            if is_transformers_model(model) and fn != "generate" else ""
+        what = "fp8ext's Transformer (fp8ext.models.transformer)" + \
+            (" or a transformers causal LM" if fn == "generate" else "")
+        raise TypeError(f"{fn}: model must be {what}, got {type(model).__name__}{hint}")
+
+
+def _hf_generate_args(kv_cache, kv_overflow, cuda_graph) -> None:
+    """What generate refuses with a transformers model (its steps run eagerly through transformers' caches)."""
+    if kv_overflow is not None:
+        raise ValueError(f"generate: kv_overflow={kv_overflow!r} is not available with transformers models")
+    if cuda_graph:
+        raise ValueError("generate: cuda_graph=True is not available with transformers models (their steps run "
+                         "eagerly); leave it None")
+    if kv_cache not in ("fp8", "bf16", None):
+        raise ValueError(f"generate: kv_cache must be 'fp8', 'bf16' or None, got {kv_cache!r}")
 
 
 def _picker(temperature: float, generator: torch.Generator):
@@ -91,11 +104,12 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, kv_cache: Opti
     kv_overflow="nvfp4" with kv_budget_bytes: an FP8 cache whose oldest positions move to NVFP4 to stay within the
     budget (KVCache's overflow and budget_bytes; decode steps run eagerly; not with a draft).
 
-    A transformers causal LM is taken with a draft only (make_draft(model, fmt) of it): speculative decoding
-    through transformers' own KV caches, kv_cache "bf16" (its DynamicCache, in the model's dtype) or "fp8"
-    (fp8ext.inference.hf.fp8_kv_cache: K/V rounded to E4M3); without a draft use the model's own generate()."""
-    if not (is_transformers_model(model) and (draft is not None or speculate is not None)):
-        _check_model(model, "generate")
+    A transformers causal LM (LlamaForCausalLM and the like) decodes the same way through transformers' own KV
+    caches: kv_cache "bf16" is its DynamicCache (K/V in the model's dtype), "fp8" fp8ext.inference.hf.fp8_kv_cache
+    (K/V rounded to E4M3, kv_scales as above), None none; its steps run eagerly (no cuda_graph, no kv_overflow), and,
+    as with fp8ext's model, exactly max_new_tokens tokens come out (an end-of-sequence token stops nothing). With a
+    draft (make_draft(model, fmt) of it) it decodes speculatively."""
+    _check_model(model, "generate")
     if prompt.dim() != 2 or prompt.shape[1] == 0:
         raise ValueError(f"generate: prompt must be [batch, length > 0] token ids, got shape {list(prompt.shape)}")
     _check_overflow(kv_cache, kv_overflow, kv_budget_bytes, "generate")
@@ -110,11 +124,16 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, kv_cache: Opti
     device = prompt.device
     b, n = prompt.shape
     total = n + max_new_tokens
-    cache = None if kv_cache is None else KVCache.from_model(model, b, total, kv_cache, device=device,
-                                                             scales=kv_scales, overflow=kv_overflow,
-                                                             budget_bytes=kv_budget_bytes)
-    graph = _GraphedStep(model, cache, b, device) \
-        if _graph_wanted(cuda_graph, kv_cache, device, "generate", kv_overflow) else None
+    if is_transformers_model(model):
+        _hf_generate_args(kv_cache, kv_overflow, cuda_graph)
+        cache = None if kv_cache is None else _HFCache(model, kv_cache, kv_scales)
+        model, graph = _HFRunner(model), None
+    else:
+        cache = None if kv_cache is None else KVCache.from_model(model, b, total, kv_cache, device=device,
+                                                                 scales=kv_scales, overflow=kv_overflow,
+                                                                 budget_bytes=kv_budget_bytes)
+        graph = _GraphedStep(model, cache, b, device) \
+            if _graph_wanted(cuda_graph, kv_cache, device, "generate", kv_overflow) else None
     pick = _picker(temperature, torch.Generator(device=device).manual_seed(seed))
     _sync(device)
     t0 = time.perf_counter()

@@ -105,6 +105,13 @@ def _hf_causal_lm(model) -> bool:
         model.get_output_embeddings() is not None
 
 
+def _refuse_stateful(model, fn: str) -> None:
+    """Models with recurrent state (Mamba, hybrids) cannot roll their caches back by positions."""
+    if getattr(model, "_is_stateful", False):
+        raise TypeError(f"{fn}: {type(model).__name__} keeps a recurrent state, which speculative decoding cannot "
+                        "roll back; attention-only causal LMs are supported")
+
+
 @torch.no_grad()
 def make_draft(model: nn.Module, fmt: str = "mxfp4") -> nn.Module:
     """A draft model for speculative decoding: a copy of fp8ext's Transformer `model` whose blocks' linear layers
@@ -123,6 +130,8 @@ def make_draft(model: nn.Module, fmt: str = "mxfp4") -> nn.Module:
     if not hf and (not hasattr(model, "cfg") or not isinstance(getattr(model, "blocks", None), nn.ModuleList)):
         raise TypeError(f"make_draft: model must be fp8ext's Transformer (fp8ext.models.transformer) or a "
                         f"transformers causal LM, got {type(model).__name__}")
+    if hf:
+        _refuse_stateful(model, "make_draft")
     if fmt not in WEIGHT_ONLY_FORMATS:
         raise ValueError(f"make_draft: fmt must be one of {list(WEIGHT_ONLY_FORMATS)}, got {fmt!r}")
     linears = _hf_linears(model) if hf else _block_linears(model)
@@ -185,6 +194,8 @@ class _HFCache:
         import transformers
         self.cache = fp8_kv_cache(model, scales=scales) if kv_cache == "fp8" else \
             transformers.DynamicCache(config=model.config)
+        if hasattr(self.cache, "activate_past_recording"):  # sliding-window layers keep what a roll-back needs
+            self.cache.activate_past_recording()
         self.scale_source = getattr(self.cache, "scale_source", None)
 
     @property
@@ -192,9 +203,9 @@ class _HFCache:
         return [self.cache.get_seq_length()]
 
     def truncate(self, n: int) -> None:
-        drop = self.cache.get_seq_length() - n
-        if drop > 0:  # a negative count: the number of positions to remove (transformers 5.24 takes no other form)
-            self.cache.crop(-drop)
+        # a negative count: the number of positions to remove (transformers 5.24 takes no other form); called with
+        # 0 too, which trims what sliding-window layers recorded past their window
+        self.cache.crop(-max(self.cache.get_seq_length() - n, 0))
 
     @property
     def nbytes(self) -> int:
@@ -210,7 +221,9 @@ class _HFRunner:
     def __init__(self, model):
         self.model, self.arg = model, cache_argument(model)
 
-    def __call__(self, ids: torch.Tensor, *, kv_cache: _HFCache, start_pos: int) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, *, kv_cache: Optional[_HFCache] = None, start_pos: int = 0) -> torch.Tensor:
+        if kv_cache is None:  # the whole sequence, no cache
+            return self.model(input_ids=ids, use_cache=False).logits
         return self.model(input_ids=ids, use_cache=True, **{self.arg: kv_cache.cache}).logits
 
 
@@ -259,6 +272,10 @@ def _check(model, draft, *, speculate: int, kv_cache: Optional[str], cuda_graph:
         if not _hf_causal_lm(draft):
             raise TypeError(f"generate: with a transformers model the draft must be a transformers causal LM too "
                             f"(make_draft(model, fmt) makes one), got {type(draft).__name__}")
+        _refuse_stateful(model, "generate")
+        _refuse_stateful(draft, "generate")
+        if kv_cache is not None and kv_cache not in ("fp8", "bf16"):
+            raise ValueError(f"generate: kv_cache must be 'fp8' or 'bf16', got {kv_cache!r}")
         if cuda_graph:
             raise ValueError("generate: cuda_graph=True is not available with transformers models (their steps run "
                              "eagerly); leave it None")
@@ -340,8 +357,6 @@ def speculative_generate(model, draft, prompt: torch.Tensor, max_new_tokens: int
     b, n = prompt.shape
     total = n + max_new_tokens
     if is_transformers_model(model):  # transformers' own caches, eager steps (see the module docstring)
-        if kv_cache not in ("fp8", "bf16"):
-            raise ValueError(f"generate: kv_cache must be 'fp8' or 'bf16', got {kv_cache!r}")
         caches = [_HFCache(m, kv_cache, kv_scales) for m in (model, draft)]
         model, draft, step = _HFRunner(model), _HFRunner(draft), None
     else:

@@ -157,10 +157,16 @@ def test_fp8_kv_cache_rounds_k_and_v_to_e4m3_with_the_calibrated_scales():
         hf.fp8_kv_cache(tiny("llama"), scales="calibrated")
 
 
-def test_fp8exts_generate_refuses_a_transformers_model():
+def test_fp8exts_generate_decodes_a_transformers_model_and_decode_loss_refuses_it():
+    """generate drives a transformers causal LM through its caches (tests/inference/test_speculative_hf.py checks
+    the tokens against transformers' own generate); decode_loss takes fp8ext's Transformer only."""
     model = tiny("llama")
-    with pytest.raises(TypeError, match=r"generate: model must be fp8ext's Transformer.*model\.generate"):
-        inference.generate(model, ids(1, 4), 2)
+    got, stats = inference.generate(model, ids(1, 4), 3, kv_cache="bf16")
+    want, _ = inference.generate(model, ids(1, 4), 3, kv_cache=None)
+    assert got.shape == (1, 7) and torch.equal(got, want) and stats["cache_bytes"] > 0
+    with pytest.raises(TypeError, match="generate: model must be fp8ext's Transformer .*or a transformers causal "
+                                        "LM, got Linear"):
+        inference.generate(torch.nn.Linear(4, 4), ids(1, 4), 2)
     with pytest.raises(TypeError, match="decode_loss: model must be fp8ext's Transformer"):
         inference.decode_loss(model, ids(1, 4), ids(1, 4))
 

@@ -21,11 +21,14 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+SIZES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=64, attn_implementation="sdpa", bos_token_id=None, eos_token_id=None,
+             pad_token_id=None)  # no end-of-sequence token: transformers' generate then makes every token asked for
+
+
 def llama(seed=0, vocab=64, layers=2, head_scale=1.0):
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   attn_implementation="sdpa")
+    cfg = transformers.LlamaConfig(vocab_size=vocab, num_hidden_layers=layers, **SIZES)
     model = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(head_scale)
@@ -35,9 +38,36 @@ def llama(seed=0, vocab=64, layers=2, head_scale=1.0):
 def own_greedy(model, prompt, n, kv_cache):
     """transformers' greedy generate, through its DynamicCache or through fp8_kv_cache (prefill scales)."""
     extra = {cache_argument(model): fp8_kv_cache(model, scales="prefill")} if kv_cache == "fp8" else {}
-    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
-                         do_sample=False, pad_token_id=0, **extra)
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, do_sample=False,
+                         pad_token_id=0, **extra)
+    assert out.shape[1] == prompt.shape[1] + n
     return out
+
+
+@pytest.mark.parametrize("kv_cache", ["bf16", "fp8", None])
+def test_generate_without_a_draft_is_transformers_own_greedy(kv_cache):
+    """generate(hf_model, ...) decodes through transformers' caches (or none): its own greedy tokens."""
+    model = llama()
+    prompt = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(4))
+    want = own_greedy(model, prompt, 16, "bf16" if kv_cache is None else kv_cache)
+    got, stats = generate(model, prompt, 16, kv_cache=kv_cache, kv_scales="prefill")
+    assert torch.equal(got, want)
+    assert stats["cuda_graph"] is False and (stats["cache_bytes"] > 0) == (kv_cache is not None)
+    assert stats["kv_scales"] == ("prefill" if kv_cache == "fp8" else None)
+
+
+def test_a_sliding_window_model_rolls_its_cache_back_past_the_window():
+    """Mistral with a window of 8 positions, 20 new tokens: the rounds roll back caches whose layers dropped
+    positions past the window; greedy output is transformers' own, with and without a draft."""
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(vocab_size=64, num_hidden_layers=2, sliding_window=8, **SIZES)
+    model = transformers.MistralForCausalLM(cfg).eval()
+    prompt = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(6))
+    want = own_greedy(model, prompt, 20, "bf16")
+    assert torch.equal(generate(model, prompt, 20, kv_cache="bf16")[0], want)
+    for k in (1, 3):
+        got, stats = generate(model, prompt, 20, kv_cache="bf16", draft=make_draft(model, "mxfp4"), speculate=k)
+        assert torch.equal(got, want), f"k={k}"
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "mxfp6", "fp8"])
@@ -82,8 +112,8 @@ def test_sampling_keeps_the_models_distribution_with_a_poor_draft():
     model, draft = llama(0, vocab=8, layers=1, head_scale=30.0), llama(1, vocab=8, layers=1, head_scale=30.0)
     prompt = torch.tensor([[3, 5]])
     batch = 3000
-    ids, stats = generate(model, prompt.expand(batch, -1), 2, kv_cache="bf16", temperature=1.0, draft=draft,
-                          speculate=2)
+    ids, stats = generate(model, prompt.expand(batch, -1), 3, kv_cache="bf16", temperature=1.0, draft=draft,
+                          speculate=2)  # the first round proposes 2 tokens (tokens 1 and 2 below)
     with torch.no_grad():
         p0 = torch.softmax(model(prompt).logits[0, -1].double(), -1)
         p1 = torch.softmax(model(torch.cat([prompt.expand(8, -1), torch.arange(8)[:, None]], 1)).logits[:, -1]
@@ -103,10 +133,18 @@ def test_misuse_with_transformers_models_is_refused():
         generate(model, prompt, 4, draft=make_draft(model, "fp8"), cuda_graph=True)
     with pytest.raises(ValueError, match=r"the draft's vocabulary \(8 tokens\) must be the model's \(64\)"):
         generate(model, prompt, 4, draft=llama(vocab=8, layers=1))
-    with pytest.raises(TypeError, match="use its own model.generate"):
-        generate(model, prompt, 4)
+    with pytest.raises(ValueError, match="kv_overflow='nvfp4' is not available with transformers models"):
+        generate(model, prompt, 4, kv_overflow="nvfp4", kv_budget_bytes=1000)
+    with pytest.raises(ValueError, match="kv_cache must be 'fp8', 'bf16' or None, got 'int8'"):
+        generate(model, prompt, 4, kv_cache="int8")
+    with pytest.raises(ValueError, match="kv_cache must be 'fp8' or 'bf16', got 'int8'"):
+        generate(model, prompt, 4, kv_cache="int8", draft=make_draft(model, "fp8"))
     with pytest.raises(TypeError, match="without an output head"):
         make_draft(model.model)
+    stateful = llama()
+    stateful._is_stateful = True  # as Mamba and the hybrid models declare themselves
+    with pytest.raises(TypeError, match="keeps a recurrent state"):
+        make_draft(stateful)
     packed = llama()
     packed.model.layers[0].mlp.up_proj.weight.data = packed.model.layers[0].mlp.up_proj.weight.data.to(
         torch.float8_e4m3fn)  # as another library's FP8 checkpoint holds it
@@ -125,12 +163,12 @@ def test_command_line_decodes_a_transformers_directory_with_and_without_a_draft(
     """generate --model DIR (save_pretrained's, no tokenizer: bytes as ids) prints the model's greedy text and,
     with --draft, the same text and the acceptance rate."""
     from fp8ext.inference.__main__ import main
-    model = llama(vocab=256)
+    model = llama(vocab=300)  # ids past 255 print as <id> (no tokenizer: bytes as ids)
     model.save_pretrained(tmp_path / "llama")
     base = ["generate", "--model", str(tmp_path / "llama"), "--prompt", "def f(", "--max_new_tokens", "12",
             "--device", "cpu"]
     out = {}
-    for name, extra in [("plain", []), ("fp8 cache", ["--kv_cache", "fp8"]),
+    for name, extra in [("plain", ["--kv_cache", "bf16"]), ("fp8 cache", []),  # fp8: the default
                         ("draft", ["--draft", "mxfp4", "--speculate", "3", "--kv_cache", "bf16"]),
                         ("draft, fp8 cache", ["--draft", "fp8", "--kv_cache", "fp8"])]:
         assert main(base + extra) == 0
@@ -141,3 +179,8 @@ def test_command_line_decodes_a_transformers_directory_with_and_without_a_draft(
     assert "speculative decoding: mxfp4 draft, 3 tokens per round, acceptance rate" in out["draft"]
     assert "KV cache fp8" in out["fp8 cache"] and "prefill scales" in out["fp8 cache"]
     assert "speculative decoding" not in out["plain"]
+
+
+def test_command_line_text_of_ids_without_a_tokenizer():
+    from fp8ext.inference._hf_cli import _detokenize
+    assert _detokenize([100, 101, 300, 102, 0xC3, 0xA9, 256], None) == "de<300>f\u00e9<256>"
