@@ -13,6 +13,11 @@ makes them: bf16 (bf16 KV cache) and FP8 (calibrate + quantize_model: E4M3 weigh
 mxfp4, nvfp4, mxfp6 and fp8 weights; speculative decoding with k = 2, 4, 8 draft tokens per round, greedy, FP8 KV
 caches, against the FP8 target.
 
+--hf measures the same weights as a transformers LlamaForCausalLM instead (fp8ext's Llama export, in memory;
+needs transformers): the bf16 model decoding through transformers' DynamicCache, eagerly, and drafts
+make_draft(that model, fmt) against it, checked against its own greedy output (the FP8 target and CUDA graphs are
+fp8ext's Transformer's, not measured there).
+
 Prompts: --prompt_len bytes at fixed random offsets of the held-out split (every 20th standard-library file, which
 training never reads; fp8ext/train/data.py); batch 1 takes the first of the batch-8 prompts. Each configuration:
 one warm-up generate() (its output is the one checked: greedy decoding is deterministic, and every timed run's
@@ -70,6 +75,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", type=int, default=3, help="timed runs per configuration (after one warm-up)")
     p.add_argument("--device", default=None, help="default: cuda when there is one")
     p.add_argument("--json", default=None, help="write every figure here")
+    p.add_argument("--hf", action="store_true",
+                   help="measure the model as a transformers LlamaForCausalLM (bf16 target, drafts against it)")
     p.add_argument("--dry_run", action="store_true",
                    help="CPU, preset tiny trained 2 steps, short prompts: checks the code paths in seconds")
     return p
@@ -235,9 +242,10 @@ def verification_check(fp8, ref: torch.Tensor, prompt_len: int, chunk: int) -> d
             "margins_where_they_differ": [float(top2[i, j, 0] - top2[i, j, 1]) for i, j in differ]}
 
 
-def measure_drafts(fp8, prompt: torch.Tensor, refs: dict, args, rows: List[dict], say: Callable) -> None:
-    """Appends to `rows` one row per draft format, k and batch: speculative decoding against the FP8 target, FP8
-    KV caches."""
+def measure_drafts(fp8, prompt: torch.Tensor, refs: dict, args, rows: List[dict], say: Callable, *,
+                   kv_cache: str = "fp8", prefix: str = "") -> None:
+    """Appends to `rows` one row per draft format, k and batch: speculative decoding against the target `fp8` (the
+    FP8 target; with --hf the transformers model), KV caches of `kv_cache`; names begin with `prefix`."""
     from fp8ext import WeightOnlyLinear
     from fp8ext.inference import make_draft
     for fmt in FORMATS:
@@ -245,25 +253,51 @@ def measure_drafts(fp8, prompt: torch.Tensor, refs: dict, args, rows: List[dict]
         nbytes = sum(m.nbytes for m in draft.modules() if isinstance(m, WeightOnlyLinear))
         for b in BATCHES:
             for k in KS:
-                r = timed_generate(fp8, prompt[:b], args.new_tokens, args.runs, kv_cache="fp8", draft=draft,
+                r = timed_generate(fp8, prompt[:b], args.new_tokens, args.runs, kv_cache=kv_cache, draft=draft,
                                    speculate=k)
                 s = r["stats"]
-                rows.append(row(f"{fmt} draft", b, r, refs[b], args.prompt_len, format=fmt, k=k,
+                rows.append(row(f"{prefix}{fmt} draft", b, r, refs[b], args.prompt_len, format=fmt, k=k,
                                 draft_weight_bytes=nbytes, acceptance_rate=s["acceptance_rate"],
                                 acceptance_rate_per_sequence=s["acceptance_rate_per_sequence"],
                                 rounds=s["rounds"], proposed=s["proposed"], accepted=s["accepted"]))
-                say(f"{fmt} draft, k={k}, batch {b}: acceptance {s['acceptance_rate']:.1%}, "
+                say(f"{prefix}{fmt} draft, k={k}, batch {b}: acceptance {s['acceptance_rate']:.1%}, "
                     f"{r['tokens_per_s']:,.1f} tokens/s, identical {'yes' if rows[-1]['identical'] else 'no'}")
         del draft
         if prompt.is_cuda:
             torch.cuda.empty_cache()
 
 
-def markdown(targets: List[dict], drafts: List[dict]) -> str:
-    """One table: the targets, then each draft configuration, tokens/s against the FP8 target's eager decoding
-    at the same batch size."""
-    eager = {r["batch"]: r["tokens_per_s"] for r in targets if r["config"] == "fp8 target"}
-    lines = ["| configuration | k | batch | acceptance | tokens/s | vs FP8 eager | identical to FP8 greedy |",
+def hf_model(model):
+    """fp8ext's Transformer `model` as a transformers LlamaForCausalLM with its weights (the Llama export's names
+    and config, in memory), in model's dtype and on its device, eval mode."""
+    import transformers
+    from fp8ext.inference.llama import llama_config, to_llama
+    cfg, tied = model.cfg, model.lm_head.weight is model.embed.weight
+    state = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    dtype = str(model.embed.weight.dtype).removeprefix("torch.")
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_config(cfg, tied=tied, dtype=dtype)))
+    hf.load_state_dict(to_llama(state, cfg, {}), strict=True)
+    return hf.to(model.embed.weight.device, model.embed.weight.dtype).eval()
+
+
+def measure_hf(hf, prompt: torch.Tensor, args, targets: List[dict], drafts: List[dict], say: Callable) -> None:
+    """The transformers model alone (DynamicCache, eager) at every batch size, then each draft format and k against
+    it, checked against its greedy ids."""
+    refs = {}
+    for b in BATCHES:
+        r = timed_generate(hf, prompt[:b], args.new_tokens, args.runs, kv_cache="bf16")
+        targets.append(row("transformers bf16 target", b, r, None, args.prompt_len, kv_cache="bf16"))
+        refs[b] = r["ids"]
+        say(f"transformers bf16 target, batch {b}: {r['tokens_per_s']:,.1f} tokens/s")
+    measure_drafts(hf, prompt, refs, args, drafts, say, kv_cache="bf16", prefix="transformers, ")
+
+
+def markdown(targets: List[dict], drafts: List[dict], base: str = "fp8 target") -> str:
+    """One table: the targets, then each draft configuration, tokens/s against the `base` target's eager decoding
+    at the same batch size (the FP8 target's; with --hf the transformers model's)."""
+    eager = {r["batch"]: r["tokens_per_s"] for r in targets if r["config"] == base}
+    what = "FP8" if base == "fp8 target" else "the model's"
+    lines = [f"| configuration | k | batch | acceptance | tokens/s | vs {what} eager | identical to {what} greedy |",
              "|---|---:|---:|---:|---:|---:|---|"]
     for r in targets + drafts:
         acc = f"{r['acceptance_rate']:.1%}" if r.get("acceptance_rate") is not None else ""
@@ -303,6 +337,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     result = {**header(device), "settings": {**vars(args), "formats": FORMATS, "k": KS, "batches": BATCHES},
               "model": {"checkpoint": str(path), "train_args": train_args, "training": training},
               "targets": [], "speculative": []}
+    if args.hf:
+        say = Progress(len(BATCHES) * (1 + len(FORMATS) * len(KS)), lambda: write_json(args.json, result))
+        measure_hf(hf_model(model), prompt, args, result["targets"], result["speculative"], say)
+        result["table"] = markdown(result["targets"], result["speculative"], "transformers bf16 target")
+        write_json(args.json, result)
+        print(f"\n{result['device']}, {train_args['preset']} preset as a transformers LlamaForCausalLM, "
+              f"{args.prompt_len}-byte held-out prompts, {args.new_tokens} new tokens, median of {args.runs} "
+              f"runs:\n\n{result['table']}")
+        if args.scratch:
+            shutil.rmtree(args.scratch, ignore_errors=True)
+        return 0
     say = Progress(len(BATCHES) * ((3 if device.type == "cuda" else 2) + len(FORMATS) * len(KS)),
                    lambda: write_json(args.json, result))
     refs = measure_targets(model, fp8, prompt, args, result["targets"], say)

@@ -63,3 +63,30 @@ def test_first_mismatch_is_the_first_generated_position_that_differs_in_any_sequ
     got[1, 9] = -1
     got[0, 11] = -1
     assert first_mismatch(got, want, prompt_len=4) == 5, "position 9 of the sequence, 5 of the generated tokens"
+
+
+def test_dry_run_with_hf_measures_the_transformers_model_and_its_drafts(tmp_path):
+    """--hf: the same weights as a transformers LlamaForCausalLM (fp8ext's Llama export in memory), its drafts
+    against it, every format, k and batch; greedy output equal to the model's own."""
+    pytest.importorskip("transformers")
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry_run", "--hf", "--out_dir", str(tmp_path / "run"),
+                           "--json", str(tmp_path / "hf.json")], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get(
+                              "PYTHONPATH")]))})
+    assert proc.returncode == 0, f"the dry run exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    result, bench = json.loads((tmp_path / "hf.json").read_text()), _bench()
+    got = {(r["format"], r["k"], r["batch"]) for r in result["speculative"]}
+    assert got == {(f, k, b) for f in bench.FORMATS for k in bench.KS for b in bench.BATCHES}
+    assert all(r["identical"] and r["runs_agree"] for r in result["speculative"])
+    assert {r["config"] for r in result["targets"]} == {"transformers bf16 target"}
+    assert "| transformers, mxfp4 draft | 2 | 1 |" in proc.stdout
+
+
+def test_the_transformers_copy_computes_the_same_logits():
+    transformers = pytest.importorskip("transformers")  # noqa: F841
+    from fp8ext.models.transformer import Transformer, preset
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny")).eval()
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(_bench().hf_model(model)(ids).logits, model(ids))
