@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_check.sh notebooks       # execute notebooks/*.ipynb; the executed, stamped copies go to $OUT
 #   bash benchmarks/gpu_check.sh sanitize        # compute-sanitizer memcheck and racecheck over the kernel tests
 #   bash benchmarks/gpu_check.sh stream_bw       # the HBM streaming ceiling of the weight-only kernel (nvcc, sm_90)
+#   HF_BATCHES="8 16" bash benchmarks/gpu_check.sh hf   # the Hugging Face Llama: bf16, fp8ext (saved / recast), torchao
 # The lent machine has no Jupyter: for `notebooks`, carry wheels of nbclient, nbformat and ipykernel with their
 # dependencies in .whl/ (pip download ... -d .whl; see the device tool's notes); they are installed from there.
 set -uo pipefail
@@ -99,6 +100,21 @@ ROWS
         # FP8 recipes side by side (RECIPE_SECTIONS picks: linear host block error train)
         echo "== bench_recipes"
         $PY benchmarks/bench_recipes.py --sections ${RECIPE_SECTIONS:-linear host block error train} 2>&1 | tee "$OUT/bench_recipes.log" || status=1 ;;
+    hf)
+        # bench_hf.py's Hugging Face Llama, each variant in its own process: HF_VARIANTS at each of HF_BATCHES;
+        # torchao's variant needs its wheel carried in .whl/ (installed from there)
+        echo "== bench_hf"
+        if ls .whl/torchao-*.whl > /dev/null 2>&1; then
+            $PY -m pip install -q --no-index --no-deps --target /tmp/aosite .whl/torchao-*.whl > "$OUT/torchao_install.log" 2>&1 || status=1
+            export PYTHONPATH=/tmp/aosite${PYTHONPATH:+:$PYTHONPATH}
+        fi
+        for b in ${HF_BATCHES:-8}; do
+            (cd benchmarks && $PY bench_hf.py --batch "$b" --steps 8 --warmup 4 \
+                --variants ${HF_VARIANTS:-bf16-compiled fp8ext-compiled fp8ext-recast-compiled torchao-compiled}) \
+                > "$OUT/bench_hf_b$b.log" 2>&1 || status=1
+            grep -E "compiled|eager|variant|failed" "$OUT/bench_hf_b$b.log"
+            mv "$OUT/bench_hf_llama.json" "$OUT/bench_hf_llama_b$b.json" 2>/dev/null
+        done ;;
     quantize|gemm|linear|weight_only|decode_attention|block|fused_cast)
         echo "== bench_$step"
         $PY benchmarks/bench_$step.py 2>&1 | tee "$OUT/bench_$step.log" || status=1 ;;
