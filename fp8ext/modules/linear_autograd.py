@@ -150,10 +150,10 @@ def recast_in_backward(requested: bool) -> bool:
     (per-tensor scales, no prologue) instead of saving the FP8 copies: when the layer asks for it
     (FP8Linear.fp8_recast_in_backward, set by prepare_fp8(..., recast_in_backward=True)) and under torch.compile, as
     torchao does. There the partitioner sees a high-precision x that the layers reading it share (q/k/v, gate/up)
-    and may recompute from the norm before them, and W is the parameter itself. A trade: on a 1B Hugging Face
-    Llama (H100, benchmarks/bench_hf.py) peak memory 30.5 -> 28.6 GiB, tokens/s 78.4k -> 74.0k. Current scaling
-    only (prepare_fp8 checks): each cast's scale is then its own tensor, which no later step changes. In eager mode
-    the FP8 copies are always saved (nothing else may hold x, and one FP8 copy is half of it)."""
+    and may recompute from the norm before them, and W is the parameter itself. The composed path recasts with
+    current scaling only (FP8Linear.fp8_plan decides): each cast's scale is then its own tensor, which no later
+    step changes; the fast path's recast (ONE_CALL_OP) takes delayed scaling too. In eager mode the FP8 copies are
+    always saved (nothing else may hold x, and one FP8 copy is half of it)."""
     return requested and torch.compiler.is_compiling()
 
 
