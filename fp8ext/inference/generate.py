@@ -126,7 +126,7 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, kv_cache: Opti
     total = n + max_new_tokens
     if is_transformers_model(model):
         _hf_generate_args(kv_cache, kv_overflow, cuda_graph)
-        cache = None if kv_cache is None else _HFCache(model, kv_cache, kv_scales)
+        cache = None if kv_cache is None else _HFCache(model, kv_cache, kv_scales, rollback=False)
         model, graph = _HFRunner(model), None
     else:
         cache = None if kv_cache is None else KVCache.from_model(model, b, total, kv_cache, device=device,

@@ -185,17 +185,41 @@ def _cached(cache: KVCache) -> int:
     return min(cache.lengths)
 
 
+def _return_visible_only(layer) -> None:
+    """Makes a past-recording DynamicSlidingWindowLayer's update return only the last sliding_window - 1 + q
+    positions (q: the new ones), the K/V its get_mask_sizes tells the attention mask of. transformers 5.24 slices
+    so itself; 5.17 returns every position recorded since the last crop, which is more than the mask covers (and
+    sdpa fails on the shapes) once two forwards run without a crop between them, as the draft's steps do."""
+    inner = layer.update
+
+    def update(key_states, value_states, *args, **kwargs):
+        k, v = inner(key_states, value_states, *args, **kwargs)
+        n = layer.sliding_window - 1 + key_states.shape[-2]
+        return k[..., -n:, :], v[..., -n:, :]
+    layer.update = update
+
+
 class _HFCache:
     """A transformers cache as the rounds use a KVCache: lengths, truncate (crop), nbytes, scale_source.
     kv_cache "bf16": transformers' DynamicCache (K/V in the model's dtype); "fp8": fp8_kv_cache(model, scales=...)
-    (K/V rounded to E4M3, held in the model's dtype)."""
+    (K/V rounded to E4M3, held in the model's dtype). rollback: the cache is cropped back (speculative rounds), so
+    its sliding-window layers record the positions past their window until a crop; without it (plain decoding)
+    they drop them at once, as in transformers' own generate."""
 
-    def __init__(self, model, kv_cache: str, scales: str):
+    def __init__(self, model, kv_cache: str, scales: str, *, rollback: bool = True):
         import transformers
+        from transformers.cache_utils import DynamicSlidingWindowLayer
         self.cache = fp8_kv_cache(model, scales=scales) if kv_cache == "fp8" else \
             transformers.DynamicCache(config=model.config)
-        if hasattr(self.cache, "activate_past_recording"):  # sliding-window layers keep what a roll-back needs
-            self.cache.activate_past_recording()
+        sliding = [layer for layer in getattr(self.cache, "layers", ()) if isinstance(layer, DynamicSlidingWindowLayer)]
+        if rollback and sliding:
+            if not hasattr(self.cache, "activate_past_recording"):
+                raise RuntimeError(f"generate: transformers {transformers.__version__}'s DynamicCache cannot record "
+                                   f"the positions its sliding-window layers drop (no activate_past_recording), so "
+                                   f"speculative decoding cannot roll {type(model).__name__}'s cache back")
+            self.cache.activate_past_recording()  # sliding-window layers keep what a roll-back needs
+            for layer in sliding:
+                _return_visible_only(layer)
         self.scale_source = getattr(self.cache, "scale_source", None)
 
     @property
