@@ -451,7 +451,10 @@ def scale_from_amax(amax: torch.Tensor, fmt: Any = E4M3, margin: float = 0.0) ->
     if torch.compiler.is_compiling():
         a = amax.reshape(()).float()
         ok = (a > 0) & torch.isfinite(a)
-        scale = torch.where(ok, (f.max / a / 2.0 ** margin).clamp(max=torch.finfo(torch.float32).max), 1.0)
+        # fmt.max / a as a tensor division, as the C rule divides: a Python number over a tensor is
+        # a.reciprocal() * fmt.max (Tensor.__rtruediv__), which is 1 ulp off for some amaxes
+        scale = torch.full_like(a, f.max) / a / 2.0 ** margin
+        scale = torch.where(ok, scale.clamp(max=torch.finfo(torch.float32).max), 1.0)
         return scale, scale.reciprocal()
     _, device = describe(amax, "scale_from_amax", "amax")
     scale = torch.empty((), dtype=torch.float32, device=device)
