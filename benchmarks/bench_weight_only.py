@@ -2,9 +2,11 @@
 bf16 F.linear, in one run on one GPU, with the device's copy bandwidth as the ceiling.
 
 Each layer is held in several copies, more than the L2 cache holds together, and the timed loop cycles through
-them, so every call reads its weights from HBM as a decode step does. Two timings per row: "eager" (CUDA events
-around a loop of calls from Python: includes the host's work per call when it exceeds the GPU's) and "graph" (the
-same loop captured once as a CUDA graph and replayed, as decode servers run it: the GPU time alone). Medians of 5
+them, so every call reads its weights from HBM as a decode step does. Three timings per row: "eager" (CUDA events
+around a loop of calls from Python: includes the host's work per call when it exceeds the GPU's), "graph" (the
+same loop captured once as a CUDA graph and replayed, as decode servers run it: the GPU time alone; back-to-back
+weight-only calls overlap one's last blocks with the next one's first loads) and "after op" (graphed, each call
+after an elementwise kernel that makes its x, as between a model's norm and its projection). Medians of 5
 repeats after warm-up; random weights and inputs.
 
     python benchmarks/bench_weight_only.py [--quick] [--formats fp8,mxfp4]
@@ -62,25 +64,31 @@ def main() -> None:
             layers[fmt] = [one] + [copy_layer(one) for _ in range(reps - 1)]
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            calls = {"bf16": lambda i: F.linear(x, bf16[i])}
+            calls = {"bf16": lambda i, a=x: F.linear(a, bf16[i])}
             for fmt in formats:
                 assert layers[fmt][0].uses_kernel(x)
-                calls[fmt] = lambda i, L=layers[fmt]: L[i](x)
+                calls[fmt] = lambda i, a=x, L=layers[fmt]: L[i](a)
             eager = {name: cycle_ms(call, reps) for name, call in calls.items()}
             graph = {name: graphed_ms(call, reps) for name, call in calls.items()}
+            # the same with an elementwise kernel making each call's x, as in a model (the kernel before the GEMM
+            # is then not another GEMM that it can overlap with)
+            after_op = {name: graphed_ms(lambda i, c=call: c(i, x.mul(1.0)), reps) for name, call in calls.items()}
             for name, t in graph.items():
                 nbytes = n * k * 2 if name == "bf16" else layers[name][0].nbytes
                 rows.append({"K": k, "N": n, "M": m, "weights": name, "graph us": t * 1e3,
                              "speedup": graph["bf16"] / t, "goal": GOALS.get(name, ""),
                              "TB/s": nbytes / t / 1e9, "of copy": nbytes / t / 1e9 / copy_bw,
+                             "after op us": after_op[name] * 1e3, "after op speedup": after_op["bf16"] / after_op[name],
                              "eager us": eager[name] * 1e3, "eager speedup": eager["bf16"] / eager[name]})
         del bf16, layers
         torch.cuda.empty_cache()
-    print(table(rows, ["K", "N", "M", "weights", "graph us", "speedup", "goal", "TB/s", "of copy", "eager us",
-                       "eager speedup"],
+    print(table(rows, ["K", "N", "M", "weights", "graph us", "speedup", "goal", "TB/s", "of copy", "after op us",
+                       "after op speedup", "eager us", "eager speedup"],
                 {"graph us": "{:.1f}", "speedup": "{:.2f}x", "TB/s": "{:.2f}", "of copy": "{:.0%}",
-                 "eager us": "{:.1f}", "eager speedup": "{:.2f}x"}))
-    print("(TB/s: weight bytes read per second; 'of copy': that over the copy's bandwidth, bytes read + written)")
+                 "after op us": "{:.1f}", "after op speedup": "{:.2f}x", "eager us": "{:.1f}",
+                 "eager speedup": "{:.2f}x"}))
+    print("(TB/s: weight bytes read per second; 'of copy': that over the copy's bandwidth, bytes read + written;\n"
+          " 'after op': graphed, each call after an elementwise kernel that makes its x, both sides)")
     save("bench_weight_only.json", {"header": head, "copy_tbps": copy_bw, "rows": rows})
 
 

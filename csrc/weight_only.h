@@ -12,7 +12,7 @@ extern "C" {
  * as fmt's codes (k * bits / 8 bytes per row) with block_scales (E8M0 per 32 values for the MX formats, E4M3
  * per 16 for NVFP4), channel_scale [n] (FP8) and tensor_scale [1] (NVFP4) or NULL. Codes and block scales are
  * in tiles of 64 rows x 256 values ordered by row group then along k, each tile four contiguous quarters
- * (128 values x 32 rows); E2M1 codes in the kernel's nibble order (csrc/kernels/weight_only.cu). m <= 16, n % 64 == 0,
+ * (128 values x 32 rows); E2M1 codes bit-interleaved in the kernel's order (csrc/kernels/weight_only.cu, decode). m <= 16, n % 64 == 0,
  * k % 256 == 0. K is split over `splits` blocks per column group; workspace holds splits * m * n floats and
  * counters n / 64 ints that are zero before the call and zero again after it. x, w and block_scales must be
  * 16-byte aligned. GPU only. */

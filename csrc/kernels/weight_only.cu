@@ -4,9 +4,9 @@
 // Formats (fp8ext/weight_only.py packs them):
 //   FP8      E4M3 bytes [N, K], one float32 scale per output channel
 //   MXFP8    E4M3 bytes [N, K], one E8M0 scale per 32 values of a row
-//   MXFP6    E3M2 or E2M3 codes, 4 in 3 bytes [N, 3K/4], E8M0 scales per 32
-//   MXFP4    E2M1 codes, 2 per byte [N, K/2], E8M0 scales per 32
-//   NVFP4    E2M1 codes, 2 per byte, one E4M3 scale per 16 values, one float32 scale for the tensor
+//   MXFP6    E3M2 or E2M3 codes, 16 per three 32-bit words (bit-interleaved, see below) [N, 3K/4], E8M0 scales per 32
+//   MXFP4    E2M1 codes, 8 per 32-bit word (bit-interleaved, see decode) [N, K/2], E8M0 scales per 32
+//   NVFP4    E2M1 codes as MXFP4's, one E4M3 scale per 16 values, one float32 scale for the tensor
 // Every weight value times its block scale is exact in bfloat16 (few significant bits, a power-of-two or
 // E4M3 scale), so the tensor cores (mma.sync m16n8k16, bf16 in, float32 accumulate) see the dequantized weights
 // exactly; channel and tensor scales multiply the float32 result.
@@ -20,7 +20,10 @@
 // (split-K over blocks so that one wave of blocks fills the GPU); warp w owns quarter w of each tile (K tile
 // w >> 1, rows 32 (w & 1) ..) and streams its quarters with x's matching 128 values through its own cp.async
 // pipeline in shared memory (4 stages, 6 for FP8, 3 for more than 8 tokens), with no block-wide
-// synchronisation until the end: while it works on one quarter, the next ones are on their way.
+// synchronisation until the end: while it works on one quarter, the next ones are on their way. The kernel is
+// launched with programmatic dependent launch (Hopper): its blocks start streaming their first weight stages while
+// the kernel before it in the stream is still finishing, and wait for that kernel only before they read x, so that
+// back-to-back layers overlap one's last blocks with the next one's first bytes.
 //
 // Each lane decodes 32 consecutive weight values of a row (16, 24 or 32 bytes) and feeds them to 8 mma steps;
 // within a step the K order is permuted (lane t's 4 values are k = 32t + 4s .. 32t + 4s + 3), the same
@@ -74,12 +77,47 @@ template <> struct Fmt<FP8EXT_WO_MXFP6_E3M2> : FmtOf<24, 8, true> {};
 template <> struct Fmt<FP8EXT_WO_MXFP6_E2M3> : FmtOf<24, 8, true> {};
 template <> struct Fmt<FP8EXT_WO_MXFP4> : FmtOf<16, 8, true> {};
 template <> struct Fmt<FP8EXT_WO_NVFP4> : FmtOf<16, 16, false> {};
-template <int F> constexpr int kFp6Elem = F == FP8EXT_WO_MXFP6_E3M2 ? FPX_E3M2 : FPX_E2M3;
 
 struct Raw {
     uint32_t w[8];
     uint32_t scale;  // E8M0 byte (MX) or two E4M3 bytes (NVFP4)
 };
+
+// FP6 codes are stored bit-interleaved in groups of 16 values (three 32-bit words; fp8ext/lowp/weight_only.py packs
+// them from the same tables): pair j of a group (values 2j, 2j + 1) comes out as bfloat16 bit patterns with one or
+// two parts, each a funnel shift of two of the group's words (a rotation where both are the same word) and a mask.
+// The patterns: the sign at bit 15 (31) and the five other bits just below the exponent field's boundary, E3M2's at
+// bits 5-9 (its value times 2^-124), E2M3's at bits 4-8 (times 2^-126); the bias is folded into the block scale's
+// factor as for MXFP4. The tables are exact covers of the 96 bits found by search: 21 integer operations per group
+// for E3M2, 26 for E2M3 (whole pairs where a rotation fits, else magnitudes and signs, or low and high values, apart).
+struct Fp6Part {
+    int lo, hi, rot;  // __funnelshift_l(w[lo], w[hi], rot)
+    uint32_t mask;    // 0: no part
+};
+struct Fp6Pair {
+    Fp6Part a, b;
+};
+constexpr uint32_t kE3M2Pair = 0x83E083E0u, kE3M2Mag = 0x03E003E0u, kSigns = 0x80008000u;
+constexpr uint32_t kE2M3Pair = 0x81F081F0u, kE2M3Low = 0x000081F0u, kE2M3High = 0x81F00000u;
+template <int F>
+__device__ __forceinline__ Fp6Pair fp6_pair(int j) {  // j a constant after unrolling: the table folds away
+    constexpr Fp6Pair e3m2[8] = {
+        {{0, 0, 0, kE3M2Pair}, {}}, {{0, 0, 5, kE3M2Pair}, {}}, {{0, 1, 5, kE3M2Pair}, {}}, {{0, 2, 5, kE3M2Pair}, {}},
+        {{1, 1, 0, kE3M2Mag}, {0, 0, 1, kSigns}}, {{1, 0, 26, kE3M2Mag}, {0, 0, 2, kSigns}},
+        {{2, 2, 0, kE3M2Mag}, {0, 0, 3, kSigns}}, {{2, 0, 26, kE3M2Mag}, {0, 0, 4, kSigns}}};
+    constexpr Fp6Pair e2m3[8] = {
+        {{0, 1, 20, kE2M3Pair}, {}}, {{1, 2, 18, kE2M3Pair}, {}},
+        {{0, 0, 0, kE2M3Low}, {0, 0, 10, kE2M3High}}, {{1, 0, 6, kE2M3Low}, {0, 1, 14, kE2M3High}},
+        {{1, 0, 12, kE2M3Low}, {0, 1, 8, kE2M3High}}, {{0, 2, 14, kE2M3Low}, {0, 2, 12, kE2M3High}},
+        {{0, 2, 8, kE2M3Low}, {0, 2, 6, kE2M3High}}, {{2, 1, 10, kE2M3Low}, {2, 2, 0, kE2M3High}}};
+    return F == FP8EXT_WO_MXFP6_E3M2 ? e3m2[j] : e2m3[j];
+}
+// log2 of what the bfloat16 pattern's value is times the element's (E2M1's and E2M3's 2^-126, E3M2's 2^-124)
+template <int F> constexpr int kPatternExp = F == FP8EXT_WO_MXFP6_E3M2 ? -124 : -126;
+
+__device__ __forceinline__ uint32_t fp6_part(const uint32_t *w, const Fp6Part &p) {
+    return __funnelshift_l(w[p.lo], w[p.hi], p.rot) & p.mask;
+}
 
 // bf16x2 bits of (2^e, 2^e) for a normal exponent e (-126 <= e <= 127).
 __device__ __forceinline__ uint32_t pow2_bf16x2(int e) {
@@ -89,15 +127,18 @@ __device__ __forceinline__ uint32_t pow2_bf16x2(int e) {
 
 // The 32 values of a Raw as 16 bf16 pairs (value 2j in the low half of b[j]), times the block scale.
 //
-// E2M1 codes are stored in the kernel's order (fp8ext/weight_only.py packs them so): in each 32-bit word, nibbles
-// 3 and 7 hold values 0 and 1 of its 8, nibbles 2 and 6 values 2 and 3, then 1 and 5, then 0 and 4. A pair is then
-// two bit-field moves: the sign stays at bit 15 (31), the three magnitude bits go to bits 6-8 (22-24), the lowest
-// exponent bits and the top mantissa bit of a bfloat16. That bfloat16 is the E2M1 value times 2^-126 (the codes
-// for 0 and 0.5 land on bfloat16 subnormals, which the multiply below handles exactly); 2^126 is folded into the
-// block scale's factor (MXFP4) or split between it and the output (NVFP4, whose E4M3 scale times 2^126 would not
-// fit in a bfloat16: 2^117 here, 2^9 on the float32 result).
+// E2M1 codes are stored bit-interleaved in the kernel's order (fp8ext/lowp/weight_only.py packs them so): each
+// 32-bit word holds 8 values along K, and pair p (values 2p, 2p + 1) comes out of it as a bfloat16 pair with one
+// rotation and one mask (two rotations and two masks for pair 3), 9 integer operations per word. A pair's bfloat16
+// bits are the sign at bit 15 (31) and the three magnitude bits at bits 6-8 (22-24), the lowest exponent bits and
+// the top mantissa bit: the E2M1 value times 2^-126 (the codes for 0 and 0.5 land on bfloat16 subnormals, which
+// the multiply below handles exactly). No bit layout gives every pair with one rotation: four rotations of those
+// 8 bit positions cannot tile a 32-bit word; three can (by 0, 4 and 10), and the fourth pair takes its bits 6 and
+// 22 from one rotation (by 6) and the other six from another (by 14). 2^126 is folded into the block scale's factor
+// (MXFP4) or split between it and the output (NVFP4, whose E4M3 scale times 2^126 would not fit in a bfloat16: 2^117
+// here, 2^9 on the float32 result).
 template <int F>
-__device__ __forceinline__ void decode(const Raw &r, const uint32_t *lut, uint32_t (&b)[16]) {
+__device__ __forceinline__ void decode(const Raw &r, uint32_t (&b)[16]) {
     if constexpr (Fmt<F>::kBytes == 32) {
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
@@ -108,32 +149,32 @@ __device__ __forceinline__ void decode(const Raw &r, const uint32_t *lut, uint32
             b[j] = bf16x2_bits(f.x, f.y);
         }
     } else if constexpr (Fmt<F>::kBytes == 24) {
-        const uint8_t *by = reinterpret_cast<const uint8_t *>(r.w);
 #pragma unroll
-        for (int g = 0; g < 8; ++g) {  // 3 bytes -> 4 codes -> 2 pairs
-            const uint32_t word = by[3 * g] | (by[3 * g + 1] << 8) | (by[3 * g + 2] << 16);
-            b[2 * g] = lut[word & 0x3F] | (lut[(word >> 6) & 0x3F] << 16);
-            b[2 * g + 1] = lut[(word >> 12) & 0x3F] | (lut[(word >> 18) & 0x3F] << 16);
-        }
-    } else {
+        for (int g = 0; g < 2; ++g) {  // two groups of 16 values, three words each
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const uint32_t q = r.w[i];
-#pragma unroll
-            for (int p = 0; p < 4; ++p) {  // nibbles 3 - p and 7 - p; shifts of q itself, no chain between pairs
-                const uint32_t sign = (q << (4 * p)) & 0x80008000u;
-                const uint32_t mag = (p < 2 ? q >> (6 - 4 * p) : q << (4 * p - 6)) & 0x01C001C0u;
-                b[4 * i + p] = sign | mag;
+            for (int j = 0; j < 8; ++j) {
+                const Fp6Pair p = fp6_pair<F>(j);
+                b[8 * g + j] = fp6_part(r.w + 3 * g, p.a) | (p.b.mask ? fp6_part(r.w + 3 * g, p.b) : 0u);
             }
         }
+    } else {
+        constexpr uint32_t kPair = 0x81C081C0u;  // sign and magnitude bits of a bfloat16 pair
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {  // rotations of q itself: no chain between pairs
+            const uint32_t q = r.w[i];
+            b[4 * i] = q & kPair;
+            b[4 * i + 1] = __funnelshift_l(q, q, 4) & kPair;
+            b[4 * i + 2] = __funnelshift_l(q, q, 10) & kPair;
+            b[4 * i + 3] = (__funnelshift_l(q, q, 6) & 0x00400040u) | (__funnelshift_l(q, q, 14) & 0x81808180u);
+        }
     }
-    if constexpr (F == FP8EXT_WO_MXFP4) {
-        // factor 2^(126 + k) for the scale 2^k (code k + 127); k > 1 needs a second multiply to stay in range
-        const int code = static_cast<int>(r.scale);
-        const uint32_t f1 = code == 0xFF ? 0x7FC07FC0u : pow2_bf16x2(code <= 128 ? code - 1 : 126);
+    if constexpr (F == FP8EXT_WO_MXFP4 || Fmt<F>::kBytes == 24) {
+        // factor 2^(k - kPatternExp) for the scale 2^k (code k + 127); a factor above 2^127 is two multiplies
+        const int code = static_cast<int>(r.scale), e = code - 127 - kPatternExp<F>;
+        const uint32_t f1 = code == 0xFF ? 0x7FC07FC0u : pow2_bf16x2(e <= 127 ? e : -kPatternExp<F>);
 #pragma unroll
         for (int j = 0; j < 16; ++j) b[j] = hmul2_bits(b[j], f1);
-        if (code > 128 && code != 0xFF) {
+        if (e > 127 && code != 0xFF) {
             const uint32_t f2 = pow2_bf16x2(code - 127);
 #pragma unroll
             for (int j = 0; j < 16; ++j) b[j] = hmul2_bits(b[j], f2);
@@ -145,9 +186,12 @@ __device__ __forceinline__ void decode(const Raw &r, const uint32_t *lut, uint32
         for (int j = 0; j < 16; ++j) b[j] = hmul2_bits(b[j], s2);
     } else if constexpr (F == FP8EXT_WO_NVFP4) {
         constexpr float k2p117 = 0x1p117f;  // times 2^9 on the output: 2^126 in all
-        const float s0 = fp8_decode(static_cast<uint8_t>(r.scale & 0xFF), FP8EXT_E4M3) * k2p117;
-        const float s1 = fp8_decode(static_cast<uint8_t>(r.scale >> 8), FP8EXT_E4M3) * k2p117;
-        const uint32_t a0 = bf16x2_bits(s0, s0), a1 = bf16x2_bits(s1, s1);
+        // the two E4M3 scales by the conversion instruction (exact in float16, float32 and, times 2^117, bfloat16)
+        const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(r.scale), __NV_E4M3);
+        __half2 hh;
+        memcpy(&hh, &h, sizeof hh);
+        const float2 f = __half22float2(hh);
+        const uint32_t a0 = bf16x2_bits(f.x * k2p117, f.x * k2p117), a1 = bf16x2_bits(f.y * k2p117, f.y * k2p117);
 #pragma unroll
         for (int j = 0; j < 16; ++j) b[j] = hmul2_bits(b[j], j < 8 ? a0 : a1);
     }
@@ -198,6 +242,20 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
+// Programmatic dependent launch (sm_90 and later; no-ops before): the next kernel in the stream may start once every
+// block of this one has said so, and a kernel waits for the one before it (its completion and its memory) before
+// reading what that kernel may have written.
+__device__ __forceinline__ void grid_dependents_may_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::);
+#endif
+}
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // A warp's copies of its quarters, one chunk after another: the lane's source pointers advance by one tile per
 // chunk, its destinations within a stage are fixed (computed once).
 template <int F, bool SWAP>
@@ -222,19 +280,27 @@ struct Copier {
         w_dst = 16u * static_cast<uint32_t>(Fmt<F>::kBytes == 32 ? lane ^ ((lane >> 3) & 1) : lane);
         x_dst = Q::kW + Q::kS + 8u * static_cast<uint32_t>(x_group(lane));
     }
-    // issue the copies of the current chunk into the stage at shared address st, then step to the next chunk
-    __device__ __forceinline__ void issue(uint32_t st) {
+    // issue the copies of the current chunk's weights and block scales into the stage at shared address st, then step
+    // to the next chunk
+    __device__ __forceinline__ void issue_w(uint32_t st) {
 #pragma unroll
         for (int it = 0; it < kUnits; ++it) cp_async16(st + w_dst + 512 * it, w + 512 * it);
         if constexpr (Q::kS > 0) {
             if (lane < Q::kS / 16) cp_async16(st + Q::kW + 16 * lane, scales);
             scales += 4 * Q::kS;
         }
-#pragma unroll
-        for (int r = 0; r < (SWAP ? 8 : 16); ++r)  // unrolled: no loop over the runtime m
-            if (r < m) cp_async8(st + x_dst + r * Q::kXRow, x + r * x_row);
         w += 4 * Q::kW;
+    }
+    // the same for the chunk's x values
+    __device__ __forceinline__ void issue_x(uint32_t st) {
+#pragma unroll
+        for (int r = 0; r < (SWAP ? 8 : 16); ++r)  // unrolled: no loop over the runtime m (measured slower)
+            if (r < m) cp_async8(st + x_dst + r * Q::kXRow, x + r * x_row);
         x += kChunk;
+    }
+    __device__ __forceinline__ void issue(uint32_t st) {
+        issue_w(st);
+        issue_x(st);
     }
 };
 
@@ -279,8 +345,8 @@ __global__ void __launch_bounds__(kThreads, Fmt<F>::kBytes == 24 && !SWAP ? 2 : 
     using A = Acc<SWAP>;
     constexpr int kStages = kStagesOf<F, SWAP>;
     extern __shared__ __align__(16) uint8_t smem[];
-    __shared__ uint32_t lut[64];
     __shared__ int last;
+    grid_dependents_may_launch();  // the next kernel's blocks may take the multiprocessors this grid leaves
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int kt = warp >> 1, half = warp & 1;  // the warp's quarter of a tile: K tile kt, rows 32 * half ..
     const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kCols;
@@ -289,10 +355,6 @@ __global__ void __launch_bounds__(kThreads, Fmt<F>::kBytes == 24 && !SWAP ? 2 : 
     uint8_t *mine = smem + warp * kStages * quarter_bytes;
     __nv_bfloat16 *zeros = reinterpret_cast<__nv_bfloat16 *>(smem + kWarps * kStages * quarter_bytes);
 
-    if constexpr (Fmt<F>::kBytes == 24) {  // FP6 code -> bf16 (low half)
-        for (int i = threadIdx.x; i < 64; i += kThreads)
-            lut[i] = bf16x2_bits(fpx_decode(static_cast<uint8_t>(i), kFp6Elem<F>), 0.0f) & 0xFFFFu;
-    }
     for (int i = threadIdx.x; i < Q::kXRow / 16; i += kThreads) reinterpret_cast<uint4 *>(zeros)[i] = make_uint4(0, 0, 0, 0);
 
     // this split's K range, whole chunks; each warp runs its own pipeline over its quarters of the tiles
@@ -301,13 +363,39 @@ __global__ void __launch_bounds__(kThreads, Fmt<F>::kBytes == 24 && !SWAP ? 2 : 
     const int64_t tile0 = static_cast<int64_t>(blockIdx.x) * nchunks;
     Copier<F, SWAP> copier(a, tile0 + c_begin, warp, kt, c_begin, lane);
     const uint32_t first = smem_addr(mine), past = first + kStages * quarter_bytes;
+    // The weights do not depend on the kernel before this one in the stream: some of their stages are on their way
+    // before this grid waits for that kernel (programmatic dependent launch); x, the workspace and the output are
+    // touched only after the wait. A block with many chunks (`ahead`) sends the weights of every prologue stage
+    // first (a group each), then x of all of them (one group, which the first chunk waits for, and with it for all
+    // the weights); a block with few sends the first stage's weights alone, then its x, then whole stages, and the
+    // first chunk waits for its own only. Both make kStages groups. (H100, graphed layers: sending all weights
+    // first was faster where a block has 10-16 chunks, the first stage alone where it has 3.)
+    const bool ahead = c_end - c_begin >= 2 * (kStages - 1);
+    if (ahead) {
 #pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-        if (c_begin + s < c_end) copier.issue(first + s * quarter_bytes);
+        for (int s = 0; s < kStages - 1; ++s) {
+            if (c_begin + s < c_end) copier.issue_w(first + s * quarter_bytes);
+            cp_async_commit();
+        }
+        grid_dependency_wait();
+#pragma unroll
+        for (int s = 0; s < kStages - 1; ++s)
+            if (c_begin + s < c_end) copier.issue_x(first + s * quarter_bytes);
         cp_async_commit();
+    } else {
+        if (c_begin < c_end) copier.issue_w(first);
+        cp_async_commit();
+        grid_dependency_wait();
+        if (c_begin < c_end) copier.issue_x(first);
+        cp_async_commit();
+#pragma unroll
+        for (int s = 1; s < kStages - 1; ++s) {
+            if (c_begin + s < c_end) copier.issue(first + s * quarter_bytes);
+            cp_async_commit();
+        }
     }
     uint32_t refill = first + (kStages - 1) * quarter_bytes;  // the stage read last time (none yet: a fresh one)
-    __syncthreads();  // the zero row and the table
+    __syncthreads();  // the zero row
 
     float acc[A::kN];
 #pragma unroll
@@ -315,8 +403,10 @@ __global__ void __launch_bounds__(kThreads, Fmt<F>::kBytes == 24 && !SWAP ? 2 : 
 
     const uint8_t *st = mine;  // the stage of chunk c
     for (int64_t c = c_begin; c < c_end; ++c) {
-        cp_async_wait<kStages - 2>();  // chunk c has landed (this lane's copies) ...
-        __syncwarp();                  // ... the whole warp's; and the stage refilled below has been read
+        // chunk c has landed (this lane's copies; ahead, the first chunk's x is in the prologue's newest group) ...
+        if (ahead && c == c_begin) cp_async_wait<0>();
+        else cp_async_wait<kStages - 2>();
+        __syncwarp();  // ... the whole warp's; and the stage refilled below has been read
         if (c + kStages - 1 < c_end) copier.issue(refill);
         cp_async_commit();
         refill += quarter_bytes;
@@ -339,7 +429,7 @@ __global__ void __launch_bounds__(kThreads, Fmt<F>::kBytes == 24 && !SWAP ? 2 : 
             for (int h = 0; h < 2; ++h) {
                 Raw raw;
                 load_raw<F>(st, (2 * jp + h) * 8 + g, t, raw);
-                decode<F>(raw, lut, b[h]);
+                decode<F>(raw, b[h]);
             }
 #pragma unroll
             for (int s = 0; s < 8; ++s) {
@@ -406,6 +496,29 @@ __global__ void __launch_bounds__(kThreads, Fmt<F>::kBytes == 24 && !SWAP ? 2 : 
     }
 }
 
+// Whether the current device runs kernels launched with programmatic stream serialization (compute capability 9.0
+// and later), asked once per device.
+cudaError_t programmatic_launch_supported(bool &supported) {
+    static unsigned asked = 0, yes = 0;
+    int dev = 0;
+    cudaError_t err = cudaGetDevice(&dev);
+    if (err != cudaSuccess) return err;
+    const unsigned bit = dev < 32 ? 1u << dev : 0u;
+    if (bit && (__atomic_load_n(&asked, __ATOMIC_ACQUIRE) & bit)) {
+        supported = (__atomic_load_n(&yes, __ATOMIC_ACQUIRE) & bit) != 0;
+        return cudaSuccess;
+    }
+    int major = 0;
+    err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    if (err != cudaSuccess) return err;
+    supported = major >= 9;
+    if (bit) {
+        if (supported) __atomic_fetch_or(&yes, bit, __ATOMIC_RELEASE);
+        __atomic_fetch_or(&asked, bit, __ATOMIC_RELEASE);
+    }
+    return cudaSuccess;
+}
+
 // The shared memory above 48 KiB must be allowed once per kernel and device (the most any m needs).
 template <int F, bool SWAP>
 cudaError_t prepare() {
@@ -420,8 +533,20 @@ cudaError_t launch(const fp8ext_weight_only_args *a, cudaStream_t stream, int *b
     const int smem = smem_bytes<F, SWAP>(static_cast<int>(a->m));
     if (blocks) return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, weight_only_kernel<F, SWAP>, kThreads, smem);
     const dim3 grid(static_cast<unsigned>(a->n / kCols), static_cast<unsigned>(a->splits));
-    weight_only_kernel<F, SWAP><<<grid, kThreads, smem, stream>>>(*a);
-    return cudaGetLastError();
+    bool pdl = false;
+    err = programmatic_launch_supported(pdl);
+    if (err != cudaSuccess) return err;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl ? 1 : 0;
+    return cudaLaunchKernelEx(&cfg, weight_only_kernel<F, SWAP>, *a);
 }
 
 template <int F>

@@ -10,14 +10,15 @@ block scales included). Hopper has no FP4/FP6 tensor cores, so the saving is in 
 Formats:
     "fp8"         E4M3, one float32 scale per output channel (448 / amax of the row)
     "mxfp8"       E4M3 in OCP MX blocks of 32 values along K with an E8M0 (power-of-two) scale each
-    "mxfp6"       E3M2 (max 28) in MX blocks of 32, codes packed 4 in 3 bytes
+    "mxfp6"       E3M2 (max 28) in MX blocks of 32, codes packed 16 in 12 bytes
     "mxfp6_e2m3"  E2M3 (max 7.5) in MX blocks of 32
-    "mxfp4"       E2M1 (max 6) in MX blocks of 32, codes packed 2 per byte
+    "mxfp4"       E2M1 (max 6) in MX blocks of 32, codes packed 8 per 32-bit word
     "nvfp4"       E2M1 in blocks of 16 with an E4M3 scale each and one float32 scale for the tensor
 Quantization follows fp8ext.mx (round to nearest even, saturating; MX scales by the specification's floor rule).
 The layer holds only the packed codes and the scales: no high-precision copy of the weight. Layers the kernel can
-run store them in the kernel's tiles (and FP4 in its nibble order); `dequantized_weight()` gives the plain weight,
-and a state dict saved before this layout (module version 1) is converted when loaded.
+run store them in the kernel's tiles; FP4 and FP6 codes are bit-interleaved in the kernel's order (in every layer);
+`dequantized_weight()` gives the plain weight, and a state dict saved in an earlier layout (module versions 1 and 2)
+is converted when loaded.
 The weight is not an fp8ext.FP8Tensor (fp8ext/core/tensor.py), not even in "fp8": an FP8Tensor is float8 data in
 [rows, cols] order with float32 scale_invs, per tensor, row or 128-wide block, read by the FP8 GEMMs; these codes
 are uint8 (FP4 and FP6 packed), in the kernel's tiles wherever the kernel can run the layer, with E8M0 or E4M3
@@ -46,15 +47,127 @@ from ..ops.mx import dequantize_mx, dequantize_nvfp4, quantize_mx, quantize_nvfp
 from ..ops import quantize
 from .. import _C
 from ..core._boundary import dl
-from ..ops.packing import pack_fp4, pack_fp6, unpack_fp4, unpack_fp6
+from ..ops.packing import unpack_fp4, unpack_fp6
 
 __all__ = ["WeightOnlyLinear", "WEIGHT_ONLY_FORMATS", "bits_per_weight"]
 
-# FP4 codes are stored in the kernel's order: within each 8 consecutive values along K, value _FP4_ORDER[i] goes to
-# nibble i of the 32-bit word (nibbles 3 and 7 hold values 0 and 1, 2 and 6 values 2 and 3, ...), so the kernel
-# turns a pair into bfloat16 with two bit-field moves (csrc/kernels/weight_only.cu, decode).
-_FP4_ORDER = (6, 4, 2, 0, 7, 5, 3, 1)
-_FP4_UNORDER = tuple(_FP4_ORDER.index(i) for i in range(8))
+# FP4 codes are stored bit-interleaved in the kernel's order: each 32-bit word (4 bytes, little-endian) holds 8
+# consecutive values along K, bit b of value v at bit _FP4_BITS[v][b] (bit 3 is the sign), placed so that the kernel
+# turns pair p (values 2p, 2p + 1) into two bfloat16 bit patterns (sign at bit 15, the three magnitude bits at 6-8;
+# the same 16 bits higher) by rotating the word left and masking: by 0, 4 and 10 for pairs 0-2; pair 3 takes its
+# magnitude bits 6 and 22 from a rotation by 6 and the rest from one by 14 (csrc/kernels/weight_only.cu, decode).
+_FP4_ROTATIONS = (0, 4, 10)
+
+
+def _fp4_bit_positions():
+    positions = []
+    for v in range(8):
+        pair, high = divmod(v, 2)
+        row = []
+        for b in range(4):
+            target = (15 if b == 3 else 6 + b) + 16 * high  # where the decoded bfloat16 pair wants this bit
+            r = _FP4_ROTATIONS[pair] if pair < 3 else (6 if b == 0 else 14)
+            row.append((target - r) % 32)  # rotating left by r brings stored bit (target - r) to target
+        positions.append(tuple(row))
+    return tuple(positions)
+
+
+_FP4_BITS = _fp4_bit_positions()
+
+
+def _fp4_pack_kernel(codes: torch.Tensor) -> torch.Tensor:
+    """[..., K] FP4 codes (one per byte, K % 8 == 0) -> [..., K / 2] bytes in the kernel's bit order."""
+    c = codes.reshape(*codes.shape[:-1], -1, 8)
+    out = torch.zeros(*c.shape[:-1], 4, dtype=torch.uint8, device=codes.device)
+    for v, bits in enumerate(_FP4_BITS):
+        for b, pos in enumerate(bits):
+            out[..., pos // 8] |= ((c[..., v] >> b) & 1) << (pos % 8)
+    return out.reshape(*codes.shape[:-1], -1)
+
+
+def _fp4_unpack_kernel(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of _fp4_pack_kernel: [..., K / 2] bytes -> [..., K] codes."""
+    w = packed.reshape(*packed.shape[:-1], -1, 4)
+    codes = torch.zeros(*w.shape[:-1], 8, dtype=torch.uint8, device=packed.device)
+    for v, bits in enumerate(_FP4_BITS):
+        for b, pos in enumerate(bits):
+            codes[..., v] |= ((w[..., pos // 8] >> (pos % 8)) & 1) << b
+    return codes.reshape(*packed.shape[:-1], -1)
+
+
+# FP6 codes are stored bit-interleaved in groups of 16 values along K (three 32-bit words, 12 bytes): the kernel forms
+# pair j of a group (values 2j, 2j + 1) as bfloat16 bit patterns (the sign at bit 15, the other five bits at 5-9 for
+# E3M2, 4-8 for E2M3; the same 16 bits higher) from one or two parts, each a funnel shift of two of the group's words
+# (word lo low, word hi high; a rotation where lo == hi) left by rot, masked. The same tables as the kernel's
+# (csrc/kernels/weight_only.cu, fp6_pair): (lo, hi, rot, mask) per part.
+_FP6_PAIRS = {
+    "e3m2": (((0, 0, 0, 0x83E083E0),), ((0, 0, 5, 0x83E083E0),), ((0, 1, 5, 0x83E083E0),), ((0, 2, 5, 0x83E083E0),),
+             ((1, 1, 0, 0x03E003E0), (0, 0, 1, 0x80008000)), ((1, 0, 26, 0x03E003E0), (0, 0, 2, 0x80008000)),
+             ((2, 2, 0, 0x03E003E0), (0, 0, 3, 0x80008000)), ((2, 0, 26, 0x03E003E0), (0, 0, 4, 0x80008000))),
+    "e2m3": (((0, 1, 20, 0x81F081F0),), ((1, 2, 18, 0x81F081F0),),
+             ((0, 0, 0, 0x000081F0), (0, 0, 10, 0x81F00000)), ((1, 0, 6, 0x000081F0), (0, 1, 14, 0x81F00000)),
+             ((1, 0, 12, 0x000081F0), (0, 1, 8, 0x81F00000)), ((0, 2, 14, 0x000081F0), (0, 2, 12, 0x81F00000)),
+             ((0, 2, 8, 0x000081F0), (0, 2, 6, 0x81F00000)), ((2, 1, 10, 0x000081F0), (2, 2, 0, 0x81F00000))),
+}
+
+
+def _fp6_bit_positions(elem: str):
+    """For each of a group's 16 values and each of its 6 code bits (bit 5 the sign), the bit of the group's 96."""
+    low = 5 if elem == "e3m2" else 4  # where bit 0 of the code goes in a bfloat16 pattern
+    positions = []
+    for v in range(16):
+        pair, high = divmod(v, 2)
+        row = []
+        for b in range(6):
+            target = (15 if b == 5 else low + b) + 16 * high
+            lo, hi, rot, _ = next(part for part in _FP6_PAIRS[elem][pair] if part[3] >> target & 1)
+            src = target + 32 - rot  # bit of the 64-bit (word hi : word lo) that the funnel shift brings to target
+            if lo == hi:
+                row.append(32 * lo + (target - rot) % 32)
+            else:
+                row.append(32 * lo + src if src < 32 else 32 * hi + src - 32)
+        positions.append(tuple(row))
+    return tuple(positions)
+
+
+_FP6_BITS = {elem: _fp6_bit_positions(elem) for elem in _FP6_PAIRS}
+
+
+def _fp6_pack_kernel(codes: torch.Tensor, elem: str) -> torch.Tensor:
+    """[..., K] FP6 codes (one per byte, K % 16 == 0) -> [..., 3K / 4] bytes in the kernel's bit order."""
+    c = codes.reshape(*codes.shape[:-1], -1, 16)
+    out = torch.zeros(*c.shape[:-1], 12, dtype=torch.uint8, device=codes.device)
+    for v, bits in enumerate(_FP6_BITS[elem]):
+        for b, pos in enumerate(bits):
+            out[..., pos // 8] |= ((c[..., v] >> b) & 1) << (pos % 8)
+    return out.reshape(*codes.shape[:-1], -1)
+
+
+def _fp6_unpack_kernel(packed: torch.Tensor, elem: str) -> torch.Tensor:
+    """The inverse of _fp6_pack_kernel: [..., 3K / 4] bytes -> [..., K] codes."""
+    w = packed.reshape(*packed.shape[:-1], -1, 12)
+    codes = torch.zeros(*w.shape[:-1], 16, dtype=torch.uint8, device=packed.device)
+    for v, bits in enumerate(_FP6_BITS[elem]):
+        for b, pos in enumerate(bits):
+            codes[..., v] |= ((w[..., pos // 8] >> (pos % 8)) & 1) << b
+    return codes.reshape(*packed.shape[:-1], -1)
+
+
+def _fp6_name(fmt: str) -> str:
+    return "e2m3" if fmt == "mxfp6_e2m3" else "e3m2"
+
+
+# The nibble order of module version 2 (value _FP4_NIBBLES_V2[i] in nibble i of each 32-bit word): read when such a
+# state dict is loaded.
+_FP4_NIBBLES_V2 = (6, 4, 2, 0, 7, 5, 3, 1)
+
+
+def _fp4_from_v2(packed: torch.Tensor) -> torch.Tensor:
+    """Bytes in version 2's nibble order -> the codes in K order."""
+    nibbles = unpack_fp4(packed)
+    c = nibbles.reshape(*nibbles.shape[:-1], -1, 8)
+    order = torch.tensor([_FP4_NIBBLES_V2.index(v) for v in range(8)], device=packed.device)
+    return c.index_select(-1, order).reshape(nibbles.shape)
 
 
 # Layers the kernel can run (in_features % 256 == 0, out_features % 64 == 0) store codes and block scales in
@@ -78,12 +191,6 @@ def _tile(t: torch.Tensor, k: int, inverse: bool = False) -> torch.Tensor:
         return t.reshape(groups, chunks, 2, 2, 32, half).permute(0, 3, 4, 1, 2, 5).reshape(n, width)
     return t.reshape(rows).permute(0, 3, 4, 1, 2, 5).reshape(n, width)
 
-
-def _fp4_kernel_order(codes: torch.Tensor, order=_FP4_ORDER) -> torch.Tensor:
-    """[N, K] FP4 codes (one per byte) rearranged within groups of 8 along K (the inverse with _FP4_UNORDER)."""
-    n, k = codes.shape
-    idx = torch.tensor(order, device=codes.device)
-    return codes.reshape(n, k // 8, 8).index_select(2, idx).reshape(n, k)
 
 # name -> (kernel code, element format, block size, bits per stored code)
 _FORMATS = {
@@ -123,10 +230,11 @@ def _splits(chunks: int, groups: int, slots: int) -> int:
 class WeightOnlyLinear(nn.Module):
     """y = x W^T (+ bias) with W held as packed low-precision codes and scales (see the module docstring)."""
 
-    # 2: codes and block scales in the kernel's tiles and FP4 nibble order (1: plain rows, pack_fp4's order).
-    # load_state_dict converts a state dict saved as version 1 (its metadata says so; one without metadata is
-    # taken as the current layout).
-    _version = 2
+    # 3: codes and block scales in the kernel's tiles, FP4 and FP6 codes bit-interleaved (_FP4_BITS, _FP6_BITS);
+    # 2: the tiles, FP4 in a nibble order (_FP4_NIBBLES_V2), FP6 in pack_fp6's; 1: plain rows, pack_fp4's and
+    # pack_fp6's order. load_state_dict converts a state dict saved as version 1 or 2 (its metadata says so; one
+    # without metadata is taken as the current layout).
+    _version = 3
 
     def __init__(self, in_features: int, out_features: int, fmt: str, bias: bool = False, device=None):
         super().__init__()
@@ -154,13 +262,21 @@ class WeightOnlyLinear(nn.Module):
                              persistent=False)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs):
-        if local_metadata.get("version", self._version) < 2 and _tiled(self.in_features, self.out_features):
-            codes, scales = prefix + "codes", prefix + "block_scales"
+        version = local_metadata.get("version", self._version)
+        codes, scales = prefix + "codes", prefix + "block_scales"
+        bits = _FORMATS[self.fmt][3]
+        # FP4 and FP6 codes of an 8- or 16-value group stay within its 4 or 12 bytes in every layout (tiles included):
+        # re-packed in place. Codes of another shape or dtype are left to the size check of load_state_dict.
+        if version < 3 and bits in (4, 6) and codes in state_dict and state_dict[codes].shape == self.codes.shape \
+                and state_dict[codes].dtype == torch.uint8:
+            stored = state_dict[codes]
+            if bits == 4:
+                state_dict[codes] = _fp4_pack_kernel(unpack_fp4(stored) if version < 2 else _fp4_from_v2(stored))
+            else:
+                state_dict[codes] = _fp6_pack_kernel(unpack_fp6(stored), _fp6_name(self.fmt))
+        if version < 2 and _tiled(self.in_features, self.out_features):
             if codes in state_dict:
-                rows = state_dict[codes]
-                if _FORMATS[self.fmt][3] == 4:
-                    rows = pack_fp4(_fp4_kernel_order(unpack_fp4(rows)))
-                state_dict[codes] = _tile(rows, self.in_features)
+                state_dict[codes] = _tile(state_dict[codes], self.in_features)
             if scales in state_dict and state_dict[scales] is not None:
                 state_dict[scales] = _tile(state_dict[scales], self.in_features)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
@@ -220,13 +336,14 @@ class WeightOnlyLinear(nn.Module):
             self.channel_scale.copy_((1.0 / scale).to(dev))
         elif self.fmt == "nvfp4":
             codes, bscales, tscale = quantize_nvfp4(w)
-            self.codes.copy_(pack_fp4(_fp4_kernel_order(codes)).to(dev))
+            self.codes.copy_(_fp4_pack_kernel(codes).to(dev))
             self.block_scales.copy_(bscales.view(torch.uint8).to(dev))
             self.tensor_scale.copy_(tscale.reshape(1).to(dev))
         else:
             elements, scales = quantize_mx(w, elem, block=32)
             codes = elements.view(torch.uint8) if elements.dtype != torch.uint8 else elements
-            packed = pack_fp4(_fp4_kernel_order(codes)) if bits == 4 else pack_fp6(codes) if bits == 6 else codes
+            packed = (_fp4_pack_kernel(codes) if bits == 4 else
+                      _fp6_pack_kernel(codes, _fp6_name(self.fmt)) if bits == 6 else codes)
             self.codes.copy_(packed.to(dev))
             self.block_scales.copy_(scales.to(dev))
         if _tiled(self.in_features, self.out_features):
@@ -249,8 +366,8 @@ class WeightOnlyLinear(nn.Module):
         if self.fmt == "fp8":
             w = stored.view(torch.float8_e4m3fn).float() * self.channel_scale[:, None]
             return w.to(dtype)
-        codes = (_fp4_kernel_order(unpack_fp4(stored), _FP4_UNORDER) if bits == 4 else
-                 unpack_fp6(stored) if bits == 6 else stored)
+        codes = (_fp4_unpack_kernel(stored) if bits == 4 else
+                 _fp6_unpack_kernel(stored, _fp6_name(self.fmt)) if bits == 6 else stored)
         if self.fmt == "nvfp4":
             return dequantize_nvfp4(codes, block_scales.view(torch.float8_e4m3fn), self.tensor_scale[0], dtype)
         elements = codes.view(torch.float8_e4m3fn) if self.fmt == "mxfp8" else codes

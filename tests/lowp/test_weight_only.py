@@ -194,24 +194,59 @@ def test_blocks_per_sm_and_alignment_are_checked():
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_fp4_codes_are_stored_in_the_kernels_order(fmt):
-    from fp8ext.weight_only import _FP4_ORDER
+    """Each 32-bit word of stored codes holds 8 values along K; the kernel's decode (rotations left by 0, 4 and 10 and
+    a mask for pairs 0-2; pair 3's bits 6 and 22 from a rotation by 6, the rest from one by 14) must give each pair of
+    values as bfloat16 bit patterns: sign at bit 15 (31), the three magnitude bits at 6-8 (22-24)."""
     lin = linear(256, 64)
     layer = WeightOnlyLinear.from_linear(lin, fmt)
     w = lin.weight.detach()
     codes = fp8ext.quantize_nvfp4(w)[0] if fmt == "nvfp4" else fp8ext.quantize_mx(w, fp8ext.E2M1)[0]
-    stored = fp8ext.unpack_fp4(layer._rows()[0]).reshape(64, 32, 8)
-    for nibble, value in enumerate(_FP4_ORDER):
-        assert torch.equal(stored[:, :, nibble], codes.reshape(64, 32, 8)[:, :, value]), (nibble, value)
+    b = layer._rows()[0].reshape(64, 32, 4).to(torch.int64)
+    q = b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16 | b[..., 3] << 24
+
+    def rotl(x, r):
+        return ((x << r) | (x >> (32 - r))) & 0xFFFFFFFF if r else x
+
+    pair_mask = 0x81C081C0
+    decoded = [q & pair_mask, rotl(q, 4) & pair_mask, rotl(q, 10) & pair_mask,
+               (rotl(q, 6) & 0x00400040) | (rotl(q, 14) & 0x81808180)]
+    c = codes.reshape(64, 32, 8).to(torch.int64)
+    for p in range(4):
+        lo, hi = c[..., 2 * p], c[..., 2 * p + 1]
+        want = (lo >> 3) << 15 | (lo & 7) << 6 | (hi >> 3) << 31 | (hi & 7) << 22
+        assert torch.equal(decoded[p], want), p
+
+
+@pytest.mark.parametrize("fmt", ["mxfp6", "mxfp6_e2m3"])
+def test_fp6_codes_are_stored_in_the_kernels_order(fmt):
+    """Each three 32-bit words of stored codes hold 16 values along K; the kernel's parts (funnel shifts of two of the
+    words, masked, csrc/kernels/weight_only.cu fp6_pair) must give each pair of values as bfloat16 bit patterns: the
+    sign at bit 15 (31), the other five bits at 5-9 for E3M2 and 4-8 for E2M3 (21-25, 20-24)."""
+    from fp8ext.weight_only import _FP6_PAIRS
+    elem = fp8ext.E3M2 if fmt == "mxfp6" else fp8ext.E2M3
+    name, low = ("e3m2", 5) if fmt == "mxfp6" else ("e2m3", 4)
+    lin = linear(256, 64)
+    layer = WeightOnlyLinear.from_linear(lin, fmt)
+    codes = fp8ext.quantize_mx(lin.weight.detach(), elem)[0].view(torch.uint8).to(torch.int64).reshape(64, 16, 16)
+    b = layer._rows()[0].reshape(64, 16, 3, 4).to(torch.int64)
+    words = b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16 | b[..., 3] << 24
+    for j, parts in enumerate(_FP6_PAIRS[name]):
+        got = 0
+        for lo, hi, rot, mask in parts:
+            got = got | ((((words[..., hi] << 32 | words[..., lo]) << rot) >> 32) & mask)
+        a, c = codes[..., 2 * j], codes[..., 2 * j + 1]
+        want = (a >> 5) << 15 | (a & 31) << low | (c >> 5) << 31 | (c & 31) << (low + 16)
+        assert torch.equal(got, want), j
 
 
 def _exact_weight(layer):
     """The stored weight in float64, each value formed exactly (element times its scales), then rounded once to
     float32 as the kernel's output is before its bfloat16 rounding."""
-    from fp8ext.weight_only import _FP4_UNORDER, _fp4_kernel_order
+    from fp8ext.weight_only import _fp4_unpack_kernel
     if layer.fmt != "nvfp4":
         return layer.dequantized_weight(torch.float32)
     rows, block_scales = layer._rows()
-    codes = _fp4_kernel_order(fp8ext.unpack_fp4(rows), _FP4_UNORDER)
+    codes = _fp4_unpack_kernel(rows)
     values = fp8ext.dequantize(codes, 1.0, torch.float32, fmt=fp8ext.E2M1).double()
     s = block_scales.view(torch.float8_e4m3fn).double().repeat_interleave(16, dim=1)
     return (values * s * layer.tensor_scale.double()).float()
@@ -287,11 +322,13 @@ def test_the_split_fills_whole_waves_of_blocks():
 def test_a_state_dict_saved_in_the_plain_layout_loads_into_the_tiles(fmt, tmp_path):
     """Checkpoints written before the tiled layout (module version 1: plain rows, FP4 in pack_fp4's order) are
     converted on load; state dicts of the current version load as they are."""
-    from fp8ext.weight_only import _FP4_UNORDER, _fp4_kernel_order
+    from fp8ext.weight_only import _fp4_unpack_kernel, _fp6_unpack_kernel
     layer = WeightOnlyLinear.from_linear(linear(512, 128, seed=9), fmt)
     rows, scales = layer._rows()
     if fmt in ("mxfp4", "nvfp4"):
-        rows = fp8ext.pack_fp4(_fp4_kernel_order(fp8ext.unpack_fp4(rows), _FP4_UNORDER))
+        rows = fp8ext.pack_fp4(_fp4_unpack_kernel(rows))
+    elif fmt in ("mxfp6", "mxfp6_e2m3"):
+        rows = fp8ext.pack_fp6(_fp6_unpack_kernel(rows, "e3m2" if fmt == "mxfp6" else "e2m3"))
     old = layer.state_dict()
     old["codes"] = rows.clone()
     if scales is not None:
@@ -302,8 +339,30 @@ def test_a_state_dict_saved_in_the_plain_layout_loads_into_the_tiles(fmt, tmp_pa
     fresh.load_state_dict(torch.load(tmp_path / "v1.pt"))
     assert torch.equal(fresh.codes, layer.codes) and torch.equal(fresh.dequantized_weight(), layer.dequantized_weight())
     again = WeightOnlyLinear(512, 128, fmt)
-    again.load_state_dict(layer.state_dict())  # version 2: unchanged
+    again.load_state_dict(layer.state_dict())  # the current version: unchanged
     assert torch.equal(again.codes, layer.codes)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "mxfp6", "mxfp6_e2m3"])
+@pytest.mark.parametrize("k, n", [(512, 128), (96, 24)])
+def test_a_state_dict_of_whole_fp4_and_fp6_codes_loads_bit_interleaved(fmt, k, n):
+    """Module version 2 stored FP4 codes whole, value (6, 4, 2, 0, 7, 5, 3, 1)[i] of each 8 in nibble i of a 32-bit
+    word, and FP6 codes in pack_fp6's order (tiled where the kernel runs the layer); loading such a state dict gives
+    the same codes and weight."""
+    from fp8ext.weight_only import _fp4_unpack_kernel, _fp6_unpack_kernel
+    layer = WeightOnlyLinear.from_linear(linear(k, n, seed=4), fmt)
+    if fmt in ("mxfp4", "nvfp4"):
+        natural = _fp4_unpack_kernel(layer.codes)  # the stored bytes, tiles and all, as codes in K order per group
+        v2 = fp8ext.pack_fp4(natural.reshape(n, -1, 8)[:, :, [6, 4, 2, 0, 7, 5, 3, 1]].reshape(n, -1))
+    else:
+        v2 = fp8ext.pack_fp6(_fp6_unpack_kernel(layer.codes, "e3m2" if fmt == "mxfp6" else "e2m3"))
+    old = layer.state_dict()
+    old["codes"] = v2
+    old._metadata[""]["version"] = 2
+    fresh = WeightOnlyLinear(k, n, fmt)
+    fresh.load_state_dict(old)
+    assert torch.equal(fresh.codes, layer.codes)
+    assert torch.equal(fresh.dequantized_weight(), layer.dequantized_weight())
 
 
 @requires_cuda
