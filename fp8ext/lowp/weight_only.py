@@ -18,7 +18,10 @@ Quantization follows fp8ext.mx (round to nearest even, saturating; MX scales by 
 The layer holds only the packed codes and the scales: no high-precision copy of the weight. Layers the kernel can
 run store them in the kernel's tiles; FP4 and FP6 codes are bit-interleaved in the kernel's order (in every layer);
 `dequantized_weight()` gives the plain weight, and a state dict saved in an earlier layout (module versions 1 and 2)
-is converted when loaded.
+is converted when loaded (by its metadata: save state dicts with torch.save, which keeps it; a whole pickled module
+of an earlier version is not converted). On Hopper the kernel reads the codes and scales while the kernel before it in
+the stream may still run (programmatic dependent launch): change them with copies (copy_, load_state_dict, pack_),
+not in place with a CUDA kernel right before a call.
 The weight is not an fp8ext.FP8Tensor (fp8ext/core/tensor.py), not even in "fp8": an FP8Tensor is float8 data in
 [rows, cols] order with float32 scale_invs, per tensor, row or 128-wide block, read by the FP8 GEMMs; these codes
 are uint8 (FP4 and FP6 packed), in the kernel's tiles wherever the kernel can run the layer, with E8M0 or E4M3
@@ -245,9 +248,9 @@ class WeightOnlyLinear(nn.Module):
         if block and in_features % block:
             raise ValueError(f"WeightOnlyLinear: in_features ({in_features}) must be a multiple of {fmt}'s block "
                              f"size {block}")
-        if fmt == "mxfp6" or fmt == "mxfp6_e2m3":
-            if in_features % 4:
-                raise ValueError("WeightOnlyLinear: FP6 packs 4 codes in 3 bytes: in_features must be a multiple of 4")
+        if bits in (4, 6) and in_features % (8 if bits == 4 else 16):  # also implied by the block sizes
+            raise ValueError(f"WeightOnlyLinear: {fmt} packs its codes in groups of {8 if bits == 4 else 16} values: "
+                             f"in_features ({in_features}) must be a multiple of that")
         self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
         row_bytes = in_features * bits // 8
         self.register_buffer("codes", torch.zeros(out_features, row_bytes, dtype=torch.uint8, device=device))
@@ -266,10 +269,13 @@ class WeightOnlyLinear(nn.Module):
         codes, scales = prefix + "codes", prefix + "block_scales"
         bits = _FORMATS[self.fmt][3]
         # FP4 and FP6 codes of an 8- or 16-value group stay within its 4 or 12 bytes in every layout (tiles included):
-        # re-packed in place. Codes of another shape or dtype are left to the size check of load_state_dict.
-        if version < 3 and bits in (4, 6) and codes in state_dict and state_dict[codes].shape == self.codes.shape \
-                and state_dict[codes].dtype == torch.uint8:
+        # re-packed in place. Codes of another shape are left to the size check of load_state_dict; packed bytes
+        # of another dtype would be cast by it, so they are refused.
+        if version < 3 and bits in (4, 6) and codes in state_dict and state_dict[codes].shape == self.codes.shape:
             stored = state_dict[codes]
+            if stored.dtype != torch.uint8:
+                raise ValueError(f"WeightOnlyLinear.load_state_dict(): {codes} must be uint8 packed codes, got "
+                                 f"{stored.dtype}")
             if bits == 4:
                 state_dict[codes] = _fp4_pack_kernel(unpack_fp4(stored) if version < 2 else _fp4_from_v2(stored))
             else:

@@ -365,6 +365,17 @@ def test_a_state_dict_of_whole_fp4_and_fp6_codes_loads_bit_interleaved(fmt, k, n
     assert torch.equal(fresh.dequantized_weight(), layer.dequantized_weight())
 
 
+def test_an_old_state_dict_with_codes_of_another_dtype_is_refused():
+    """Packed codes of an earlier layout are re-packed on load; bytes of another dtype (which load_state_dict would
+    cast) are refused, naming the key, instead of loading in the old layout."""
+    layer = WeightOnlyLinear.from_linear(linear(256, 64), "mxfp4")
+    old = layer.state_dict()
+    old["codes"] = old["codes"].view(torch.int8).clone()
+    old._metadata[""]["version"] = 2
+    with pytest.raises(ValueError, match="codes must be uint8"):
+        WeightOnlyLinear(256, 64, "mxfp4").load_state_dict(old)
+
+
 @requires_cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("m", [1, 8, 16])
