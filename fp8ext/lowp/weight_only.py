@@ -78,24 +78,36 @@ def _fp4_bit_positions():
 _FP4_BITS = _fp4_bit_positions()
 
 
-def _fp4_pack_kernel(codes: torch.Tensor) -> torch.Tensor:
-    """[..., K] FP4 codes (one per byte, K % 8 == 0) -> [..., K / 2] bytes in the kernel's bit order."""
-    c = codes.reshape(*codes.shape[:-1], -1, 8)
-    out = torch.zeros(*c.shape[:-1], 4, dtype=torch.uint8, device=codes.device)
-    for v, bits in enumerate(_FP4_BITS):
+def _pack_interleaved(codes: torch.Tensor, positions) -> torch.Tensor:
+    """[..., K] codes (one per byte) -> bytes with bit b of value v of each group of len(positions) values at bit
+    positions[v][b] of the group's bytes."""
+    group, nbytes = len(positions), (max(max(p) for p in positions) + 1) // 8
+    c = codes.reshape(*codes.shape[:-1], -1, group)
+    out = torch.zeros(*c.shape[:-1], nbytes, dtype=torch.uint8, device=codes.device)
+    for v, bits in enumerate(positions):
         for b, pos in enumerate(bits):
             out[..., pos // 8] |= ((c[..., v] >> b) & 1) << (pos % 8)
     return out.reshape(*codes.shape[:-1], -1)
 
 
-def _fp4_unpack_kernel(packed: torch.Tensor) -> torch.Tensor:
-    """The inverse of _fp4_pack_kernel: [..., K / 2] bytes -> [..., K] codes."""
-    w = packed.reshape(*packed.shape[:-1], -1, 4)
-    codes = torch.zeros(*w.shape[:-1], 8, dtype=torch.uint8, device=packed.device)
-    for v, bits in enumerate(_FP4_BITS):
+def _unpack_interleaved(packed: torch.Tensor, positions) -> torch.Tensor:
+    """The inverse of _pack_interleaved."""
+    group, nbytes = len(positions), (max(max(p) for p in positions) + 1) // 8
+    w = packed.reshape(*packed.shape[:-1], -1, nbytes)
+    codes = torch.zeros(*w.shape[:-1], group, dtype=torch.uint8, device=packed.device)
+    for v, bits in enumerate(positions):
         for b, pos in enumerate(bits):
             codes[..., v] |= ((w[..., pos // 8] >> (pos % 8)) & 1) << b
     return codes.reshape(*packed.shape[:-1], -1)
+
+
+def _fp4_pack_kernel(codes: torch.Tensor) -> torch.Tensor:
+    """[..., K] FP4 codes (one per byte, K % 8 == 0) -> [..., K / 2] bytes in the kernel's bit order."""
+    return _pack_interleaved(codes, _FP4_BITS)
+
+
+def _fp4_unpack_kernel(packed: torch.Tensor) -> torch.Tensor:
+    return _unpack_interleaved(packed, _FP4_BITS)
 
 
 # FP6 codes are stored bit-interleaved in groups of 16 values along K (three 32-bit words, 12 bytes): the kernel forms
@@ -138,22 +150,11 @@ _FP6_BITS = {elem: _fp6_bit_positions(elem) for elem in _FP6_PAIRS}
 
 def _fp6_pack_kernel(codes: torch.Tensor, elem: str) -> torch.Tensor:
     """[..., K] FP6 codes (one per byte, K % 16 == 0) -> [..., 3K / 4] bytes in the kernel's bit order."""
-    c = codes.reshape(*codes.shape[:-1], -1, 16)
-    out = torch.zeros(*c.shape[:-1], 12, dtype=torch.uint8, device=codes.device)
-    for v, bits in enumerate(_FP6_BITS[elem]):
-        for b, pos in enumerate(bits):
-            out[..., pos // 8] |= ((c[..., v] >> b) & 1) << (pos % 8)
-    return out.reshape(*codes.shape[:-1], -1)
+    return _pack_interleaved(codes, _FP6_BITS[elem])
 
 
 def _fp6_unpack_kernel(packed: torch.Tensor, elem: str) -> torch.Tensor:
-    """The inverse of _fp6_pack_kernel: [..., 3K / 4] bytes -> [..., K] codes."""
-    w = packed.reshape(*packed.shape[:-1], -1, 12)
-    codes = torch.zeros(*w.shape[:-1], 16, dtype=torch.uint8, device=packed.device)
-    for v, bits in enumerate(_FP6_BITS[elem]):
-        for b, pos in enumerate(bits):
-            codes[..., v] |= ((w[..., pos // 8] >> (pos % 8)) & 1) << b
-    return codes.reshape(*packed.shape[:-1], -1)
+    return _unpack_interleaved(packed, _FP6_BITS[elem])
 
 
 def _fp6_name(fmt: str) -> str:
