@@ -286,35 +286,61 @@ static int get_workspace(PyObject *o, const fp8ext_view *x, Py_ssize_t stream, c
 }
 
 /* linear_fwd(x, w, saved, scratch, y, x_scale, x_amax, w_scale, w_amax, fmt, bias, workspace, stream[, margin[,
- *            keep]]) -> bool. keep False: nothing is kept for backward (it casts x8^T and W8^T again): `saved` is only
- * the header (SINV_BYTES, the scale_invs; with current scaling the amaxes and scales), x and W are cast without
- * their transposed copies. */
+ *            keep[, prologue]]]) -> bool. keep False: nothing is kept for backward (it casts x8^T and W8^T again):
+ * `saved` is only the header (SINV_BYTES, the scale_invs; with current scaling the amaxes and scales), x and W are cast
+ * without their transposed copies. prologue FP8EXT_PROLOGUE_SWIGLU (cast.h; GPU, delayed scaling, keep): x is
+ * [M, 2K], gate then up in each row, and the layer's input is SwiGLU(x) [M, K], computed inside x's cast (x8, x8^T and
+ * the recorded amax are those of SwiGLU(x) rounded to x's dtype). */
 static PyObject *py_linear_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     static const char *fn = "linear_fwd";
-    if (nargs < 13 || nargs > 15) {
-        PyErr_Format(PyExc_TypeError, "%s() takes 13 arguments (14 with a margin, 15 with keep), got %zd", fn, nargs);
+    if (nargs < 13 || nargs > 16) {
+        PyErr_Format(PyExc_TypeError, "%s() takes 13 arguments (14 with a margin, 15 with keep, 16 with a prologue), "
+                     "got %zd", fn, nargs);
         return NULL;
     }
-    long long fmt, stream_ll;
+    long long fmt, stream_ll, prologue = FP8EXT_PROLOGUE_NONE;
     int current;
     double margin = 0.0;
-    const int keep = nargs == 15 ? PyObject_IsTrue(args[14]) : 1;
+    const int keep = nargs >= 15 ? PyObject_IsTrue(args[14]) : 1;
     if (keep < 0) return NULL;
     if (get_int(args[9], fn, "fmt", &fmt) < 0 || get_int(args[12], fn, "stream", &stream_ll) < 0 ||
+        (nargs == 16 && get_int(args[15], fn, "prologue", &prologue) < 0) ||
         get_margin(nargs >= 14 ? args[13] : Py_None, fn, &current, &margin) < 0 ||
         check_scale_args(args + 5, 4, current, fn, (const char *const[]){"x_scale", "x_amax", "w_scale", "w_amax"}) < 0)
         return NULL;
+    if (prologue != FP8EXT_PROLOGUE_NONE && prologue != FP8EXT_PROLOGUE_SWIGLU) {
+        PyErr_Format(PyExc_ValueError, "%s(): prologue must be %d (none) or %d (SwiGLU), got %lld", fn,
+                     FP8EXT_PROLOGUE_NONE, FP8EXT_PROLOGUE_SWIGLU, prologue);
+        return NULL;
+    }
+    const int swiglu = prologue == FP8EXT_PROLOGUE_SWIGLU;
+    if (swiglu && (current || !keep)) {
+        PyErr_Format(PyExc_ValueError, "%s(): the SwiGLU prologue takes delayed scaling (no margin) and keep=True: "
+                     "current scaling needs SwiGLU's output before its cast", fn);
+        return NULL;
+    }
     const Py_ssize_t stream = (Py_ssize_t)stream_ll;
     fp8ext_view x = {0}, w = {0}, saved = {0}, scratch = {0}, y = {0}, xs = {0}, xa = {0}, wsc = {0}, wa = {0};
     fp8ext_view bias = {0}, ws = {0};
     PyObject *ret = NULL;
     if (check_fmt(fmt, fn, "fmt") < 0 || get_matrix(args[0], NULL, -1, -1, stream, fn, "x", &x) < 0) goto done;
-    const int64_t m = x.shape[0], k = x.shape[1];
+    if (swiglu && x.device_type == kDLCPU) {
+        PyErr_Format(PyExc_ValueError, "%s(): the SwiGLU prologue runs on a GPU (on a CPU, compute SwiGLU, then call "
+                     "without it)", fn);
+        goto done;
+    }
+    if (swiglu && x.shape[1] % 2) {
+        PyErr_Format(PyExc_ValueError, "%s(): with the SwiGLU prologue x must have an even number of columns (gate, "
+                     "then up), got %lld", fn, (long long)x.shape[1]);
+        goto done;
+    }
+    const int64_t m = x.shape[0], k = swiglu ? x.shape[1] / 2 : x.shape[1];
     if (fp8ext_view_get(args[1], stream, fn, "w", &w) < 0 || fp8ext_check_float(&w, fn, "w") < 0 ||
         fp8ext_check_contiguous(&w, fn, "w") < 0 || fp8ext_check_same_device(&w, &x, fn, "w", "x") < 0)
         goto done;
     if (w.ndim != 2 || w.shape[1] != k) {
-        PyErr_Format(PyExc_ValueError, "%s(): w must be [N, %lld]", fn, (long long)k);
+        PyErr_Format(PyExc_ValueError, "%s(): w must be [N, %lld]%s", fn, (long long)k,
+                     swiglu ? " (half of x's columns, with the SwiGLU prologue)" : "");
         goto done;
     }
     const int64_t n = w.shape[0];
@@ -353,7 +379,7 @@ static PyObject *py_linear_fwd(PyObject *module, PyObject *const *args, Py_ssize
     const fp8ext_fp8_tensor w8 = layer_fp8(sv, 1, sc + rmk, keep ? sv + SINV_BYTES + rmk : NULL, n, k, fmt, current,
                                            &wsc, &wa);
     const fp8ext_cast_transpose_args casts[2] = {
-        {.x = x.data, .x_dtype = fp8ext_view_dtype(&x), .q = x8, .saturate = 1},
+        {.x = x.data, .x_dtype = fp8ext_view_dtype(&x), .q = x8, .saturate = 1, .prologue = (int)prologue},
         {.x = w.data, .x_dtype = fp8ext_view_dtype(&w), .q = w8, .saturate = 1},
     };
     fp8ext_gemm_args g;
@@ -491,12 +517,14 @@ int fp8ext_linear_add_layout(PyObject *module) {
 PyMethodDef fp8ext_linear_methods[] = {
     {"linear_fwd", (PyCFunction)(void (*)(void))py_linear_fwd, METH_FASTCALL,
      "linear_fwd(x, w, saved, scratch, y, x_scale, x_amax, w_scale, w_amax, fmt, bias, workspace, stream[,\n"
-     "           margin[, keep]]) -> bool\n"
+     "           margin[, keep[, prologue]]]) -> bool\n"
      "An FP8 linear layer's forward pass in one call: cast_transpose of x and w into the saved and scratch byte\n"
      "buffers (layout in py_linear.c), then y = x8 @ w8^T (+ bias) on a GPU. False on the CPU: the GEMM is left\n"
      "to the caller. margin None: the scales and amax cells are given (delayed scaling); a number: they are None\n"
      "and each tensor's amax and scale are computed from it first (current scaling). keep False: saved is only\n"
-     "the header of scale_invs, and x and w are cast without their transposed copies (backward casts again)."},
+     "the header of scale_invs, and x and w are cast without their transposed copies (backward casts again).\n"
+     "prologue 2 (SwiGLU; GPU, delayed scaling, keep True): x is [M, 2K] and the layer's input is SwiGLU(x),\n"
+     "computed inside x's cast."},
     {"linear_bwd", (PyCFunction)(void (*)(void))py_linear_bwd, METH_FASTCALL,
      "linear_bwd(dy, saved, scratch, m, k, n, fwd_fmt, g_scale, g_amax, bwd_fmt, dx, dw, accumulate, workspace,\n"
      "           stream, db[, margin[, x_t, w_t]]) -> bool\n"

@@ -206,8 +206,8 @@ class GroupedQueryAttention(nn.Module):
                 if step is not None:
                     q, k_cache, v_cache, length, k_scale, v_scale = step
                     return self._decode(q, k_cache, v_cache, length, k_scale, v_scale, mb)
-            if (no_grad or fused.TRAINING) and fused.available(qkv, 16 if hd % 16 == 0 else 1):
-                # one pass: split, rotate, lay out (and one pass back in the backward)
+            if (no_grad or fused.TRAINING) and fused.train_available(qkv, 16 if hd % 16 == 0 else 1):
+                # one pass: split, rotate, lay out (and one pass back in the backward); a torch op under torch.compile
                 q, k, v = fused.rope_qkv(qkv, cos, sin, h, kv)
             else:
                 q, k, v = qkv.split([h * hd, kv * hd, kv * hd], dim=-1)
@@ -239,7 +239,7 @@ class GroupedQueryAttention(nn.Module):
                         k, v = k.repeat_interleave(h // kv, dim=1), v.repeat_interleave(h // kv, dim=1)
                     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
             return self.o_proj(y.transpose(1, 2).reshape(b, s, h * hd), **mb)
-        if kv != h and _SDPA_GQA and (no_grad or fused.TRAINING and fused.available(q)):  # K/V heads read in place
+        if kv != h and _SDPA_GQA and (no_grad or fused.TRAINING and fused.train_available(q)):  # K/V read in place
             y = F.scaled_dot_product_attention(q, k, v, is_causal=s > 1, enable_gqa=True)
             return self.o_proj(y.transpose(1, 2).reshape(b, s, h * hd), **mb)
         if kv != h:  # grouped-query attention: each K/V head serves h / kv query heads

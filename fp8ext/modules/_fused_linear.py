@@ -22,7 +22,9 @@ and its read by the cast (8 bytes moved become 6: read x twice, write x8 and x8^
 Taken by the layer-norm modules and fp8ext's transformer on a GPU in eager training with delayed scaling
 (fused.TRAINING, no autocast dtype change, a token count that is a multiple of 16, rows of at most 8192 for RMSNorm,
 FP8Linear layers without hooks, fp8ext.debug off); everything else takes the unfused composition, with the same
-results. With block scaling (Float8BlockScaling, bf16 or float16 activations) the RMSNorm and SwiGLU casts are fused
+results. SwiGLU's layer, where FP8Linear would take its fast path, runs its passes as FP8Linear's one C call each with
+SwiGLU inside the cast (csrc/py_linear.c's prologue), and so also under torch.compile (the calls as torch ops;
+the RMSNorm paths are not traced there: compiled code runs the norm and the layer separately). With block scaling (Float8BlockScaling, bf16 or float16 activations) the RMSNorm and SwiGLU casts are fused
 the same way, each 128 x 128 tile of the step's output computed once and cast into both 1 x 128 layouts
 (csrc/kernels/quantize_blocks.cu); SwiGLU's gradient is computed by its own kernel there, then cast. Current and
 row-wise scaling
@@ -125,10 +127,12 @@ def has_hooks(module: torch.nn.Module) -> bool:
                 or getattr(glob, "_global_forward_pre_hooks", None))
 
 
-def _eligible(x: torch.Tensor, width: int, linears, reference: bool, block_ok: bool = False) -> bool:
+def _eligible(x: torch.Tensor, width: int, linears, reference: bool, block_ok: bool = False,
+              compiled: bool = False) -> bool:
     """Whether this call is one the fused paths take (see the module docstring): x [..., width] feeding the first
     of `linears` (FP8Linear, without forward hooks), inside fp8_autocast with delayed scaling, or block scaling
-    (block_ok: 1 x 128 input tiles, a bf16 or float16 x on a GPU)."""
+    (block_ok: 1 x 128 input tiles, a bf16 or float16 x on a GPU). compiled: the caller's path also runs while
+    torch.compile traces (the one-call passes as torch ops)."""
     if not all(isinstance(lin, FP8Linear) and not has_hooks(lin) for lin in linears):
         return False  # e.g. fp8ext.inference's quantized layers, or a layer sharded or observed through hooks
     ctx = current_context()
@@ -139,7 +143,8 @@ def _eligible(x: torch.Tensor, width: int, linears, reference: bool, block_ok: b
         return False
     if block and getattr(x, "dtype", None) not in (torch.bfloat16, torch.float16) and not reference:
         return False
-    if not ENABLED or not fused.TRAINING or torch.compiler.is_compiling() or debug.enabled():
+    compiling = torch.compiler.is_compiling()
+    if not ENABLED or not fused.TRAINING or (compiling and not compiled) or debug.enabled():
         return False
     if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != width or x.dtype not in _DTYPES \
             or activation_dtype(x) != x.dtype or x.is_meta:
@@ -151,7 +156,8 @@ def _eligible(x: torch.Tensor, width: int, linears, reference: bool, block_ok: b
     m = x.numel() // width
     if m == 0 or m % 16:
         return False
-    return fused.available(x, linears[0].in_features) or (reference and x.device.type == "cpu")
+    kernels = fused.train_available if compiling else fused.available
+    return kernels(x, linears[0].in_features) or (reference and x.device.type == "cpu")
 
 
 @profiled("fp8ext.fused_input_linear")
@@ -160,10 +166,17 @@ def fused_input_linear(linear: FP8Linear, op: int, x: torch.Tensor, gamma: Optio
     """linear(op(x)) in FP8 with op's output cast in the pass that computes it, or None when this call is not one the
     fused path takes (see the module docstring): the caller then runs op and the layer separately, with the same
     result. op is RMSNORM (gamma: the norm's scale as a float32 tensor, eps) or SWIGLU (x holds gate, then up).
-    reference=True takes the path on a CPU too, with fp8ext.fused's reference definitions (for tests)."""
-    if torch.compiler.is_compiling():  # nothing of this path is traced: the separate steps' ops are
-        return None
+    reference=True takes the path on a CPU too, with fp8ext.fused's reference definitions (for tests).
+    SwiGLU with delayed scaling takes FP8Linear's fast path where the layer does (one C call per pass, eager, or the
+    two as torch ops under torch.compile), SwiGLU inside its input's cast."""
     k = linear.in_features
+    if op == SWIGLU and _eligible(x, 2 * k, (linear,), reference, compiled=True) and \
+            isinstance(current_context().recipe, DelayedScaling):
+        y = linear.fast_forward(current_context(), x, is_first_microbatch, Prologue(SWIGLU))
+        if y is not None:
+            return y
+    if torch.compiler.is_compiling():  # nothing else of this path is traced: the separate steps' ops are
+        return None
     if not _eligible(x, 2 * k if op == SWIGLU else k, (linear,), reference, block_ok=True):
         return None
     if op == RMSNORM and (gamma is None or gamma.numel() != k or k > 8192):

@@ -277,13 +277,9 @@ class FP8Linear(nn.Module):
         Engine's argument): None (default) casts the weight on every call; True casts it and keeps the cast;
         False reuses the kept cast for the next micro-batches of the same step."""
         ctx = current_context()
-        if ctx is not None and ctx.enabled and is_first_microbatch is None and not ctx.calibrating and _FAST_PATH \
-                and (torch.compiler.is_compiling() or not _capturing()):
-            lean = self._compiled_lean(ctx.recipe) if torch.compiler.is_compiling() else self._lean
-            if lean is not None and (lean[0] is ctx.recipe or lean[0] == ctx.recipe) and lean[1][0].current():
-                y = self._lean_forward(input, lean[1])
-                if y is not None:
-                    return y
+        y = self.fast_forward(ctx, input, is_first_microbatch)
+        if y is not None:
+            return y
         bias = None if self.return_bias else self.bias
         main_grad = self._main_grad() if self.fuse_wgrad_accumulation and torch.is_grad_enabled() else None
         if ctx is None or not (ctx.enabled or ctx.calibrating):
@@ -361,7 +357,21 @@ class FP8Linear(nn.Module):
             return None if st is None else (recipe, st[3])
         return (recipe, role_quantizers(recipe)) if isinstance(recipe, CurrentScaling) else None
 
-    def _lean_forward(self, input, quantizers):
+    def fast_forward(self, ctx, input, is_first_microbatch=None, prologue=None):
+        """forward on the fast path (one C call per pass; the two as torch ops under torch.compile) inside the
+        fp8_autocast context `ctx`, or None where this call needs the composed path (see forward). prologue:
+        fp8ext._fused_linear's SwiGLU step, computed inside the input's cast (delayed scaling only)."""
+        if ctx is None or not ctx.enabled or is_first_microbatch is not None or ctx.calibrating or not _FAST_PATH:
+            return None
+        compiling = torch.compiler.is_compiling()
+        if not compiling and _capturing():
+            return None
+        lean = self._compiled_lean(ctx.recipe) if compiling else self._lean
+        if lean is not None and (lean[0] is ctx.recipe or lean[0] == ctx.recipe) and lean[1][0].current():
+            return self._lean_forward(input, lean[1], prologue)
+        return None
+
+    def _lean_forward(self, input, quantizers, prologue=None):
         """The fast path's forward (fp8ext.linear_autograd's ONE_CALL; ONE_CALL_OP under torch.compile), or None
         when this input needs the composed path."""
         if debug.enabled() or not isinstance(input, torch.Tensor):
@@ -369,12 +379,15 @@ class FP8Linear(nn.Module):
         w = self.weight
         k = self.in_features
         mgr = quantizers[0].manager
+        if prologue is not None and (mgr is None or self.fp8_recast_in_backward):
+            return None  # the SwiGLU prologue: delayed scaling (current needs its output's amax first), FP8 copies kept
+        width = 2 * k if prologue is not None else k
         device = w.device if mgr is None else quantizers[0].scale.device
         if input.dtype not in _LEAN_DTYPES or w.dtype not in _LEAN_DTYPES or input.device != device or \
                 w.device != device or not input.is_contiguous() or not w.is_contiguous() or input.dim() == 0 or \
-                input.shape[-1] != k:
+                input.shape[-1] != width:
             return None
-        m = input.numel() // k
+        m = input.numel() // width
         if m == 0 or m % 16 or k % 16 or self.out_features % 16:
             return None
         if self._weight_cache is not None:
@@ -389,7 +402,7 @@ class FP8Linear(nn.Module):
         # recast: bfloat16 and float32 inputs (see linear_autograd._recast_t); float16 keeps its FP8 copies
         recast = compiling and self.fp8_recast_in_backward and input.dtype != torch.float16
         plan = LinearPlan(ONE_CALL_OP if compiling else ONE_CALL, quantizers, w, bias, out_dtype=out_dtype,
-                          main_grad=main_grad, fuse_bias=fuse_bias, recast=recast)
+                          main_grad=main_grad, fuse_bias=fuse_bias, recast=recast, prologue=prologue)
         y = LinearFunction.apply(input, w, bias, plan)
         return (y, self.bias) if self.return_bias else y
 

@@ -29,6 +29,7 @@ from torch.autograd.function import once_differentiable
 from .. import _C
 from ..core import debug
 from ..core._boundary import refuse_broadcast
+from ..ops import fused
 from ..ops._gemm import bias_epilogue, pass_stream
 from ..ops._gemm import gemm_fp8 as _gemm
 from ..core.formats import format_of_code
@@ -268,17 +269,21 @@ def _operand(buf: torch.Tensor, offset: int, rows: int, cols: int, fmt, saved: t
     return FP8Tensor(data, None, _saved_sinv(saved, i), fmt)
 
 
-def _fwd_call(x2, weight, b, xs, xa, wsc, wa, fmt, margin, out_dtype, keep=True):
+def _fwd_call(x2, weight, b, xs, xa, wsc, wa, fmt, margin, out_dtype, keep=True, swiglu=False):
     """A forward pass as one C call: (y [m, n], the buffer kept for backward). xs, xa, wsc, wa: DLPack capsules of
     the input's and the weight's scale and amax slots (delayed scaling), or None with `margin` (current scaling:
-    the call computes the scales). keep False: only the buffer's header is made (backward casts again)."""
-    (m, k), n, dev = x2.shape, weight.shape[0], x2.device
+    the call computes the scales). keep False: only the buffer's header is made (backward casts again).
+    swiglu: x2 is [m, 2k] (gate, then up) and the layer's input is SwiGLU(x2), computed inside x's cast (on the CPU
+    by fp8ext.fused's reference first: the same definition)."""
+    if swiglu and not x2.is_cuda:
+        x2, swiglu = fused.swiglu_reference(x2), False
+    (m, k), n, dev = (x2.shape[0], weight.shape[1]), weight.shape[0], x2.device
     rmk = _round_up(m * k)
     saved = torch.empty(_SINV_BYTES + rmk + n * k if keep else _SINV_BYTES, dtype=torch.uint8, device=dev)
     scratch = torch.empty(rmk + n * k, dtype=torch.uint8, device=dev)
     y = torch.empty((m, n), dtype=out_dtype, device=dev)
     stream, ws = pass_stream(dev)
-    extra = (margin,) if keep else (margin, False)
+    extra = (margin, True, _SWIGLU) if swiglu else (margin,) if keep else (margin, False)
     if not _C.linear_fwd(_to_dl(x2), _to_dl(weight), _to_dl(saved), _to_dl(scratch), _to_dl(y), xs, xa, wsc, wa,
                          fmt.code, None if b is None else _to_dl(b), ws, stream, *extra):
         _gemm(_operand(scratch, 0, m, k, fmt, saved, 0), _operand(scratch, rmk, n, k, fmt, saved, 1), out_dtype, b,
@@ -321,11 +326,12 @@ def _bwd_call(dy2, saved, dims, ffmt, bfmt, gs, ga, margin, need_dx, need_dw, db
 
 def _backward_args(ctx, dy, saved=None):
     """(plan, the saved buffer (or `saved`), dy as a contiguous [m, n], dx wanted, dW wanted, db's dtype out of the
-    call (see _bwd_call) or None when no bias gradient is wanted)."""
+    call (see _bwd_call) or None when no bias gradient is wanted). With a SwiGLU prologue dx is SwiGLU's output's
+    gradient, wanted when the layer's input (SwiGLU's) is."""
     plan = ctx.plan
     m, k, n = ctx.dims
     if saved is None:
-        saved, = ctx.saved_tensors
+        saved = ctx.saved_tensors[-1]
     dy2 = dy.reshape(m, n)
     if not dy2.is_contiguous():
         dy2 = dy2.contiguous()
@@ -339,20 +345,23 @@ def _backward_args(ctx, dy, saved=None):
 class ONE_CALL:
     """FP8Linear's fast path (see above): each pass one fp8ext._C call. Delayed scaling passes the scaling slots'
     capsules; current scaling passes the margin instead, and the call computes each tensor's amax and scale first
-    (the composed path's amax and scale_from_amax kernels, into the saved buffer)."""
+    (the composed path's amax and scale_from_amax kernels, into the saved buffer). A plan with a prologue (SwiGLU's
+    only, delayed scaling: fp8ext._fused_linear) takes x = [gate, up] and computes SwiGLU inside x's cast; backward
+    then turns the input gradient into SwiGLU's (fp8ext.fused's backward kernel)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, gamma):
         plan = ctx.plan
         n, k = weight.shape
-        m = x.numel() // k
         if plan.input.manager is None:  # current scaling: the call computes the scales
             (xs, xa), (wsc, wa), margin = (None, None), (None, None), plan.input.margin
         else:
             (xs, xa), (wsc, wa), margin = plan.input.capsules, plan.weight.capsules, None  # FP8Linear checked them
-        y, saved = _fwd_call(x.view(m, k), weight, bias if plan.fuse_bias else None, xs, xa, wsc, wa, plan.input.fmt,
-                             margin, plan.out_dtype)
-        return _after_forward(ctx, x, bias, y, saved, (m, k, n))
+        swiglu = plan.prologue is not None
+        x2 = fused.kernel_rows(x, 2 * k, "FP8Linear", "input") if swiglu else x.view(-1, k)
+        y, saved = _fwd_call(x2, weight, bias if plan.fuse_bias else None, xs, xa, wsc, wa, plan.input.fmt, margin,
+                             plan.out_dtype, swiglu=swiglu)
+        return _after_forward(ctx, x, bias, y, saved, (x2.shape[0], k, n), h=x2 if swiglu else None)
 
     @staticmethod
     def backward(ctx, dy):
@@ -365,15 +374,24 @@ class ONE_CALL:
                                db_dtype, ctx.x_dtype, plan.w_dtype, plan.main_grad)
         if plan.main_grad is not None:
             dw = _wgrad_placeholder(plan.weight_ref)
+        if dx is not None and plan.prologue is not None:  # SwiGLU's gradient from its output's
+            h2 = ctx.saved_tensors[0]
+            dx = fused.swiglu_backward_gpu(h2, dx) if h2.is_cuda else fused.swiglu_backward_reference(h2, dx)
         return _after_backward(ctx, plan, dx, dw, db)
 
 
-def _after_forward(ctx, x, bias, y, saved, dims, weight=None):
+_SWIGLU = 2  # csrc/cast.h's FP8EXT_PROLOGUE_SWIGLU: the only prologue of the one-call passes
+
+
+def _after_forward(ctx, x, bias, y, saved, dims, weight=None, h=None):
     """saved: the buffer kept for backward; or, given the weight (recast_in_backward), its header only, kept with x
-    and W."""
+    and W. h: with the SwiGLU prologue, [gate, up] as the kernels read it (SwiGLU's backward reads it)."""
     if bias is not None and not ctx.plan.fuse_bias:
         y = y + bias.to(y.dtype)
-    if weight is None:
+    if h is not None:
+        ctx.save_for_backward(h, saved)
+        ctx.recast_fmt = None
+    elif weight is None:
         ctx.save_for_backward(saved)
         ctx.recast_fmt = None
     else:
@@ -404,16 +422,19 @@ class ONE_CALL_OP:
     def forward(ctx, x, weight, bias, gamma):
         plan = ctx.plan
         n, k = weight.shape
-        m = x.numel() // k
+        swiglu = plan.prologue is not None
+        x2 = x.reshape(-1, 2 * k) if swiglu else x.view(-1, k)
         delayed = plan.input.manager is not None
         (xs, xa), (wsc, wa) = (plan.input.slot_views(), plan.weight.slot_views()) if delayed else ((None,) * 2,) * 2
-        y, saved, xa_new, wa_new = torch.ops.fp8ext.linear_fwd(x.view(m, k), weight, bias if plan.fuse_bias else None,
-                                                               xs, xa, wsc, wa, plan.input.fmt.code, plan.input.margin,
-                                                               plan.out_dtype, not plan.recast)
+        y, saved, xa_new, wa_new = torch.ops.fp8ext.linear_fwd(x2, weight, bias if plan.fuse_bias else None, xs, xa,
+                                                               wsc, wa, plan.input.fmt.code, plan.input.margin,
+                                                               plan.out_dtype, not plan.recast,
+                                                               _SWIGLU if swiglu else 0)
         if delayed:
             xa.copy_(xa_new)
             wa.copy_(wa_new)
-        return _after_forward(ctx, x, bias, y, saved, (m, k, n), weight if plan.recast else None)
+        return _after_forward(ctx, x, bias, y, saved, (x2.shape[0], k, n), weight if plan.recast else None,
+                              h=x2 if swiglu else None)
 
     @staticmethod
     def backward(ctx, dy):
@@ -434,6 +455,8 @@ class ONE_CALL_OP:
             db_dtype is not None, db_dtype or dy2.dtype, ctx.x_dtype, plan.w_dtype, x_t, w_t)
         if ga is not None:
             ga.copy_(ga_new)
+        if need_dx and plan.prologue is not None:  # SwiGLU's gradient from its output's
+            dx = torch.ops.fp8ext.swiglu_backward(ctx.saved_tensors[0], dx)
         return _after_backward(ctx, plan, dx if need_dx else None, dw if need_dw else None,
                                db if db_dtype is not None else None)
 
@@ -445,17 +468,21 @@ def _capsules(*tensors):
 @torch.library.custom_op("fp8ext::linear_fwd", mutates_args=())
 def _linear_fwd_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                    x_scale: Optional[torch.Tensor], x_amax: Optional[torch.Tensor], w_scale: Optional[torch.Tensor],
-                   w_amax: Optional[torch.Tensor], fmt: int, margin: float, out_dtype: torch.dtype, keep: bool = True
-                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                   w_amax: Optional[torch.Tensor], fmt: int, margin: float, out_dtype: torch.dtype, keep: bool = True,
+                   prologue: int = 0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """ONE_CALL's forward call: (y, the saved buffer, the input's amax, the weight's amax). With scales (delayed
     scaling) the amaxes are the slots' updated copies; without (current scaling, by `margin`) zeros.
     keep=False: instead of the saved buffer, its header only (_SINV_BYTES: the scale_invs, and each tensor's scale
     at its slot's CUR_SCALE place, the slot's scale copied in with delayed scaling), for the backward's recast
-    (ONE_CALL_OP.backward); x and W are cast without their transposed copies."""
+    (ONE_CALL_OP.backward); x and W are cast without their transposed copies. prologue 2 (SwiGLU; delayed scaling,
+    keep): x is [m, 2k] and the layer's input is SwiGLU(x), computed inside x's cast."""
     delayed = x_scale is not None
+    if prologue:
+        x = fused.kernel_rows(x, x.shape[1], "FP8Linear", "input") if x.is_cuda else x
     xa, wa = (x_amax.clone(), w_amax.clone()) if delayed else (x.new_zeros((), dtype=torch.float32),) * 2
     caps = _capsules(x_scale, xa, w_scale, wa) if delayed else (None,) * 4
-    y, saved = _fwd_call(x, weight, bias, *caps, format_of_code(fmt), None if delayed else margin, out_dtype, keep)
+    y, saved = _fwd_call(x, weight, bias, *caps, format_of_code(fmt), None if delayed else margin, out_dtype, keep,
+                         swiglu=prologue == _SWIGLU)
     if not keep:
         if delayed:
             hf = saved.view(torch.float32)
@@ -465,8 +492,8 @@ def _linear_fwd_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
 
 
 @_linear_fwd_op.register_fake
-def _(x, weight, bias, x_scale, x_amax, w_scale, w_amax, fmt, margin, out_dtype, keep=True):
-    (m, k), n = x.shape, weight.shape[0]
+def _(x, weight, bias, x_scale, x_amax, w_scale, w_amax, fmt, margin, out_dtype, keep=True, prologue=0):
+    (m, k), n = (x.shape[0], weight.shape[1]), weight.shape[0]
     amax = [a.new_empty(a.shape) if a is not None else x.new_empty((), dtype=torch.float32) for a in (x_amax, w_amax)]
     saved = _SINV_BYTES + _round_up(m * k) + n * k if keep else _SINV_BYTES
     return (x.new_empty((m, n), dtype=out_dtype), x.new_empty((saved,), dtype=torch.uint8), *amax)

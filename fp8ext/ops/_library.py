@@ -1,8 +1,8 @@
 """fp8ext's operations as torch ops (torch.library), with fake implementations for tracing.
 
 torch.ops.fp8ext.{quantize, dequantize, amax, cast_transpose, cast_transpose_dbias, quantize_blocks, gemm} run the
-same code as the eager functions in fp8ext.ops (and torch.ops.fp8ext.{swiglu, rms_norm_train} with their backward ops, the
-training kernels of fp8ext.fused, with autograd formulas); the fake implementations give torch.compile / torch.export the outputs'
+same code as the eager functions in fp8ext.ops (and torch.ops.fp8ext.{swiglu, rms_norm_train, rope_qkv} with their backward ops,
+the training kernels of fp8ext.fused, with autograd formulas); the fake implementations give torch.compile / torch.export the outputs'
 shapes and dtypes without running anything, so compiled code calls fp8ext's kernels without graph breaks.
 The public functions in fp8ext.ops switch to these ops while torch.compile traces; eager calls skip the
 dispatcher.
@@ -251,3 +251,66 @@ def _rms_norm_train_grad(ctx, dy, _drstd):
 
 
 _rms_norm_train.register_autograd(_rms_norm_train_grad, setup_context=_rms_norm_train_setup)
+
+
+# RoPE of a fused QKV projection (fp8ext.fused.rope_qkv), forward and backward one kernel each, as torch ops with an
+# autograd formula: fp8ext.fused.rope_qkv switches to it while torch.compile traces.
+@torch.library.custom_op("fp8ext::rope_qkv", mutates_args=())
+def _rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv: int, start_pos: int
+              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if not qkv.is_cuda:
+        with torch.no_grad():
+            return tuple(t.contiguous() for t in _fused.rope_qkv(qkv, cos, sin, n_heads, n_kv, start_pos))
+    return _fused.rope_qkv_gpu(qkv, cos, sin, n_heads, n_kv, start_pos)
+
+
+def _rope_heads(qkv: torch.Tensor, n_heads: int, n_kv: int):
+    b, s, width = qkv.shape
+    hd = width // (n_heads + 2 * n_kv)
+    return [(b, heads, s, hd) for heads in (n_heads, n_kv, n_kv)]
+
+
+@_rope_qkv.register_fake
+def _(qkv, cos, sin, n_heads, n_kv, start_pos):
+    return tuple(qkv.new_empty(shape) for shape in _rope_heads(qkv, n_heads, n_kv))
+
+
+@torch.library.custom_op("fp8ext::rope_qkv_backward", mutates_args=())
+def _rope_qkv_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       n_heads: int, n_kv: int, start_pos: int) -> torch.Tensor:
+    """dqkv [batch, seq, (n_heads + 2 n_kv) * head_dim] in dq's dtype."""
+    b, _, s, hd = dq.shape
+    if not dq.is_cuda:  # the reference: autograd's gradient of the float32 composition, each sum of two products once
+        c, n = cos[start_pos:start_pos + s].float(), sin[start_pos:start_pos + s].float()
+
+        def unrotate(g):
+            g1, g2 = g.float().chunk(2, dim=-1)
+            return torch.cat([g1 * c + g2 * n, g2 * c - g1 * n], dim=-1).to(g.dtype)
+
+        heads = [unrotate(dq), unrotate(dk), dv]  # [b, heads, s, hd] each
+        return torch.cat([t.transpose(1, 2).reshape(b, s, -1) for t in heads], dim=-1)
+    return _fused.rope_qkv_backward_gpu(dq, dk, dv, cos, sin, (b, s, (n_heads + 2 * n_kv) * hd), dq.dtype, n_heads,
+                                        n_kv, start_pos)
+
+
+@_rope_qkv_backward.register_fake
+def _(dq, dk, dv, cos, sin, n_heads, n_kv, start_pos):
+    b, _, s, hd = dq.shape
+    return dq.new_empty((b, s, (n_heads + 2 * n_kv) * hd))
+
+
+def _rope_qkv_setup(ctx, inputs, output):
+    qkv, cos, sin, n_heads, n_kv, start_pos = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.meta = (n_heads, n_kv, start_pos)
+    ctx.shapes = _rope_heads(qkv, n_heads, n_kv)
+
+
+def _rope_qkv_grad(ctx, dq, dk, dv):
+    cos, sin = ctx.saved_tensors
+    ref = next(g for g in (dq, dk, dv) if g is not None)
+    dq, dk, dv = (ref.new_zeros(shape) if g is None else g for g, shape in zip((dq, dk, dv), ctx.shapes))
+    return torch.ops.fp8ext.rope_qkv_backward(dq, dk, dv, cos, sin, *ctx.meta), None, None, None, None, None
+
+
+_rope_qkv.register_autograd(_rope_qkv_grad, setup_context=_rope_qkv_setup)

@@ -47,8 +47,8 @@ __all__ = ["rms_norm", "rms_norm_fp8", "rms_norm_train", "swiglu", "swiglu_fp8",
 
 # Whether fp8ext's layers and model run these kernels with gradients too (training on a GPU): RMSNorm (the
 # modules' forward and backward), SwiGLU, RoPE, and the transformer's grouped-query attention reading K/V in
-# place. Under torch.compile, RMSNorm and SwiGLU run as torch ops (torch.ops.fp8ext.rms_norm_train, swiglu);
-# RoPE and the attention keep torch's ops there. False: torch's composition, as on a CPU (for comparisons and
+# place. Under torch.compile, RMSNorm, SwiGLU and RoPE run as torch ops (torch.ops.fp8ext.rms_norm_train, swiglu,
+# rope_qkv) and the attention reads K/V in place as in eager mode. False: torch's composition, as on a CPU (for comparisons and
 # debugging).
 TRAINING = True
 
@@ -378,6 +378,8 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: i
             raise ValueError(f"rope_qkv(): {arg} is on {t.device}, qkv on {qkv.device}")
     if not 0 <= start_pos or start_pos + s > cos.shape[0]:
         raise ValueError(f"rope_qkv(): positions {start_pos}..{start_pos + s} exceed the {cos.shape[0]} rows of cos")
+    if torch.compiler.is_compiling() and train_available(qkv, 16 if hd % 16 == 0 else 1) and not _grad_wanted(cos, sin):
+        return torch.ops.fp8ext.rope_qkv(qkv, cos, sin, n_heads, n_kv, start_pos)  # the same kernels, as a torch op
     if not available(qkv, 16 if hd % 16 == 0 else 1) or _grad_wanted(cos, sin):  # learned tables: torch's ops
         q, k, v = qkv.split([n_heads * hd, n_kv * hd, n_kv * hd], dim=-1)
         c, n = cos[start_pos:start_pos + s], sin[start_pos:start_pos + s]
@@ -386,10 +388,10 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: i
                 v.view(b, s, n_kv, hd).transpose(1, 2).contiguous())
     if _grad_wanted(qkv):
         return _RopeQKV.apply(qkv, cos, sin, n_heads, n_kv, start_pos)
-    return _rope_qkv_gpu(qkv, cos, sin, n_heads, n_kv, start_pos)
+    return rope_qkv_gpu(qkv, cos, sin, n_heads, n_kv, start_pos)
 
 
-def _rope_qkv_gpu(qkv, cos, sin, n_heads, n_kv, start_pos):
+def rope_qkv_gpu(qkv, cos, sin, n_heads, n_kv, start_pos):
     b, s, width = qkv.shape
     hd = width // (n_heads + 2 * n_kv)
     x = contiguous_aligned(qkv, qkv.dtype)
@@ -406,18 +408,23 @@ class _RopeQKV(torch.autograd.Function):
     def forward(ctx, qkv, cos, sin, n_heads, n_kv, start_pos):
         ctx.save_for_backward(cos, sin)
         ctx.meta = (qkv.shape, qkv.dtype, n_heads, n_kv, start_pos)
-        return _rope_qkv_gpu(qkv, cos, sin, n_heads, n_kv, start_pos)
+        return rope_qkv_gpu(qkv, cos, sin, n_heads, n_kv, start_pos)
 
     @staticmethod
     @once_differentiable  # a second derivative raises instead of coming out silently wrong
     def backward(ctx, dq, dk, dv):
         cos, sin = ctx.saved_tensors
-        (b, s, width), dtype, n_heads, n_kv, start_pos = ctx.meta
-        hd = width // (n_heads + 2 * n_kv)
-        grads = []
-        for g, heads in ((dq, n_heads), (dk, n_kv), (dv, n_kv)):
-            grads.append(cos.new_zeros(b, heads, s, hd, dtype=dtype) if g is None else contiguous_aligned(g, dtype))
-        dqkv = torch.empty(b, s, width, dtype=dtype, device=cos.device)
-        _C.rope_qkv(dl(dqkv), dl(cos.contiguous()), dl(sin.contiguous()), *(dl(g) for g in grads), n_heads, n_kv,
-                    start_pos, stream_of(cos.device), True)
-        return dqkv, None, None, None, None, None
+        return rope_qkv_backward_gpu(dq, dk, dv, cos, sin, *ctx.meta), None, None, None, None, None
+
+
+def rope_qkv_backward_gpu(dq, dk, dv, cos, sin, shape, dtype, n_heads, n_kv, start_pos):
+    """rope_qkv's gradient dqkv [batch, seq, width] from the gradients of q, k, v (None: zeros), one kernel."""
+    b, s, width = shape
+    hd = width // (n_heads + 2 * n_kv)
+    grads = []
+    for g, heads in ((dq, n_heads), (dk, n_kv), (dv, n_kv)):
+        grads.append(cos.new_zeros(b, heads, s, hd, dtype=dtype) if g is None else contiguous_aligned(g, dtype))
+    dqkv = torch.empty(b, s, width, dtype=dtype, device=cos.device)
+    _C.rope_qkv(dl(dqkv), dl(cos.contiguous()), dl(sin.contiguous()), *(dl(g) for g in grads), n_heads, n_kv,
+                start_pos, stream_of(cos.device), True)
+    return dqkv

@@ -267,10 +267,10 @@ def _run_info(args: Namespace, raw, corpus, device: torch.device, rank: int, wor
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "precision": precision, "parameters": raw.num_parameters(), "corpus": corpus.description,
             "torch": torch.__version__, "fp8ext": fp8ext.__version__, "start_step": start,
-            # which of fp8ext's fused kernels ran (a GPU, fp8ext built with CUDA): RMSNorm, RoPE and SwiGLU eager;
-            # RMSNorm and SwiGLU compiled (as torch ops; RoPE is torch's there)
+            # which of fp8ext's fused kernels ran (a GPU, fp8ext built with CUDA): RMSNorm, RoPE and SwiGLU, eager
+            # or compiled (as torch ops there)
             "fused_kernels": ([] if not (fp8ext.fused.TRAINING and device.type == "cuda" and fp8ext.cuda_available())
-                              else ["rms_norm", "swiglu"] if args.compile else ["rms_norm", "rope", "swiglu"])}
+                              else ["rms_norm", "rope", "swiglu"])}
     if rank != 0:
         return info
     print(f"fp8ext.train: preset {args.preset} ({info['parameters'] / 1e6:.1f}M parameters), {precision}"

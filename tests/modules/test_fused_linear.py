@@ -27,6 +27,16 @@ def _step_pair(op, dtype, bias, device="cpu"):
     return a, b, x, gamma
 
 
+def _count_prologue_casts(monkeypatch):
+    """The list of the prologues (FL.RMSNORM, ...) computed inside casts from now on: by the composed fused path or
+    by FP8Linear's one-call forward (SwiGLU's layer once its slots are registered)."""
+    calls = []
+    real, real_fwd = FL._cast_with_prologue, _C.linear_fwd
+    monkeypatch.setattr(FL, "_cast_with_prologue", lambda op, *a, **kw: calls.append(op) or real(op, *a, **kw))
+    monkeypatch.setattr(_C, "linear_fwd", lambda *a: (len(a) == 16 and a[15] and calls.append(a[15])) or real_fwd(*a))
+    return calls
+
+
 class _ReferenceRMSNorm(torch.autograd.Function):
     """RMSNorm by fp8ext.fused's reference definitions both ways (the definitions the GPU kernels compute)."""
 
@@ -302,9 +312,7 @@ def test_layernorm_modules_on_the_gpu_equal_their_separate_steps(kind, monkeypat
     """LayerNormLinear and LayerNormMLP (RMSNorm, SwiGLU) take the fused casts on a GPU and give, over three training
     steps, the output, every gradient and the FP8 scaling state of the same module run step by step."""
     fused_m, sep_m = _module_pair(kind)
-    calls = []
-    real = FL._cast_with_prologue
-    monkeypatch.setattr(FL, "_cast_with_prologue", lambda op, *a, **kw: calls.append(op) or real(op, *a, **kw))
+    calls = _count_prologue_casts(monkeypatch)
     x = torch.randn(4, 48, 256, device="cuda", dtype=torch.bfloat16) * 2
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     recipe = fp8ext.DelayedScaling(amax_history_len=4)
@@ -343,9 +351,7 @@ def test_transformer_training_with_swiglu_in_the_cast_equals_the_separate_steps(
     from fp8ext.models.transformer import Transformer, preset
     cfg = preset("tiny", d_model=128, n_heads=4, n_kv_heads=2, d_ff=256)
     ids = torch.randint(0, 256, (2, 33), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    calls = []
-    real = FL._cast_with_prologue
-    monkeypatch.setattr(FL, "_cast_with_prologue", lambda op, *a, **kw: calls.append(op) or real(op, *a, **kw))
+    calls = _count_prologue_casts(monkeypatch)
     out = {}
     for enabled in (True, False):
         monkeypatch.setattr(FL, "ENABLED", enabled)
@@ -386,3 +392,73 @@ def test_layernorm_mlp_returns_the_norm_output_when_asked_with_swiglu_in_the_cas
     assert isinstance(ya, tuple) and len(ya) == 3
     for u, v in zip(ya, yb):
         assert torch.equal(u, v)
+
+
+class _SwiGLULinear(torch.nn.Module):
+    """SwiGLU into an FP8 layer as fp8ext's transformer runs it: the fused path, else the separate steps."""
+
+    def __init__(self, lin, reference):
+        super().__init__()
+        self.lin, self.reference = lin, reference
+
+    def forward(self, h):
+        y = FL.fused_input_linear(self.lin, FL.SWIGLU, h, reference=self.reference)
+        if y is not None:
+            return y
+        return self.lin(_ReferenceSwiGLU.apply(h) if self.reference else fused.swiglu(h))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[requires_cuda, pytest.mark.cuda])])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_swiglu_in_the_one_call_passes_eager_and_compiled_equal_the_separate_steps(device, bias, monkeypatch):
+    """SwiGLU into an FP8 layer with delayed scaling takes FP8Linear's one-call passes with SwiGLU inside the input's
+    cast (after the first step, which registers the slots), eagerly and under torch.compile (the calls as torch ops,
+    one graph): over three steps with SGD between them, outputs, gradients and scaling state equal those of SwiGLU
+    followed by FP8Linear, bit for bit. On the CPU SwiGLU is fp8ext.fused's reference definition (the GPU computes
+    it inside the cast)."""
+    torch._dynamo.reset()
+    ref = device == "cpu"
+    dt = torch.bfloat16
+    layers = _step_pair(FL.SWIGLU, dt, bias, device)[:2] + (_step_pair(FL.SWIGLU, dt, bias, device)[0],)
+    recipes = [fp8ext.DelayedScaling(amax_history_len=4) for _ in layers]
+    fp8ext.prepare_fp8(layers[2], recipes[2])  # the compiled run's slots, registered before tracing
+    g = torch.Generator().manual_seed(3)
+    hs = [(torch.randn(2, 16, 128, generator=g) * (1 + i)).to(device, dt) for i in range(3)]
+    gys = [(torch.randn(2, 16, 48, generator=g) * 1e-2).to(device, dt) for _ in range(3)]
+    prologue_calls = []
+    real = fp8ext._C.linear_fwd
+    monkeypatch.setattr(fp8ext._C, "linear_fwd",
+                        lambda *a: prologue_calls.append(len(a) == 16 and a[15] == FL.SWIGLU) or real(*a))
+    runs = {}
+    for name, lin, r in zip(("separate", "eager", "compiled"), layers, recipes):
+        mod = _SwiGLULinear(lin, ref)
+        call = mod
+        if name == "compiled":
+            call = torch.compile(mod, fullgraph=True, backend="aot_eager" if ref else "inductor")
+        prologue_calls.clear()
+        out = []
+        for h, gy in zip(hs, gys):
+            h = h.clone().requires_grad_(True)
+            with fp8ext.fp8_autocast(fp8_recipe=r):
+                if name == "separate":
+                    y = lin(_ReferenceSwiGLU.apply(h) if ref else fused.swiglu(h))
+                else:
+                    y = call(h)
+            y.backward(gy)
+            out.append((y.detach().clone(), h.grad.clone(), [p.grad.clone() for p in lin.parameters()]))
+            with torch.no_grad():
+                for p in lin.parameters():
+                    p -= 0.05 * p.grad
+                    p.grad = None
+        runs[name] = (out, lin.get_extra_state(), sum(prologue_calls) if device == "cuda" else len(prologue_calls))
+    # the prologue is a GPU argument (the CPU computes SwiGLU before the call): there, count the one-call passes
+    assert runs["eager"][2] == 2, "steps 2 and 3 take the one-call pass with SwiGLU in the cast"
+    assert runs["compiled"][2] == 3, "every compiled step takes it"
+    for name in ("eager", "compiled"):
+        for i, (want, got) in enumerate(zip(runs["separate"][0], runs[name][0])):
+            assert torch.equal(got[0], want[0]), (name, i, "output")
+            assert torch.equal(got[1], want[1]), (name, i, "input gradient")
+            for j, (gw, gg) in enumerate(zip(want[2], got[2])):
+                assert torch.equal(gg, gw), (name, i, f"gradient of parameter {j}")
+        for key in ("amax_history", "scale", "scale_inv"):
+            assert torch.equal(runs[name][1][key], runs["separate"][1][key]), (name, key)

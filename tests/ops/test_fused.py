@@ -569,6 +569,64 @@ def test_training_kernels_are_registered_torch_ops(dtype):
     assert torch.allclose(dg.double(), want_g, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_qkv_is_a_registered_torch_op(dtype):
+    """torch.ops.fp8ext.rope_qkv and its backward op (what torch.compile calls): schemas, fake tensors, autograd
+    registration (torch.library.opcheck, on the CPU's definition), the outputs equal fused.rope_qkv's eager ones, and
+    the gradient equals autograd's through the float32 composition, bit for bit (that is the kernel's definition)."""
+    torch.manual_seed(0)
+    b, s, h, kv, hd = 2, 5, 4, 2, 8
+    qkv = torch.randn(b, s, (h + 2 * kv) * hd, dtype=dtype, requires_grad=True)
+    cos, sin = torch.randn(9, hd // 2), torch.randn(9, hd // 2)
+    torch.library.opcheck(torch.ops.fp8ext.rope_qkv, (qkv, cos, sin, h, kv, 3))
+    grads = [torch.randn(b, n, s, hd, dtype=dtype) for n in (h, kv, kv)]
+    torch.library.opcheck(torch.ops.fp8ext.rope_qkv_backward, (*grads, cos, sin, h, kv, 3))
+    out = torch.ops.fp8ext.rope_qkv(qkv, cos, sin, h, kv, 3)
+    want = fused.rope_qkv(qkv, cos, sin, h, kv, 3)
+    for name, a, w in zip("qkv", out, want):
+        assert_same_bytes(a, w.contiguous(), name)
+    (dqkv,) = torch.autograd.grad(out, qkv, grads)
+    (want_dqkv,) = torch.autograd.grad(want, qkv, grads)
+    assert_same_bytes(dqkv, want_dqkv, "dqkv")
+    # a gradient that autograd leaves out (v unused) counts as zeros
+    out = torch.ops.fp8ext.rope_qkv(qkv, cos, sin, h, kv, 3)
+    want = fused.rope_qkv(qkv, cos, sin, h, kv, 3)
+    (dqk,) = torch.autograd.grad(out[0].sum() + out[1].sum(), qkv)
+    (want_dqk,) = torch.autograd.grad(want[0].sum() + want[1].sum(), qkv)
+    assert_same_bytes(dqk, want_dqk, "dqkv without v's gradient")
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_compiled_rope_qkv_runs_the_kernels_with_eager_bytes(monkeypatch):
+    """Under torch.compile (fullgraph) fused.rope_qkv runs its forward and backward kernels as torch ops: outputs
+    and the gradient equal the eager ones byte for byte."""
+    calls = []
+    fwd, bwd = fused.rope_qkv_gpu, fused.rope_qkv_backward_gpu
+    monkeypatch.setattr(fused, "rope_qkv_gpu", lambda *a: calls.append("fwd") or fwd(*a))
+    monkeypatch.setattr(fused, "rope_qkv_backward_gpu", lambda *a: calls.append("bwd") or bwd(*a))
+    torch.manual_seed(0)
+    b, s, h, kv, hd = 2, 64, 8, 2, 64
+    cos, sin = torch.randn(128, hd // 2, device="cuda"), torch.randn(128, hd // 2, device="cuda")
+    qkv0 = torch.randn(b, s, (h + 2 * kv) * hd, device="cuda", dtype=torch.bfloat16)
+    grads = [torch.randn(b, n, s, hd, device="cuda", dtype=torch.bfloat16) for n in (h, kv, kv)]
+
+    def rope(qkv):
+        q, k, v = fused.rope_qkv(qkv, cos, sin, h, kv, 0)
+        return q * 2, k, v
+
+    results = []
+    for fn in (rope, torch.compile(rope, fullgraph=True)):
+        calls.clear()
+        qkv = qkv0.clone().requires_grad_()
+        out = fn(qkv)
+        torch.autograd.backward(out, grads)
+        results.append((*[t.detach() for t in out], qkv.grad))
+        assert calls == ["fwd", "bwd"], f"{fn}: the kernels ran once each, got {calls}"
+    for name, a, b_ in zip(("q", "k", "v", "dqkv"), *results):
+        assert_same_bytes(b_, a, name)
+
+
 @requires_cuda
 @pytest.mark.cuda
 def test_compiled_training_runs_the_fused_kernels_with_eager_bytes(monkeypatch):
