@@ -105,10 +105,16 @@ def in_subprocess(args, variant: str) -> dict:
     cmd = [sys.executable, __file__, "--child", variant, "--device", args.device, "--batch", str(args.batch),
            "--seq_len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     cmd += ["--tiny"] if args.tiny else []
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:  # a variant past its time is reported like a failed one; the others go on
+        print(f"{variant}: did not finish in {args.timeout} s (--timeout)", file=sys.stderr)
+        return {"variant": variant, "error": f"timed out after {args.timeout} s"}
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+            row = json.loads(line[len("RESULT "):])
+            print(f"{variant}: {row['tokens_per_s']:,.0f} tokens/s, peak {row['peak_gib']} GiB", flush=True)
+            return row
     err = (proc.stderr.strip().splitlines() or ["no output"])[-1]
     print(f"{variant}: failed (rc {proc.returncode}): {err}", file=sys.stderr)
     return {"variant": variant, "error": err}

@@ -37,8 +37,8 @@ from ..core import debug
 from ..core._boundary import stream_of
 from ..ops._gemm import bias_epilogue
 from ..core.context import activation_dtype, current_context, get_scaling_manager
-from .linear_autograd import (COMPOSED, HIGH_PRECISION, ONE_CALL, ONE_CALL_OP, LinearFunction, LinearPlan,
-                              recast_in_backward)
+from .linear_autograd import (COMPOSED, HIGH_PRECISION, ONE_CALL, ONE_CALL_OP, SWIGLU_PROLOGUE, LinearFunction,
+                              LinearPlan, recast_in_backward)
 from ..core.profiling import profiled
 from ..core.recipe import CurrentScaling, DelayedScaling
 from ..core.tensor import FP8Tensor, Quantizer, role_quantizers
@@ -379,8 +379,8 @@ class FP8Linear(nn.Module):
         w = self.weight
         k = self.in_features
         mgr = quantizers[0].manager
-        if prologue is not None and (mgr is None or self.fp8_recast_in_backward):
-            return None  # the SwiGLU prologue: delayed scaling (current needs its output's amax first), FP8 copies kept
+        if prologue is not None and (prologue.op != SWIGLU_PROLOGUE or mgr is None or self.fp8_recast_in_backward):
+            return None  # the SwiGLU prologue only: delayed scaling (current needs its output's amax first), FP8 copies kept
         width = 2 * k if prologue is not None else k
         device = w.device if mgr is None else quantizers[0].scale.device
         if input.dtype not in _LEAN_DTYPES or w.dtype not in _LEAN_DTYPES or input.device != device or \

@@ -36,10 +36,11 @@ from ..core.formats import format_of_code
 from ..core.tensor import BLOCK_1x128, BLOCK_128x128, TENSOR, FP8Tensor, Quantizer
 
 __all__ = ["LinearPlan", "LinearFunction", "COMPOSED", "ONE_CALL", "ONE_CALL_OP", "HIGH_PRECISION", "forward_gemm",
-           "recast_in_backward", "linear_backward"]
+           "recast_in_backward", "linear_backward", "SWIGLU_PROLOGUE"]
 
 _to_dl = torch._C._to_dlpack
 _BLOCKS = (BLOCK_1x128, BLOCK_128x128)
+SWIGLU_PROLOGUE = 2  # csrc/cast.h's FP8EXT_PROLOGUE_SWIGLU: the only prologue of the one-call passes
 
 
 class LinearPlan:
@@ -275,6 +276,9 @@ def _fwd_call(x2, weight, b, xs, xa, wsc, wa, fmt, margin, out_dtype, keep=True,
     the call computes the scales). keep False: only the buffer's header is made (backward casts again).
     swiglu: x2 is [m, 2k] (gate, then up) and the layer's input is SwiGLU(x2), computed inside x's cast (on the CPU
     by fp8ext.fused's reference first: the same definition)."""
+    if swiglu and (margin is not None or not keep):  # as the C call says on a GPU
+        raise ValueError("linear_fwd(): the SwiGLU prologue takes delayed scaling (no margin) and keep=True: current "
+                         "scaling needs SwiGLU's output before its cast")
     if swiglu and not x2.is_cuda:
         x2, swiglu = fused.swiglu_reference(x2), False
     (m, k), n, dev = (x2.shape[0], weight.shape[1]), weight.shape[0], x2.device
@@ -283,7 +287,7 @@ def _fwd_call(x2, weight, b, xs, xa, wsc, wa, fmt, margin, out_dtype, keep=True,
     scratch = torch.empty(rmk + n * k, dtype=torch.uint8, device=dev)
     y = torch.empty((m, n), dtype=out_dtype, device=dev)
     stream, ws = pass_stream(dev)
-    extra = (margin, True, _SWIGLU) if swiglu else (margin,) if keep else (margin, False)
+    extra = (margin, True, SWIGLU_PROLOGUE) if swiglu else (margin,) if keep else (margin, False)
     if not _C.linear_fwd(_to_dl(x2), _to_dl(weight), _to_dl(saved), _to_dl(scratch), _to_dl(y), xs, xa, wsc, wa,
                          fmt.code, None if b is None else _to_dl(b), ws, stream, *extra):
         _gemm(_operand(scratch, 0, m, k, fmt, saved, 0), _operand(scratch, rmk, n, k, fmt, saved, 1), out_dtype, b,
@@ -380,9 +384,6 @@ class ONE_CALL:
         return _after_backward(ctx, plan, dx, dw, db)
 
 
-_SWIGLU = 2  # csrc/cast.h's FP8EXT_PROLOGUE_SWIGLU: the only prologue of the one-call passes
-
-
 def _after_forward(ctx, x, bias, y, saved, dims, weight=None, h=None):
     """saved: the buffer kept for backward; or, given the weight (recast_in_backward), its header only, kept with x
     and W. h: with the SwiGLU prologue, [gate, up] as the kernels read it (SwiGLU's backward reads it)."""
@@ -429,7 +430,7 @@ class ONE_CALL_OP:
         y, saved, xa_new, wa_new = torch.ops.fp8ext.linear_fwd(x2, weight, bias if plan.fuse_bias else None, xs, xa,
                                                                wsc, wa, plan.input.fmt.code, plan.input.margin,
                                                                plan.out_dtype, not plan.recast,
-                                                               _SWIGLU if swiglu else 0)
+                                                               SWIGLU_PROLOGUE if swiglu else 0)
         if delayed:
             xa.copy_(xa_new)
             wa.copy_(wa_new)
@@ -482,7 +483,7 @@ def _linear_fwd_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     xa, wa = (x_amax.clone(), w_amax.clone()) if delayed else (x.new_zeros((), dtype=torch.float32),) * 2
     caps = _capsules(x_scale, xa, w_scale, wa) if delayed else (None,) * 4
     y, saved = _fwd_call(x, weight, bias, *caps, format_of_code(fmt), None if delayed else margin, out_dtype, keep,
-                         swiglu=prologue == _SWIGLU)
+                         swiglu=prologue == SWIGLU_PROLOGUE)
     if not keep:
         if delayed:
             hf = saved.view(torch.float32)

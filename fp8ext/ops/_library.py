@@ -258,9 +258,10 @@ _rms_norm_train.register_autograd(_rms_norm_train_grad, setup_context=_rms_norm_
 @torch.library.custom_op("fp8ext::rope_qkv", mutates_args=())
 def _rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv: int, start_pos: int
               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if not qkv.is_cuda:
+    if not qkv.is_cuda:  # the reference; copies, so that no output shares qkv's storage (v may be a view of it)
         with torch.no_grad():
-            return tuple(t.contiguous() for t in _fused.rope_qkv(qkv, cos, sin, n_heads, n_kv, start_pos))
+            return tuple(t.clone(memory_format=torch.contiguous_format)
+                         for t in _fused.rope_qkv(qkv, cos, sin, n_heads, n_kv, start_pos))
     return _fused.rope_qkv_gpu(qkv, cos, sin, n_heads, n_kv, start_pos)
 
 

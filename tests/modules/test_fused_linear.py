@@ -462,3 +462,25 @@ def test_swiglu_in_the_one_call_passes_eager_and_compiled_equal_the_separate_ste
                 assert torch.equal(gg, gw), (name, i, f"gradient of parameter {j}")
         for key in ("amax_history", "scale", "scale_inv"):
             assert torch.equal(runs[name][1][key], runs["separate"][1][key]), (name, key)
+
+
+def test_swiglu_prologue_of_the_one_call_op_refuses_what_it_cannot_cast():
+    """fp8ext::linear_fwd's SwiGLU prologue takes delayed scaling and keeps the FP8 copies (the C call's rule, also on
+    the CPU, where SwiGLU's reference runs first); FP8Linear's fast path takes no other prologue."""
+    x, w = torch.randn(32, 128), torch.randn(48, 64)
+    one = torch.ones(())
+    with pytest.raises(ValueError, match="SwiGLU prologue takes delayed scaling"):  # current scaling (no scales)
+        torch.ops.fp8ext.linear_fwd(x, w, None, None, None, None, None, 0, 0.0, torch.float32, True, FL.SWIGLU)
+    with pytest.raises(ValueError, match="SwiGLU prologue takes delayed scaling"):  # keep=False
+        torch.ops.fp8ext.linear_fwd(x, w, None, one, torch.zeros(()), one, torch.zeros(()), 0, 0.0, torch.float32,
+                                    False, FL.SWIGLU)
+    y, *_ = torch.ops.fp8ext.linear_fwd(x, w, None, one, torch.zeros(()), one, torch.zeros(()), 0, 0.0, torch.float32,
+                                        True, FL.SWIGLU)
+    assert y.shape == (32, 48)
+    lin = fp8ext.Linear(64, 48, bias=False)
+    recipe = fp8ext.DelayedScaling()
+    with fp8ext.fp8_autocast(fp8_recipe=recipe):
+        lin(torch.randn(32, 64))  # registers the slots: the fast path is open from here
+        ctx = fp8ext.core.context.current_context()
+        assert lin.fast_forward(ctx, torch.randn(32, 128), prologue=FL.Prologue(FL.SWIGLU)) is not None
+        assert lin.fast_forward(ctx, torch.randn(32, 128), prologue=FL.Prologue(FL.RMSNORM)) is None

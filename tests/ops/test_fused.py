@@ -579,6 +579,9 @@ def test_rope_qkv_is_a_registered_torch_op(dtype):
     qkv = torch.randn(b, s, (h + 2 * kv) * hd, dtype=dtype, requires_grad=True)
     cos, sin = torch.randn(9, hd // 2), torch.randn(9, hd // 2)
     torch.library.opcheck(torch.ops.fp8ext.rope_qkv, (qkv, cos, sin, h, kv, 3))
+    # one token of one sequence: v is then a view of qkv in the reference, and the op copies it
+    torch.library.opcheck(torch.ops.fp8ext.rope_qkv, (qkv[:1, :1].detach().clone().requires_grad_(), cos, sin, h, kv,
+                                                      3))
     grads = [torch.randn(b, n, s, hd, dtype=dtype) for n in (h, kv, kv)]
     torch.library.opcheck(torch.ops.fp8ext.rope_qkv_backward, (*grads, cos, sin, h, kv, 3))
     out = torch.ops.fp8ext.rope_qkv(qkv, cos, sin, h, kv, 3)
