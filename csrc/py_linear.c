@@ -400,15 +400,19 @@ done:
  * sums of dy in float32, rounded once to db's dtype) by the cast itself (cast_transpose_dbias; its per-tile sums go in
  * the scratch buffer after dy8^T, R(M*N) + R(4 * ceil(M/64) * N)). x_t, w_t: x8^T [K, M] and W8^T [K, N] as uint8
  * tensors of their own (cast again in backward, not saved), in place of the saved buffer's; `saved` is then only
- * its header (SINV_BYTES: the scale_invs of x and W, and dy's slot, written here). */
+ * its header (SINV_BYTES: the scale_invs of x and W, and dy's slot, written here). With 20 arguments x_t and w_t may
+ * be None (the saved buffer's), and the last, d_a (GPU, delayed scaling, no db), makes the cast SwiGLU's gradient
+ * (cast.h's FP8EXT_PROLOGUE_DSWIGLU): dy is then h [M, N] (gate, then up: the input of a SwiGLU whose output's
+ * gradient is d_a [M, N / 2], dy's dtype) and the layer's output gradient is dh, computed inside its cast. */
 static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     static const char *fn = "linear_bwd";
-    if (nargs != 16 && nargs != 17 && nargs != 19) {
-        PyErr_Format(PyExc_TypeError, "%s() takes 16 arguments (17 with a margin, 19 with x_t and w_t), got %zd", fn,
-                     nargs);
+    if (nargs != 16 && nargs != 17 && nargs != 19 && nargs != 20) {
+        PyErr_Format(PyExc_TypeError, "%s() takes 16 arguments (17 with a margin, 19 with x_t and w_t, 20 with SwiGLU's "
+                     "output gradient), got %zd", fn, nargs);
         return NULL;
     }
-    const int separate = nargs == 19;
+    const int dswiglu = nargs == 20 && args[19] != Py_None;
+    const int separate = nargs == 19 || (nargs == 20 && (args[17] != Py_None || args[18] != Py_None));
     long long m, k, n, ffmt, bfmt, stream_ll;
     int current;
     double margin = 0.0;
@@ -421,10 +425,15 @@ static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize
     if (accumulate < 0) return NULL;
     const Py_ssize_t stream = (Py_ssize_t)stream_ll;
     fp8ext_view dy = {0}, saved = {0}, scratch = {0}, gs = {0}, ga = {0}, dx = {0}, dw = {0}, ws = {0}, db = {0};
-    fp8ext_view xt = {0}, wt = {0};
+    fp8ext_view xt = {0}, wt = {0}, da = {0};
     PyObject *ret = NULL;
     if (check_dims(m, k, n, fn) < 0 || check_fmt(ffmt, fn, "fwd_fmt") < 0 || check_fmt(bfmt, fn, "bwd_fmt") < 0)
         goto done;
+    if (dswiglu && (current || args[15] != Py_None)) {
+        PyErr_Format(PyExc_ValueError, "%s(): SwiGLU's gradient in the cast takes delayed scaling (no margin) and no db "
+                     "(the bias gradient and the amax are dh's, known only after it)", fn);
+        goto done;
+    }
     if (ffmt == FP8EXT_E5M2 && bfmt == FP8EXT_E5M2) {
         PyErr_Format(PyExc_ValueError, "%s(): E5M2 x E5M2 has no cuBLASLt GEMM; make one format E4M3", fn);
         goto done;
@@ -432,7 +441,7 @@ static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize
     const int64_t rmk = round_up(m * k), rmn = round_up(m * n);
     const int want_db = args[15] != Py_None;
     const int64_t scratch_bytes = want_db ? 2 * rmn + 4 * fp8ext_dbias_workspace_rows(m) * n : rmn + m * n;
-    if (get_matrix(args[0], NULL, m, n, stream, fn, "dy", &dy) < 0 ||
+    if (get_matrix(args[0], NULL, m, n, stream, fn, dswiglu ? "dy (h, with SwiGLU's gradient)" : "dy", &dy) < 0 ||
         get_bytes(args[1], &dy, separate ? SINV_BYTES : SINV_BYTES + rmk + n * k, stream, fn, "saved", &saved) < 0 ||
         get_bytes(args[2], &dy, scratch_bytes, stream, fn, "scratch", &scratch) < 0 ||
         get_workspace(args[13], &dy, stream, fn, &ws) < 0)
@@ -445,6 +454,19 @@ static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize
         (get_scale(args[7], &dy, stream, fn, "g_scale", &gs) < 0 || get_scalar(args[8], &dy, stream, fn, "g_amax", &ga) < 0 ||
          fp8ext_check_writable(&ga, fn, "g_amax") < 0))
         goto done;
+    if (dswiglu) {
+        if (dy.device_type == kDLCPU) {
+            PyErr_Format(PyExc_ValueError, "%s(): SwiGLU's gradient in the cast runs on a GPU (on a CPU, compute dh, then "
+                         "call without d_a)", fn);
+            goto done;
+        }
+        if (n % 2) {
+            PyErr_Format(PyExc_ValueError, "%s(): with SwiGLU's gradient n must be even (gate, then up), got %lld", fn, n);
+            goto done;
+        }
+        if (get_matrix(args[19], &dy, m, n / 2, stream, fn, "d_a", &da) < 0 || fp8ext_check_kind(&da, dy.kind, fn, "d_a") < 0)
+            goto done;
+    }
     if (args[10] != Py_None &&
         (get_matrix(args[10], &dy, m, k, stream, fn, "dx", &dx) < 0 || fp8ext_check_writable(&dx, fn, "dx") < 0))
         goto done;
@@ -466,10 +488,10 @@ static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize
         PyErr_Format(PyExc_ValueError, "%s(): accumulate=True adds into dw: pass dw", fn);
         goto done;
     }
-    if (fp8ext_check_disjoint(fn, 7, 11, (const fp8ext_view *const[]){&saved, &scratch, &ga, &dx, &dw, &db, &ws, &dy, &gs,
-                                                                        &xt, &wt},
+    if (fp8ext_check_disjoint(fn, 7, 12, (const fp8ext_view *const[]){&saved, &scratch, &ga, &dx, &dw, &db, &ws, &dy, &gs,
+                                                                        &xt, &wt, &da},
                               (const char *const[]){"saved", "scratch", "g_amax", "dx", "dw", "db", "workspace", "dy",
-                                                    "g_scale", "x_t", "w_t"}) < 0)
+                                                    "g_scale", "x_t", "w_t", "d_a"}) < 0)
         goto done;
     uint8_t *sv = saved.data, *sc = scratch.data;
     fp8ext_current_scale_args cur;
@@ -480,7 +502,9 @@ static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize
                                    .fmt = (int)ffmt, .scale_inv = SINV(sv, 0)};
     const fp8ext_fp8_tensor w8t = {.data = separate ? wt.data : sv + SINV_BYTES + rmk, .rows = k, .cols = n,
                                    .fmt = (int)ffmt, .scale_inv = SINV(sv, 1)};
-    const fp8ext_cast_transpose_args cast = {.x = dy.data, .x_dtype = fp8ext_view_dtype(&dy), .q = dy8, .saturate = 1};
+    const fp8ext_cast_transpose_args cast = {.x = dy.data, .x_dtype = fp8ext_view_dtype(&dy), .q = dy8, .saturate = 1,
+                                             .prologue = dswiglu ? FP8EXT_PROLOGUE_DSWIGLU : FP8EXT_PROLOGUE_NONE,
+                                             .dy = da.data};
     const fp8ext_cast_transpose_dbias_args cast_db = {.ct = cast, .dbias = db.data,
                                                       .dbias_dtype = fp8ext_view_dtype(&db),
                                                       .workspace = (float *)(sc + 2 * rmn)};
@@ -502,7 +526,7 @@ static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize
                         : run(module, fn, &dy, stream, &ws, nc, &cur, 1, &cast, NULL, ng, g, names);
     if (r >= 0) ret = Py_NewRef(r ? Py_True : Py_False);
 done:
-    FP8EXT_RELEASE_ALL(&dy, &saved, &scratch, &gs, &ga, &dx, &dw, &ws, &db, &xt, &wt);
+    FP8EXT_RELEASE_ALL(&dy, &saved, &scratch, &gs, &ga, &dx, &dw, &ws, &db, &xt, &wt, &da);
     return ret;
 }
 
@@ -527,9 +551,10 @@ PyMethodDef fp8ext_linear_methods[] = {
      "computed inside x's cast."},
     {"linear_bwd", (PyCFunction)(void (*)(void))py_linear_bwd, METH_FASTCALL,
      "linear_bwd(dy, saved, scratch, m, k, n, fwd_fmt, g_scale, g_amax, bwd_fmt, dx, dw, accumulate, workspace,\n"
-     "           stream, db[, margin[, x_t, w_t]]) -> bool\n"
+     "           stream, db[, margin[, x_t, w_t[, d_a]]]) -> bool\n"
      "An FP8 linear layer's backward pass in one call: cast_transpose (with the bias gradient into db) of dy, then\n"
      "the dgrad and wgrad GEMMs on a GPU. False on the CPU: the GEMMs are left to the caller. x_t, w_t: x8^T and\n"
-     "W8^T as uint8 tensors of their own; `saved` is then only the header of scale_invs."},
+     "W8^T as uint8 tensors of their own; `saved` is then only the header of scale_invs. d_a (GPU, delayed\n"
+     "scaling, no db): dy is h = [gate, up] and the cast is of SwiGLU's gradient dh for its output's gradient d_a."},
     {NULL, NULL, 0, NULL},
 };

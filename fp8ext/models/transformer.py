@@ -26,7 +26,7 @@ from torch import nn
 
 import fp8ext as te
 from fp8ext.ops import fused
-from fp8ext.modules._fused_linear import SWIGLU, fused_input_linear
+from fp8ext.modules._fused_linear import SWIGLU, fused_input_linear, swiglu_mlp
 from fp8ext.core.context import current_context
 from fp8ext.core.recipe import DelayedScaling, Format
 
@@ -266,6 +266,10 @@ class SwiGLU(nn.Module):
                             init_method=_init_out(0.02 / math.sqrt(2 * cfg.n_layers)))
 
     def forward(self, x, is_first_microbatch=None):
+        if fused.TRAINING and torch.is_grad_enabled():  # FP8 training: one node, SwiGLU and its gradient in the casts
+            y = swiglu_mlp(self.w13, self.w2, x, is_first_microbatch)
+            if y is not None:
+                return y
         h = self.w13(x, is_first_microbatch=is_first_microbatch)
         if not torch.is_grad_enabled() and fused.available(h, h.shape[-1] // 2):
             # inference on a GPU: silu(gate) * up in one pass, written as w2's FP8 input when w2 takes one

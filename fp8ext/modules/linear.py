@@ -361,6 +361,26 @@ class FP8Linear(nn.Module):
         """forward on the fast path (one C call per pass; the two as torch ops under torch.compile) inside the
         fp8_autocast context `ctx`, or None where this call needs the composed path (see forward). prologue:
         fp8ext._fused_linear's SwiGLU step, computed inside the input's cast (delayed scaling only)."""
+        plan = self.fast_plan(ctx, input, is_first_microbatch, prologue)
+        if plan is None:
+            return None
+        y = LinearFunction.apply(input, self.weight, None if self.return_bias else self.bias, plan)
+        return (y, self.bias) if self.return_bias else y
+
+    def fast_plan(self, ctx, input, is_first_microbatch=None, prologue=None) -> Optional[LinearPlan]:
+        """The LinearPlan of fast_forward's call on `input` (ONE_CALL; ONE_CALL_OP under torch.compile), or None."""
+        quantizers = self._fast_quantizers(ctx, is_first_microbatch)
+        if quantizers is None or not isinstance(input, torch.Tensor):
+            return None
+        width = 2 * self.in_features if prologue is not None else self.in_features
+        if not input.is_contiguous() or input.dim() == 0 or input.shape[-1] != width:
+            return None
+        return self.lean_plan(quantizers, prologue, input.dtype, activation_dtype(input), input.device,
+                              input.numel() // width)
+
+    def _fast_quantizers(self, ctx, is_first_microbatch=None):
+        """The (input, weight, grad) Quantizers of the fast path in fp8_autocast context `ctx`, or None where a call
+        needs the composed path (see forward)."""
         if ctx is None or not ctx.enabled or is_first_microbatch is not None or ctx.calibrating or not _FAST_PATH:
             return None
         compiling = torch.compiler.is_compiling()
@@ -368,31 +388,27 @@ class FP8Linear(nn.Module):
             return None
         lean = self._compiled_lean(ctx.recipe) if compiling else self._lean
         if lean is not None and (lean[0] is ctx.recipe or lean[0] == ctx.recipe) and lean[1][0].current():
-            return self._lean_forward(input, lean[1], prologue)
+            return lean[1]
         return None
 
-    def _lean_forward(self, input, quantizers, prologue=None):
-        """The fast path's forward (fp8ext.linear_autograd's ONE_CALL; ONE_CALL_OP under torch.compile), or None
-        when this input needs the composed path."""
-        if debug.enabled() or not isinstance(input, torch.Tensor):
+    def lean_plan(self, quantizers, prologue, in_dtype, out_dtype, device, m) -> Optional[LinearPlan]:
+        """The fast path's LinearPlan for an input of `m` rows in `in_dtype` on `device` (contiguous, checked by the
+        caller), the output in `out_dtype`, or None when such an input needs the composed path."""
+        if debug.enabled():
             return None
         w = self.weight
         k = self.in_features
         mgr = quantizers[0].manager
         if prologue is not None and (prologue.op != SWIGLU_PROLOGUE or mgr is None or self.fp8_recast_in_backward):
             return None  # the SwiGLU prologue only: delayed scaling (current needs its output's amax first), FP8 copies kept
-        width = 2 * k if prologue is not None else k
-        device = w.device if mgr is None else quantizers[0].scale.device
-        if input.dtype not in _LEAN_DTYPES or w.dtype not in _LEAN_DTYPES or input.device != device or \
-                w.device != device or not input.is_contiguous() or not w.is_contiguous() or input.dim() == 0 or \
-                input.shape[-1] != width:
+        dev = w.device if mgr is None else quantizers[0].scale.device
+        if in_dtype not in _LEAN_DTYPES or w.dtype not in _LEAN_DTYPES or device != dev or w.device != dev or \
+                not w.is_contiguous():
             return None
-        m = input.numel() // width
         if m == 0 or m % 16 or k % 16 or self.out_features % 16:
             return None
         if self._weight_cache is not None:
             self._weight_cache = None
-        out_dtype = activation_dtype(input)
         bias = None if self.return_bias else self.bias
         fuse_bias = bias_epilogue(bias, out_dtype) and bias.is_contiguous()
         main_grad = self._main_grad() if self.fuse_wgrad_accumulation and torch.is_grad_enabled() else None
@@ -400,11 +416,9 @@ class FP8Linear(nn.Module):
             mgr.dirty = True
         compiling = torch.compiler.is_compiling()
         # recast: bfloat16 and float32 inputs (see linear_autograd._recast_t); float16 keeps its FP8 copies
-        recast = compiling and self.fp8_recast_in_backward and input.dtype != torch.float16
-        plan = LinearPlan(ONE_CALL_OP if compiling else ONE_CALL, quantizers, w, bias, out_dtype=out_dtype,
+        recast = compiling and self.fp8_recast_in_backward and in_dtype != torch.float16
+        return LinearPlan(ONE_CALL_OP if compiling else ONE_CALL, quantizers, w, bias, out_dtype=out_dtype,
                           main_grad=main_grad, fuse_bias=fuse_bias, recast=recast, prologue=prologue)
-        y = LinearFunction.apply(input, w, bias, plan)
-        return (y, self.bias) if self.return_bias else y
 
     def _main_grad(self) -> torch.Tensor:
         """weight.main_grad, checked: fuse_wgrad_accumulation adds the weight's gradient into it (a float32 tensor of

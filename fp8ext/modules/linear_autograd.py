@@ -296,11 +296,17 @@ def _fwd_call(x2, weight, b, xs, xa, wsc, wa, fmt, margin, out_dtype, keep=True,
 
 
 def _bwd_call(dy2, saved, dims, ffmt, bfmt, gs, ga, margin, need_dx, need_dw, db_dtype, x_dtype, w_dtype,
-              main_grad=None, operands=None):
+              main_grad=None, operands=None, swiglu_da=None):
     """A backward pass as one C call: (dx or None, dW or None, db or None). gs, ga: capsules of the gradient's
     scale and amax slots, or None with `margin`; db_dtype: None (no bias gradient), the bias's dtype when it is
     dy's (the float32 column sums rounded once by the cast) or float32; main_grad: dW is added into it.
-    operands: (x8^T, W8^T) as uint8 tensors of their own (recast in backward), `saved` then only the header."""
+    operands: (x8^T, W8^T) as uint8 tensors of their own (recast in backward), `saved` then only the header.
+    swiglu_da: dy2 is h = [gate, up], the input of a SwiGLU whose output's gradient is swiglu_da, and the layer's output
+    gradient is SwiGLU's gradient dh, computed inside its cast (on the CPU by fp8ext.fused's reference first)."""
+    if swiglu_da is not None and (margin is not None or db_dtype is not None):  # as the C call says on a GPU
+        raise ValueError("linear_bwd(): SwiGLU's gradient in the cast takes delayed scaling (no margin) and no db")
+    if swiglu_da is not None and not dy2.is_cuda:
+        dy2, swiglu_da = fused.swiglu_backward_reference(dy2, swiglu_da), None
     m, k, n = dims
     dev = dy2.device
     rmn = _round_up(m * n)
@@ -313,6 +319,8 @@ def _bwd_call(dy2, saved, dims, ffmt, bfmt, gs, ga, margin, need_dx, need_dw, db
     dw = main_grad if main_grad is not None else torch.empty((n, k), dtype=w_dtype, device=dev) if need_dw else None
     stream, ws = pass_stream(dev)
     extra = (margin,) if operands is None else (margin, *_capsules(*operands))
+    if swiglu_da is not None:
+        extra = (margin, *(_capsules(*operands) if operands is not None else (None, None)), _to_dl(swiglu_da))
     if not _C.linear_bwd(_to_dl(dy2), _to_dl(saved), _to_dl(scratch), m, k, n, ffmt.code, gs, ga, bfmt.code,
                          None if dx is None else _to_dl(dx), None if dw is None else _to_dl(dw),
                          main_grad is not None, ws, stream, None if db is None else _to_dl(db), *extra):
@@ -357,31 +365,42 @@ class ONE_CALL:
     def forward(ctx, x, weight, bias, gamma):
         plan = ctx.plan
         n, k = weight.shape
+        swiglu = plan.prologue is not None
+        x2 = fused.kernel_rows(x, 2 * k, "FP8Linear", "input") if swiglu else x.view(-1, k)
+        y, saved = ONE_CALL.fwd(plan, x2, weight, bias)
+        return _after_forward(ctx, x, bias, y, saved, (x2.shape[0], k, n), h=x2 if swiglu else None)
+
+    @staticmethod
+    def fwd(plan, x2, weight, bias):
+        """The forward call: (y [m, n] without an unfused bias, the saved buffer)."""
         if plan.input.manager is None:  # current scaling: the call computes the scales
             (xs, xa), (wsc, wa), margin = (None, None), (None, None), plan.input.margin
         else:
             (xs, xa), (wsc, wa), margin = plan.input.capsules, plan.weight.capsules, None  # FP8Linear checked them
-        swiglu = plan.prologue is not None
-        x2 = fused.kernel_rows(x, 2 * k, "FP8Linear", "input") if swiglu else x.view(-1, k)
-        y, saved = _fwd_call(x2, weight, bias if plan.fuse_bias else None, xs, xa, wsc, wa, plan.input.fmt, margin,
-                             plan.out_dtype, swiglu=swiglu)
-        return _after_forward(ctx, x, bias, y, saved, (x2.shape[0], k, n), h=x2 if swiglu else None)
+        return _fwd_call(x2, weight, bias if plan.fuse_bias else None, xs, xa, wsc, wa, plan.input.fmt, margin,
+                         plan.out_dtype, swiglu=plan.prologue is not None)
 
     @staticmethod
     def backward(ctx, dy):
         plan, saved, dy2, need_dx, need_dw, db_dtype = _backward_args(ctx, dy)
-        if plan.grad.manager is None:  # current scaling: the call computes the scale
-            gs, ga, margin = None, None, plan.grad.margin
-        else:
-            (gs, ga), margin = plan.grad.slot_capsules(), None
-        dx, dw, db = _bwd_call(dy2, saved, ctx.dims, plan.input.fmt, plan.grad.fmt, gs, ga, margin, need_dx, need_dw,
-                               db_dtype, ctx.x_dtype, plan.w_dtype, plan.main_grad)
-        if plan.main_grad is not None:
-            dw = _wgrad_placeholder(plan.weight_ref)
+        dx, dw, db = ONE_CALL.bwd(plan, dy2, saved, ctx.dims, need_dx, need_dw, db_dtype, ctx.x_dtype)
         if dx is not None and plan.prologue is not None:  # SwiGLU's gradient from its output's
             h2 = ctx.saved_tensors[0]
             dx = fused.swiglu_backward_gpu(h2, dx) if h2.is_cuda else fused.swiglu_backward_reference(h2, dx)
         return _after_backward(ctx, plan, dx, dw, db)
+
+    @staticmethod
+    def bwd(plan, dy2, saved, dims, need_dx, need_dw, db_dtype, x_dtype, swiglu_da=None):
+        """The backward call: (dx or None, dW (or main_grad's placeholder) or None, db or None)."""
+        if plan.grad.manager is None:  # current scaling: the call computes the scale
+            gs, ga, margin = None, None, plan.grad.margin
+        else:
+            (gs, ga), margin = plan.grad.slot_capsules(), None
+        dx, dw, db = _bwd_call(dy2, saved, dims, plan.input.fmt, plan.grad.fmt, gs, ga, margin, need_dx, need_dw,
+                               db_dtype, x_dtype, plan.w_dtype, plan.main_grad, swiglu_da=swiglu_da)
+        if plan.main_grad is not None:
+            dw = _wgrad_placeholder(plan.weight_ref)
+        return dx, dw, db
 
 
 def _after_forward(ctx, x, bias, y, saved, dims, weight=None, h=None):
@@ -425,17 +444,23 @@ class ONE_CALL_OP:
         n, k = weight.shape
         swiglu = plan.prologue is not None
         x2 = x.reshape(-1, 2 * k) if swiglu else x.view(-1, k)
+        y, saved = ONE_CALL_OP.fwd(plan, x2, weight, bias)
+        return _after_forward(ctx, x, bias, y, saved, (x2.shape[0], k, n), weight if plan.recast else None,
+                              h=x2 if swiglu else None)
+
+    @staticmethod
+    def fwd(plan, x2, weight, bias):
+        """The forward op: (y [m, n] without an unfused bias, the saved buffer); the amaxes copied into the slots."""
         delayed = plan.input.manager is not None
         (xs, xa), (wsc, wa) = (plan.input.slot_views(), plan.weight.slot_views()) if delayed else ((None,) * 2,) * 2
         y, saved, xa_new, wa_new = torch.ops.fp8ext.linear_fwd(x2, weight, bias if plan.fuse_bias else None, xs, xa,
                                                                wsc, wa, plan.input.fmt.code, plan.input.margin,
                                                                plan.out_dtype, not plan.recast,
-                                                               SWIGLU_PROLOGUE if swiglu else 0)
+                                                               SWIGLU_PROLOGUE if plan.prologue is not None else 0)
         if delayed:
             xa.copy_(xa_new)
             wa.copy_(wa_new)
-        return _after_forward(ctx, x, bias, y, saved, (x2.shape[0], k, n), weight if plan.recast else None,
-                              h=x2 if swiglu else None)
+        return y, saved
 
     @staticmethod
     def backward(ctx, dy):
@@ -448,18 +473,23 @@ class ONE_CALL_OP:
             w_t = _recast_t(weight, scales[_SINV_STEP + _CUR_SCALE], ctx.recast_fmt) if need_dx else None
         else:
             plan, saved, dy2, need_dx, need_dw, db_dtype = _backward_args(ctx, dy)
-            m, k, n = ctx.dims
             x_t = w_t = None
+        dx, dw, db = ONE_CALL_OP.bwd(plan, dy2, saved, ctx.dims, need_dx, need_dw, db_dtype, ctx.x_dtype, x_t, w_t)
+        if dx is not None and plan.prologue is not None:  # SwiGLU's gradient from its output's
+            dx = torch.ops.fp8ext.swiglu_backward(ctx.saved_tensors[0], dx)
+        return _after_backward(ctx, plan, dx, dw, db)
+
+    @staticmethod
+    def bwd(plan, dy2, saved, dims, need_dx, need_dw, db_dtype, x_dtype, x_t=None, w_t=None, swiglu_da=None):
+        """The backward op: (dx or None, dW or None, db or None); the gradient's amax copied into its slot."""
+        m, k, n = dims
         gs, ga = plan.grad.slot_views() if plan.grad.manager is not None else (None, None)
         dx, dw, db, ga_new = torch.ops.fp8ext.linear_bwd(
             dy2, saved, m, k, n, plan.input.fmt.code, plan.grad.fmt.code, gs, ga, plan.grad.margin, need_dx, need_dw,
-            db_dtype is not None, db_dtype or dy2.dtype, ctx.x_dtype, plan.w_dtype, x_t, w_t)
+            db_dtype is not None, db_dtype or dy2.dtype, x_dtype, plan.w_dtype, x_t, w_t, swiglu_da)
         if ga is not None:
             ga.copy_(ga_new)
-        if need_dx and plan.prologue is not None:  # SwiGLU's gradient from its output's
-            dx = torch.ops.fp8ext.swiglu_backward(ctx.saved_tensors[0], dx)
-        return _after_backward(ctx, plan, dx if need_dx else None, dw if need_dw else None,
-                               db if db_dtype is not None else None)
+        return dx if need_dx else None, dw if need_dw else None, db if db_dtype is not None else None
 
 
 def _capsules(*tensors):
@@ -542,11 +572,12 @@ def _recast_t(t2d: torch.Tensor, scale: torch.Tensor, fmt) -> torch.Tensor:
 def _linear_bwd_op(dy: torch.Tensor, saved: torch.Tensor, m: int, k: int, n: int, ffmt: int, bfmt: int,
                    g_scale: Optional[torch.Tensor], g_amax: Optional[torch.Tensor], margin: float, need_dx: bool,
                    need_dw: bool, want_db: bool, db_dtype: torch.dtype, x_dtype: torch.dtype, w_dtype: torch.dtype,
-                   x_t: Optional[torch.Tensor] = None, w_t: Optional[torch.Tensor] = None
-                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                   x_t: Optional[torch.Tensor] = None, w_t: Optional[torch.Tensor] = None,
+                   swiglu_da: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """ONE_CALL's backward call: (dx, dW, db, the gradient's amax); a gradient not wanted comes back empty.
     x_t, w_t: x8^T and W8^T cast again in backward (recast_in_backward; the one not needed may be None), `saved`
-    then the forward's header only: copied, since the call writes dy's scale into it."""
+    then the forward's header only: copied, since the call writes dy's scale into it. swiglu_da: dy is h = [gate, up]
+    and the layer's output gradient is SwiGLU's gradient for its output's gradient swiglu_da (_bwd_call)."""
     delayed = g_scale is not None
     ga = g_amax.clone() if delayed else dy.new_zeros((), dtype=torch.float32)
     gs_c, ga_c = _capsules(g_scale, ga) if delayed else (None, None)
@@ -555,14 +586,15 @@ def _linear_bwd_op(dy: torch.Tensor, saved: torch.Tensor, m: int, k: int, n: int
         saved, operands = saved.clone(), (x_t, w_t)
     dx, dw, db = _bwd_call(dy, saved, (m, k, n), format_of_code(ffmt), format_of_code(bfmt), gs_c, ga_c,
                            None if delayed else margin, need_dx, need_dw, db_dtype if want_db else None, x_dtype,
-                           w_dtype, operands=operands)
+                           w_dtype, operands=operands,
+                           swiglu_da=None if swiglu_da is None else fused.contiguous_aligned(swiglu_da, dy.dtype))
     empty = lambda: dy.new_empty((0,))  # noqa: E731
     return (empty() if dx is None else dx, empty() if dw is None else dw, empty() if db is None else db, ga)
 
 
 @_linear_bwd_op.register_fake
 def _(dy, saved, m, k, n, ffmt, bfmt, g_scale, g_amax, margin, need_dx, need_dw, want_db, db_dtype, x_dtype, w_dtype,
-      x_t=None, w_t=None):
+      x_t=None, w_t=None, swiglu_da=None):
     ga = g_amax.new_empty(g_amax.shape) if g_amax is not None else dy.new_empty((), dtype=torch.float32)
     return (dy.new_empty((m, k) if need_dx else (0,), dtype=x_dtype if need_dx else dy.dtype),
             dy.new_empty((n, k) if need_dw else (0,), dtype=w_dtype if need_dw else dy.dtype),

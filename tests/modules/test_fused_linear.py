@@ -484,3 +484,105 @@ def test_swiglu_prologue_of_the_one_call_op_refuses_what_it_cannot_cast():
         ctx = fp8ext.core.context.current_context()
         assert lin.fast_forward(ctx, torch.randn(32, 128), prologue=FL.Prologue(FL.SWIGLU)) is not None
         assert lin.fast_forward(ctx, torch.randn(32, 128), prologue=FL.Prologue(FL.RMSNORM)) is None
+
+
+class _SwiGLUMLP(torch.nn.Module):
+    """fp8ext's transformer's MLP: w2(swiglu(w13(x))) as one node where it can be, else the separate steps."""
+
+    def __init__(self, w13, w2, reference):
+        super().__init__()
+        self.w13, self.w2, self.reference = w13, w2, reference
+
+    def forward(self, x):
+        y = FL.swiglu_mlp(self.w13, self.w2, x, reference=self.reference)
+        if y is not None:
+            return y
+        h = self.w13(x)
+        return self.w2(_ReferenceSwiGLU.apply(h) if self.reference else fused.swiglu(h))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[requires_cuda, pytest.mark.cuda])])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "w2_bias"])
+def test_swiglu_mlp_node_eager_and_compiled_equals_the_separate_steps(device, bias, monkeypatch):
+    """w2(swiglu(w13(x))) with delayed scaling as one node of the one-call passes (SwiGLU inside w2's input cast, its
+    gradient inside the cast of w13's output gradient), eagerly (after the first step, which registers the slots) and
+    under torch.compile: over three steps with SGD between them, the output, every gradient and the scaling state equal
+    those of w13, SwiGLU and w2 run separately, bit for bit. On the CPU SwiGLU and its gradient are fp8ext.fused's
+    reference definitions (the GPU computes them inside the casts)."""
+    from fp8ext.modules import linear_autograd as LA
+    torch._dynamo.reset()
+    ref = device == "cpu"
+    dt = torch.bfloat16
+    k, f, n = 64, 96, 48
+
+    def layers():
+        torch.manual_seed(1)
+        return (fp8ext.Linear(k, 2 * f, bias=False, params_dtype=dt, device=device),
+                fp8ext.Linear(f, n, bias=bias, params_dtype=dt, device=device))
+
+    runs = {}
+    fused_bwd = []
+    real = LA._bwd_call
+    monkeypatch.setattr(LA, "_bwd_call", lambda *a, swiglu_da=None, **kw:
+                        fused_bwd.append(swiglu_da is not None) or real(*a, swiglu_da=swiglu_da, **kw))
+    g = torch.Generator().manual_seed(3)
+    xs = [(torch.randn(2, 16, k, generator=g) * (1 + i)).to(device, dt) for i in range(3)]
+    gys = [(torch.randn(2, 16, n, generator=g) * 1e-2).to(device, dt) for _ in range(3)]
+    for name in ("separate", "eager", "compiled"):
+        w13, w2 = layers()
+        recipe = fp8ext.DelayedScaling(amax_history_len=4)
+        mod = _SwiGLUMLP(w13, w2, ref)
+        call = mod
+        if name == "compiled":
+            fp8ext.prepare_fp8(mod, recipe)  # the slots, registered before tracing
+            call = torch.compile(mod, fullgraph=True, backend="aot_eager" if ref else "inductor")
+        fused_bwd.clear()
+        out = []
+        for x, gy in zip(xs, gys):
+            x = x.clone().requires_grad_(True)
+            with fp8ext.fp8_autocast(fp8_recipe=recipe):
+                if name == "separate":
+                    h = w13(x)
+                    y = w2(_ReferenceSwiGLU.apply(h) if ref else fused.swiglu(h))
+                else:
+                    y = call(x)
+            y.backward(gy)
+            params = [*w13.parameters(), *w2.parameters()]
+            out.append((y.detach().clone(), x.grad.clone(), [p.grad.clone() for p in params]))
+            with torch.no_grad():
+                for p in params:
+                    p -= 0.05 * p.grad
+                    p.grad = None
+        runs[name] = (out, [lin.get_extra_state() for lin in (w13, w2)], sum(fused_bwd))
+    assert runs["separate"][2] == 0
+    assert runs["eager"][2] == 2, "steps 2 and 3 take w13's backward call with SwiGLU's gradient in the cast"
+    assert runs["compiled"][2] == 3, "every compiled step takes it"
+    for name in ("eager", "compiled"):
+        for i, (want, got) in enumerate(zip(runs["separate"][0], runs[name][0])):
+            assert torch.equal(got[0], want[0]), (name, i, "output")
+            assert torch.equal(got[1], want[1]), (name, i, "input gradient")
+            for j, (gw, gg) in enumerate(zip(want[2], got[2])):
+                assert torch.equal(gg, gw), (name, i, f"gradient of parameter {j}")
+        for sa, sb in zip(runs[name][1], runs["separate"][1]):
+            for key in ("amax_history", "scale", "scale_inv"):
+                assert torch.equal(sa[key], sb[key]), (name, key)
+
+
+def test_c_backward_call_checks_swiglus_gradient_argument():
+    """linear_bwd's d_a (SwiGLU's gradient inside the cast of the layer's output gradient): GPU only, delayed scaling,
+    no bias gradient; each refused with a message naming it (on the CPU the caller computes dh first)."""
+    one, dl_ = torch.ones(()), torch._C._to_dlpack
+    m, k, n = 32, 64, 48
+    saved = torch.empty(768 + m * k + n * k + 256, dtype=torch.uint8)
+    args = [dl_(torch.randn(m, n)), dl_(saved), dl_(torch.empty(2 * m * n + 4096, dtype=torch.uint8)), m, k, n, 0,
+            dl_(one), dl_(torch.zeros(())), 1, dl_(torch.empty(m, k)), dl_(torch.empty(n, k)), False, None, 0, None]
+    d_a = dl_(torch.randn(m, n // 2))
+    with pytest.raises(ValueError, match="runs on a GPU"):
+        _C.linear_bwd(*args, None, None, None, d_a)
+    with pytest.raises(ValueError, match="delayed scaling"):
+        _C.linear_bwd(*args[:7], None, None, *args[9:], 0.0, None, None, d_a)
+    with pytest.raises(ValueError, match="no db"):
+        _C.linear_bwd(*args[:15], dl_(torch.empty(n)), None, None, None, d_a)
+    with pytest.raises(TypeError, match="20 with SwiGLU's output gradient"):
+        _C.linear_bwd(*args, None, None, None, d_a, None)
+    assert _C.linear_bwd(*args, None, None, None, None) is False  # d_a None: the plain call (the casts ran)
