@@ -119,12 +119,13 @@ class Prologue:
 
 
 def has_hooks(module: torch.nn.Module) -> bool:
-    """Whether calling `module` would run forward hooks (its own or global ones, e.g. FSDP's on a sharded layer): the
-    fused paths use the layers' parameters without calling them, so they step aside for such modules."""
+    """Whether calling `module` would run hooks, forward or backward (its own or global ones, e.g. FSDP's on a sharded
+    layer): the fused paths use the layers' parameters without calling them, so they step aside for such modules."""
     glob = torch.nn.modules.module
     return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
                 or module._backward_pre_hooks or getattr(glob, "_global_forward_hooks", None)
-                or getattr(glob, "_global_forward_pre_hooks", None))
+                or getattr(glob, "_global_forward_pre_hooks", None) or getattr(glob, "_global_backward_hooks", None)
+                or getattr(glob, "_global_backward_pre_hooks", None))
 
 
 def _eligible(x: torch.Tensor, width: int, linears, reference: bool, block_ok: bool = False,

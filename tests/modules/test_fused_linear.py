@@ -189,6 +189,11 @@ def test_layers_it_cannot_see_through_take_the_separate_steps():
             assert FL.fused_input_linear(fc1, FL.RMSNORM, x, torch.ones(64), EPS, reference=True) is None
         finally:
             handle.remove()
+        handle = torch.nn.modules.module.register_module_full_backward_hook(lambda *a: None)
+        try:  # a global backward hook would not fire for layers the fused paths do not call
+            assert FL.fused_input_linear(fc1, FL.RMSNORM, x, torch.ones(64), EPS, reference=True) is None
+        finally:
+            handle.remove()
         assert FL.fused_input_linear(fc1, FL.RMSNORM, x, torch.ones(64), EPS, reference=True) is not None
     mlp = te.LayerNormMLP(64, 96, normalization="RMSNorm", activation="swiglu", bias=False)
     mlp.layer_norm.register_forward_hook(lambda *a: None)
