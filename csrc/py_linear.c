@@ -412,6 +412,8 @@ static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize
         return NULL;
     }
     const int dswiglu = nargs == 20 && args[19] != Py_None;
+    /* 19 arguments: x_t and w_t are the operands (the one not needed may be None), `saved` only the header; 20: the
+     * same when either is given, else the saved buffer's (callers with only a header pass the needed ones) */
     const int separate = nargs == 19 || (nargs == 20 && (args[17] != Py_None || args[18] != Py_None));
     long long m, k, n, ffmt, bfmt, stream_ll;
     int current;
