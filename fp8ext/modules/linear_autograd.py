@@ -378,9 +378,8 @@ class ONE_CALL:
                                db_dtype, ctx.x_dtype, plan.w_dtype, plan.main_grad)
         if plan.main_grad is not None:
             dw = _wgrad_placeholder(plan.weight_ref)
-        if dx is not None and plan.prologue is not None:  # SwiGLU's gradient from its output's
-            h2 = ctx.saved_tensors[0]
-            dx = fused.swiglu_backward_gpu(h2, dx) if h2.is_cuda else fused.swiglu_backward_reference(h2, dx)
+        if dx is not None and plan.prologue is not None:  # SwiGLU's gradient from its output's (the prologue's backward)
+            dx, _ = plan.prologue.backward((ctx.saved_tensors[0], None, None), dx)
         return _after_backward(ctx, plan, dx, dw, db)
 
 
