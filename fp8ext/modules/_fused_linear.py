@@ -24,13 +24,12 @@ Taken by the layer-norm modules and fp8ext's transformer on a GPU in eager train
 FP8Linear layers without hooks, fp8ext.debug off); everything else takes the unfused composition, with the same
 results. SwiGLU's layer, where FP8Linear would take its fast path, runs its passes as FP8Linear's one C call each with
 SwiGLU inside the cast (csrc/py_linear.c's prologue), and so also under torch.compile (the calls as torch ops;
-the RMSNorm paths are not traced there: compiled code runs the norm and the layer separately). With block scaling (Float8BlockScaling, bf16 or float16 activations) the RMSNorm and SwiGLU casts are fused
-the same way, each 128 x 128 tile of the step's output computed once and cast into both 1 x 128 layouts
-(csrc/kernels/quantize_blocks.cu); SwiGLU's gradient is computed by its own kernel there, then cast. Current and
-row-wise scaling
-need the output's amax (per tensor, per column) before its cast, one more pass over it, which is what the
-composition does. On a CPU the same function computes the step with the
-reference definitions of fp8ext.fused (the tests use it there).
+the RMSNorm paths are not traced there: compiled code runs the norm and the layer separately). With block scaling
+(Float8BlockScaling, bf16 or float16 activations) the RMSNorm and SwiGLU casts are fused the same way, each 128 x 128
+tile of the step's output computed once and cast into both 1 x 128 layouts (csrc/kernels/quantize_blocks.cu);
+SwiGLU's gradient is computed by its own kernel there, then cast. Current and row-wise scaling need the output's amax
+(per tensor, per column) before its cast, one more pass over it, which is what the composition does. On a CPU the
+same function computes the step with the reference definitions of fp8ext.fused (the tests use it there).
 """
 
 from __future__ import annotations

@@ -384,9 +384,8 @@ class ONE_CALL:
     def backward(ctx, dy):
         plan, saved, dy2, need_dx, need_dw, db_dtype = _backward_args(ctx, dy)
         dx, dw, db = ONE_CALL.bwd(plan, dy2, saved, ctx.dims, need_dx, need_dw, db_dtype, ctx.x_dtype)
-        if dx is not None and plan.prologue is not None:  # SwiGLU's gradient from its output's
-            h2 = ctx.saved_tensors[0]
-            dx = fused.swiglu_backward_gpu(h2, dx) if h2.is_cuda else fused.swiglu_backward_reference(h2, dx)
+        if dx is not None and plan.prologue is not None:  # SwiGLU's gradient from its output's (the prologue's backward)
+            dx, _ = plan.prologue.backward((ctx.saved_tensors[0], None, None), dx)
         return _after_backward(ctx, plan, dx, dw, db)
 
     @staticmethod
