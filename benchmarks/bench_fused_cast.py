@@ -21,7 +21,7 @@ from fp8ext import fused
 from _harness import copy_tbps, device_header, rounds, save, table
 
 SHAPES = [("rmsnorm", 8192, 4096), ("rmsnorm", 4096, 8192), ("swiglu", 4096, 14336), ("swiglu", 8192, 14336),
-          ("dswiglu", 4096, 28672)]
+          ("dswiglu", 4096, 28672), ("dswiglu", 16384, 11264)]
 
 
 def main() -> None:

@@ -18,6 +18,9 @@
 // Tiles on the matrix's edge (the last rows % 64 rows and cols % 64 columns), or data whose x or q
 // is not aligned for the vector accesses, take an element-by-element path in the same kernel (a
 // block-uniform branch) with the same bytes.
+// SwiGLU's gradient (dh = [d_gate, d_up], both from the same gate and dy): one block per pair of tiles, d_gate's
+// tile (r, j) and d_up's tile (r, half + j), which reads gate, up and dy once and computes one exp per pair: 2.5
+// bytes read and 2 written per element of dh for bf16 (a block per tile would read gate and dy twice).
 //
 // cast_transpose_dbias (DBIAS = true) also sums each column of x for the bias gradient, in fp8ext.h's order:
 // each thread sums in registers the rows h, h + 16, h + 32, h + 48 of a tile that it holds (a 64x64 tile's
@@ -69,9 +72,10 @@ __device__ __forceinline__ float prologue_one(const T *__restrict__ x, const T *
         const int64_t half = cols / 2;
         const bool up_side = c >= half;
         const int64_t j = up_side ? c - half : c;
-        const float gate = Elem<T>::load1(x, r * cols + j), d = Elem<T>::load1(dy, r * half + j);
-        if (up_side) return round_to<T>(dswiglu_up(gate, d));
-        return round_to<T>(dswiglu_gate(gate, Elem<T>::load1(x, r * cols + half + j), d));
+        float d_gate, d_up;
+        dswiglu(Elem<T>::load1(x, r * cols + j), Elem<T>::load1(x, r * cols + half + j), Elem<T>::load1(dy, r * half + j),
+                d_gate, d_up);
+        return round_to<T>(up_side ? d_up : d_gate);
     }
     const float v = Elem<T>::load1(x, r * ld + c);
     if constexpr (PRO == FP8EXT_PROLOGUE_RMSNORM) return round_to<T>((v * rstd[r]) * gamma[c]);
@@ -80,86 +84,31 @@ __device__ __forceinline__ float prologue_one(const T *__restrict__ x, const T *
     return v;
 }
 
-template <typename T, int FMT, bool DBIAS, int PRO>
-__device__ __forceinline__ void fast_tile(const T *__restrict__ x, uint8_t *__restrict__ q, uint8_t *__restrict__ qt,
-                                          int64_t rows, int64_t cols, int64_t row0, int64_t col0, float scale,
-                                          int saturate, int qt_width, int32_t &amax, uint32_t (*tile)[kRowWords],
-                                          float (*part)[kTile], const float *__restrict__ rstd,
-                                          const float *__restrict__ gamma, const T *__restrict__ dy) {
-    static_assert(!(DBIAS && PRO), "dbias is for casts without a prologue");
-    const int64_t ld = PRO == FP8EXT_PROLOGUE_SWIGLU ? 2 * cols : cols;
-    const int64_t half = cols / 2;                                   // the gradient of SwiGLU: d_gate | d_up
-    const bool up_side = PRO == FP8EXT_PROLOGUE_DSWIGLU && col0 >= half;  // the whole tile is on one side
-    constexpr int V = Elem<T>::kVec;
-    constexpr int kVecPerRow = kTile / V;
-    constexpr int kPerThread = kTile * kVecPerRow / kThreads;
-    // Iteration `it` covers rows it * kRowsPerIt + threadIdx.x / kVecPerRow: row group (row % 16) comes back every
-    // kSlots iterations, so acc[it % kSlots] sums one group's rows in increasing order.
-    constexpr int kRowsPerIt = kThreads / kVecPerRow;
-    constexpr int kSlots = kGroups / kRowsPerIt;
-    static_assert(kThreads % kVecPerRow == 0 && kGroups % kRowsPerIt == 0 && kPerThread == kSlots * kGroupRows,
-                  "each thread holds whole row groups of its columns");
-    float acc[kSlots][V];
+// The values f[0..V) of x's row r from column c (a tile at row0, col0): amax updated, cast, stored to q and parked
+// in the shared tile for the transposed store.
+template <int FMT, int V>
+__device__ __forceinline__ void cast_vec(const float *f, uint8_t *__restrict__ q, int64_t cols, int64_t row0,
+                                         int64_t col0, int r, int vc, float scale, int saturate, int32_t &amax,
+                                         uint32_t (*tile)[kRowWords]) {
+    uint32_t w[V / 4];
 #pragma unroll
-    for (int s = 0; s < kSlots; ++s)
-#pragma unroll
-        for (int j = 0; j < V; ++j) acc[s][j] = 0.0f;
-    constexpr bool kTwo = PRO == FP8EXT_PROLOGUE_SWIGLU || PRO == FP8EXT_PROLOGUE_DSWIGLU;
-    uint4 in[kPerThread], in2[kTwo ? kPerThread : 1], in3[PRO == FP8EXT_PROLOGUE_DSWIGLU ? kPerThread : 1];
-#pragma unroll
-    for (int it = 0; it < kPerThread; ++it) {
-        const int k = threadIdx.x + it * kThreads;
-        const int r = k / kVecPerRow, vc = k % kVecPerRow;
-        if constexpr (PRO == FP8EXT_PROLOGUE_DSWIGLU) {
-            const int64_t j = (up_side ? col0 - half : col0) + vc * V;
-            in[it] = __ldcs(reinterpret_cast<const uint4 *>(x + (row0 + r) * cols + j));
-            in2[it] = up_side ? make_uint4(0u, 0u, 0u, 0u)
-                              : __ldcs(reinterpret_cast<const uint4 *>(x + (row0 + r) * cols + half + j));
-            in3[it] = __ldcs(reinterpret_cast<const uint4 *>(dy + (row0 + r) * half + j));
-        } else {
-            in[it] = __ldcs(reinterpret_cast<const uint4 *>(x + (row0 + r) * ld + col0 + vc * V));
-            if constexpr (PRO == FP8EXT_PROLOGUE_SWIGLU)
-                in2[it] = __ldcs(reinterpret_cast<const uint4 *>(x + (row0 + r) * ld + cols + col0 + vc * V));
-        }
+    for (int j = 0; j < V; j += 4) {
+        amax = max(amax, max(max(abs_bits(f[j]), abs_bits(f[j + 1])), max(abs_bits(f[j + 2]), abs_bits(f[j + 3]))));
+        w[j / 4] = cvt2<FMT>(f[j], f[j + 1], scale, saturate) | (cvt2<FMT>(f[j + 2], f[j + 3], scale, saturate) << 16);
+        tile[r][vc * (V / 4) + j / 4] = w[j / 4];
     }
-#pragma unroll
-    for (int it = 0; it < kPerThread; ++it) {
-        const int k = threadIdx.x + it * kThreads;
-        const int r = k / kVecPerRow, vc = k % kVecPerRow;
-        float f[V];
-        Elem<T>::unpack(in[it], f);
-        if constexpr (PRO != FP8EXT_PROLOGUE_NONE)
-            prologue_vec<T, PRO>(f, in2[kTwo ? it : 0], in3[PRO == FP8EXT_PROLOGUE_DSWIGLU ? it : 0], up_side,
-                                 row0 + r, col0 + vc * V, rstd, gamma);
-        if constexpr (DBIAS) {
-#pragma unroll
-            for (int j = 0; j < V; ++j) acc[it % kSlots][j] += f[j];
-        }
-        uint32_t w[V / 4];
-#pragma unroll
-        for (int j = 0; j < V; j += 4) {
-            amax = max(amax, max(max(abs_bits(f[j]), abs_bits(f[j + 1])), max(abs_bits(f[j + 2]), abs_bits(f[j + 3]))));
-            w[j / 4] = cvt2<FMT>(f[j], f[j + 1], scale, saturate) | (cvt2<FMT>(f[j + 2], f[j + 3], scale, saturate) << 16);
-            tile[r][vc * (V / 4) + j / 4] = w[j / 4];
-        }
-        uint8_t *dst = q + (row0 + r) * cols + col0 + vc * V;
-        if constexpr (V == 8) {
-            *reinterpret_cast<uint2 *>(dst) = make_uint2(w[0], w[1]);
-        } else {
-            *reinterpret_cast<uint32_t *>(dst) = w[0];
-        }
+    uint8_t *dst = q + (row0 + r) * cols + col0 + vc * V;
+    if constexpr (V == 8) {
+        *reinterpret_cast<uint2 *>(dst) = make_uint2(w[0], w[1]);
+    } else {
+        *reinterpret_cast<uint32_t *>(dst) = w[0];
     }
-    if constexpr (DBIAS) {
-        const int h0 = threadIdx.x / kVecPerRow, c0 = (threadIdx.x % kVecPerRow) * V;
-#pragma unroll
-        for (int s = 0; s < kSlots; ++s)
-#pragma unroll
-            for (int j = 0; j < V; j += 4)  // 16-byte stores: a quarter warp's 8 land in distinct bank pairs
-                *reinterpret_cast<float4 *>(&part[h0 + s * kRowsPerIt][c0 + j]) =
-                    make_float4(acc[s][j], acc[s][j + 1], acc[s][j + 2], acc[s][j + 3]);
-    }
-    __syncthreads();
-    // 16 column-words x 8 row-chunks of 8 rows; lanes 0-7 take consecutive column-words.
+}
+
+// The shared tile (row0, col0) of q written to qt (after a __syncthreads): 16 column-words x 8 row-chunks of 8
+// rows; lanes 0-7 take consecutive column-words.
+__device__ __forceinline__ void store_transposed(const uint32_t (*tile)[kRowWords], uint8_t *__restrict__ qt,
+                                                 int64_t rows, int64_t row0, int64_t col0, int qt_width) {
     const int t = threadIdx.x;
     const int nword = (t % 8) + 8 * ((t / 32) % 2);
     const int mchunk = ((t / 8) % 4) + 4 * (t / 64);
@@ -186,12 +135,115 @@ __device__ __forceinline__ void fast_tile(const T *__restrict__ x, uint8_t *__re
     }
 }
 
+template <typename T, int FMT, bool DBIAS, int PRO>
+__device__ __forceinline__ void fast_tile(const T *__restrict__ x, uint8_t *__restrict__ q, uint8_t *__restrict__ qt,
+                                          int64_t rows, int64_t cols, int64_t row0, int64_t col0, float scale,
+                                          int saturate, int qt_width, int32_t &amax, uint32_t (*tile)[kRowWords],
+                                          float (*part)[kTile], const float *__restrict__ rstd,
+                                          const float *__restrict__ gamma) {
+    static_assert(!(DBIAS && PRO), "dbias is for casts without a prologue");
+    const int64_t ld = PRO == FP8EXT_PROLOGUE_SWIGLU ? 2 * cols : cols;
+    constexpr int V = Elem<T>::kVec;
+    constexpr int kVecPerRow = kTile / V;
+    constexpr int kPerThread = kTile * kVecPerRow / kThreads;
+    // Iteration `it` covers rows it * kRowsPerIt + threadIdx.x / kVecPerRow: row group (row % 16) comes back every
+    // kSlots iterations, so acc[it % kSlots] sums one group's rows in increasing order.
+    constexpr int kRowsPerIt = kThreads / kVecPerRow;
+    constexpr int kSlots = kGroups / kRowsPerIt;
+    static_assert(kThreads % kVecPerRow == 0 && kGroups % kRowsPerIt == 0 && kPerThread == kSlots * kGroupRows,
+                  "each thread holds whole row groups of its columns");
+    float acc[kSlots][V];
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s)
+#pragma unroll
+        for (int j = 0; j < V; ++j) acc[s][j] = 0.0f;
+    constexpr bool kTwo = PRO == FP8EXT_PROLOGUE_SWIGLU;
+    uint4 in[kPerThread], in2[kTwo ? kPerThread : 1];
+#pragma unroll
+    for (int it = 0; it < kPerThread; ++it) {
+        const int k = threadIdx.x + it * kThreads;
+        const int r = k / kVecPerRow, vc = k % kVecPerRow;
+        in[it] = __ldcs(reinterpret_cast<const uint4 *>(x + (row0 + r) * ld + col0 + vc * V));
+        if constexpr (kTwo)
+            in2[it] = __ldcs(reinterpret_cast<const uint4 *>(x + (row0 + r) * ld + cols + col0 + vc * V));
+    }
+#pragma unroll
+    for (int it = 0; it < kPerThread; ++it) {
+        const int k = threadIdx.x + it * kThreads;
+        const int r = k / kVecPerRow, vc = k % kVecPerRow;
+        float f[V];
+        Elem<T>::unpack(in[it], f);
+        if constexpr (PRO != FP8EXT_PROLOGUE_NONE)
+            prologue_vec<T, PRO>(f, in2[kTwo ? it : 0], row0 + r, col0 + vc * V, rstd, gamma);
+        if constexpr (DBIAS) {
+#pragma unroll
+            for (int j = 0; j < V; ++j) acc[it % kSlots][j] += f[j];
+        }
+        cast_vec<FMT, V>(f, q, cols, row0, col0, r, vc, scale, saturate, amax, tile);
+    }
+    if constexpr (DBIAS) {
+        const int h0 = threadIdx.x / kVecPerRow, c0 = (threadIdx.x % kVecPerRow) * V;
+#pragma unroll
+        for (int s = 0; s < kSlots; ++s)
+#pragma unroll
+            for (int j = 0; j < V; j += 4)  // 16-byte stores: a quarter warp's 8 land in distinct bank pairs
+                *reinterpret_cast<float4 *>(&part[h0 + s * kRowsPerIt][c0 + j]) =
+                    make_float4(acc[s][j], acc[s][j + 1], acc[s][j + 2], acc[s][j + 3]);
+    }
+    __syncthreads();
+    store_transposed(tile, qt, rows, row0, col0, qt_width);
+}
+
+// SwiGLU's gradient: one block computes the tile (row0, col0) of d_gate and the tile (row0, half + col0) of d_up
+// (half = cols / 2) from one read of gate, up and dy each (one exp per pair), then writes both tiles' q^T.
+template <typename T, int FMT>
+__device__ __forceinline__ void fast_pair(const T *__restrict__ x, const T *__restrict__ dy, uint8_t *__restrict__ q,
+                                          uint8_t *__restrict__ qt, int64_t rows, int64_t cols, int64_t row0,
+                                          int64_t col0, float scale, int saturate, int qt_width, int32_t &amax,
+                                          uint32_t (*tiles)[kTile][kRowWords]) {
+    const int64_t half = cols / 2;
+    constexpr int V = Elem<T>::kVec;
+    constexpr int kVecPerRow = kTile / V;
+    constexpr int kPerThread = kTile * kVecPerRow / kThreads;
+    uint4 g[kPerThread], u[kPerThread], d[kPerThread];
+#pragma unroll
+    for (int it = 0; it < kPerThread; ++it) {
+        const int k = threadIdx.x + it * kThreads;
+        const int r = k / kVecPerRow, vc = k % kVecPerRow;
+        const T *xr = x + (row0 + r) * cols + col0 + vc * V;
+        g[it] = __ldcs(reinterpret_cast<const uint4 *>(xr));
+        u[it] = __ldcs(reinterpret_cast<const uint4 *>(xr + half));
+        d[it] = __ldcs(reinterpret_cast<const uint4 *>(dy + (row0 + r) * half + col0 + vc * V));
+    }
+#pragma unroll
+    for (int it = 0; it < kPerThread; ++it) {
+        const int k = threadIdx.x + it * kThreads;
+        const int r = k / kVecPerRow, vc = k % kVecPerRow;
+        float fg[V], fu[V], fd[V];
+        Elem<T>::unpack(g[it], fg);
+        Elem<T>::unpack(u[it], fu);
+        Elem<T>::unpack(d[it], fd);
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            dswiglu(fg[j], fu[j], fd[j], fg[j], fu[j]);
+            fg[j] = round_to<T>(fg[j]);
+            fu[j] = round_to<T>(fu[j]);
+        }
+        cast_vec<FMT, V>(fg, q, cols, row0, col0, r, vc, scale, saturate, amax, tiles[0]);
+        cast_vec<FMT, V>(fu, q, cols, row0, half + col0, r, vc, scale, saturate, amax, tiles[1]);
+    }
+    __syncthreads();
+    store_transposed(tiles[0], qt, rows, row0, col0, qt_width);
+    store_transposed(tiles[1], qt, rows, row0, half + col0, qt_width);
+}
+
 // One (row group h, column c) pair per step: rows h, h + 16, h + 32, h + 48 of column c, in that order (dbias's
 // order); a warp covers 32 consecutive columns of one row, so loads of x and stores of q are coalesced.
+// Columns from col_end on are not the tile's (cols, or for SwiGLU's gradient the end of d_gate's or d_up's half).
 template <typename T, int FMT, bool DBIAS, int PRO>
 __device__ __forceinline__ void edge_tile(const T *__restrict__ x, uint8_t *__restrict__ q, uint8_t *__restrict__ qt,
-                                          int64_t rows, int64_t cols, int64_t row0, int64_t col0, float scale,
-                                          int saturate, int32_t &amax, float (*part)[kTile],
+                                          int64_t rows, int64_t cols, int64_t row0, int64_t col0, int64_t col_end,
+                                          float scale, int saturate, int32_t &amax, float (*part)[kTile],
                                           const float *__restrict__ rstd, const float *__restrict__ gamma,
                                           const T *__restrict__ dy) {
     const int64_t ld = PRO == FP8EXT_PROLOGUE_SWIGLU ? 2 * cols : cols;
@@ -202,7 +254,7 @@ __device__ __forceinline__ void edge_tile(const T *__restrict__ x, uint8_t *__re
 #pragma unroll
         for (int i = 0; i < kGroupRows; ++i) {
             const int64_t r = row0 + h + i * kGroups;
-            if (r >= rows || c >= cols) continue;
+            if (r >= rows || c >= col_end) continue;
             const float v = prologue_one<T, PRO>(x, dy, ld, cols, r, c, rstd, gamma);
             amax = max(amax, abs_bits(v));
             const uint8_t b = static_cast<uint8_t>(cvt1<FMT>(v, scale, saturate));
@@ -221,20 +273,31 @@ cast_transpose_kernel(const T *__restrict__ x, uint8_t *__restrict__ q, uint8_t 
                       float *amax_out, float *scale_inv_out, int saturate, int vector_ok, int qt_width,
                       float *__restrict__ workspace, const float *__restrict__ rstd, const float *__restrict__ gamma,
                       const T *__restrict__ dy) {
-    __shared__ uint32_t tile[kTile][kRowWords];
+    constexpr bool kPair = PRO == FP8EXT_PROLOGUE_DSWIGLU;  // a block per pair of tiles (d_gate's, d_up's)
+    __shared__ uint32_t tile[kPair ? 2 : 1][kTile][kRowWords];
     __shared__ __align__(16) float part[DBIAS ? kGroups : 1][kTile];  // dbias: a sum per (row group, column)
     const float scale = load_scale(scale_ptr, scale_value);
     if (scale_inv_out && blockIdx.x == 0 && threadIdx.x == 0) *scale_inv_out = 1.0f / scale;
     const int64_t row0 = (static_cast<int64_t>(blockIdx.x) / col_tiles) * kTile;
     const int64_t col0 = (static_cast<int64_t>(blockIdx.x) % col_tiles) * kTile;
     int32_t amax = 0;
-    // (The gradient of SwiGLU: a tile across the d_gate | d_up boundary takes the element path.)
-    if (vector_ok && row0 + kTile <= rows && col0 + kTile <= cols &&
-        (PRO != FP8EXT_PROLOGUE_DSWIGLU || col0 + kTile <= cols / 2 || col0 >= cols / 2))
-        fast_tile<T, FMT, DBIAS, PRO>(x, q, qt, rows, cols, row0, col0, scale, saturate, qt_width, amax, tile, part,
-                                      rstd, gamma, dy);
-    else
-        edge_tile<T, FMT, DBIAS, PRO>(x, q, qt, rows, cols, row0, col0, scale, saturate, amax, part, rstd, gamma, dy);
+    if constexpr (kPair) {  // col_tiles covers d_gate's columns; half % 8 == 0 where vector_ok
+        const int64_t half = cols / 2;
+        if (vector_ok && row0 + kTile <= rows && col0 + kTile <= half) {
+            fast_pair<T, FMT>(x, dy, q, qt, rows, cols, row0, col0, scale, saturate, qt_width, amax, tile);
+        } else {
+            edge_tile<T, FMT, DBIAS, PRO>(x, q, qt, rows, cols, row0, col0, half, scale, saturate, amax, part, rstd,
+                                          gamma, dy);
+            edge_tile<T, FMT, DBIAS, PRO>(x, q, qt, rows, cols, row0, half + col0, cols, scale, saturate, amax, part,
+                                          rstd, gamma, dy);
+        }
+    } else if (vector_ok && row0 + kTile <= rows && col0 + kTile <= cols) {
+        fast_tile<T, FMT, DBIAS, PRO>(x, q, qt, rows, cols, row0, col0, scale, saturate, qt_width, amax, tile[0],
+                                      part, rstd, gamma);
+    } else {
+        edge_tile<T, FMT, DBIAS, PRO>(x, q, qt, rows, cols, row0, col0, cols, scale, saturate, amax, part, rstd, gamma,
+                                      dy);
+    }
     if constexpr (DBIAS) {
         __syncthreads();
         if (threadIdx.x < kTile && col0 + threadIdx.x < cols) {
@@ -282,7 +345,7 @@ int launch(const fp8ext_cast_transpose_args *a, float *workspace, cudaStream_t s
     const int64_t rows = q.rows, cols = q.cols;
     if (rows == 0 || cols == 0)
         return q.scale_inv ? fp8ext_cuda_write_reciprocal(q.scale, q.scale_value, q.scale_inv, s) : cudaSuccess;
-    const int64_t col_tiles = (cols + kTile - 1) / kTile;
+    const int64_t col_tiles = ((PRO == FP8EXT_PROLOGUE_DSWIGLU ? cols / 2 : cols) + kTile - 1) / kTile;
     const int64_t tiles = col_tiles * ((rows + kTile - 1) / kTile);
     if (tiles > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
     // x's rows in 16-byte vectors and q's in 8-byte pieces need cols % 8 == 0; qt's pieces go in the widest

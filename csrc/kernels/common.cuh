@@ -134,12 +134,12 @@ __device__ __forceinline__ float silu_times(float gate, float up) { return gate 
 
 // SwiGLU's gradient for one (gate, up) pair and the output's gradient dy, in float32 (fp8ext.h's definition), as
 // every kernel computes it: d_gate = dy * up * (sig * (1 + gate * (1 - sig))), d_up = dy * (gate / (1 + exp(-gate))),
-// sig = 1 / (1 + exp(-gate)).
-__device__ __forceinline__ float dswiglu_gate(float gate, float up, float dy) {
-    const float sig = 1.0f / (1.0f + expf(-gate));
-    return dy * up * (sig * (1.0f + gate * (1.0f - sig)));
+// sig = 1 / (1 + exp(-gate)). Both halves from one exp.
+__device__ __forceinline__ void dswiglu(float gate, float up, float dy, float &d_gate, float &d_up) {
+    const float den = 1.0f + expf(-gate), sig = 1.0f / den;
+    d_gate = dy * up * (sig * (1.0f + gate * (1.0f - sig)));
+    d_up = dy * (gate / den);
 }
-__device__ __forceinline__ float dswiglu_up(float gate, float dy) { return dy * (gate / (1.0f + expf(-gate))); }
 
 inline bool aligned(const void *p, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(p) % bytes) == 0; }
 

@@ -316,8 +316,9 @@ __global__ void __launch_bounds__(256) swiglu_backward_kernel(fp8ext_swiglu_back
     load8(static_cast<const T *>(a.dy), row * a.cols + c, dy);
 #pragma unroll
     for (int t = 0; t < 8; ++t) {
-        dg[t] = round_to<T>(dswiglu_gate(g[t], u[t], dy[t]));
-        du[t] = round_to<T>(dswiglu_up(g[t], dy[t]));
+        dswiglu(g[t], u[t], dy[t], dg[t], du[t]);
+        dg[t] = round_to<T>(dg[t]);
+        du[t] = round_to<T>(du[t]);
     }
     store8(dr, c, dg);
     store8(dr, a.cols + c, du);

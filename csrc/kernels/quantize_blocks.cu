@@ -215,7 +215,7 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_t_kernel(
                 uint4 up = make_uint4(0, 0, 0, 0);
                 if constexpr (PRO == FP8EXT_PROLOGUE_SWIGLU)
                     up = __ldcs(reinterpret_cast<const uint4 *>(x + r * ld + cols + c));
-                prologue_vec<T, PRO>(fi, up, up, false, r, c, rstd, gamma);
+                prologue_vec<T, PRO>(fi, up, r, c, rstd, gamma);
                 raw = pack8<T>(fi);
             }
         }
