@@ -188,9 +188,10 @@ def fused_input_linear(linear: FP8Linear, op: int, x: torch.Tensor, gamma: Optio
     return linear.returned(LinearFunction.apply(x, linear.weight, bias, plan, gamma.reshape(k)))
 
 
-class _FusedMLPFunction(torch.autograd.Function):
-    """fc2(swiglu(fc1(rmsnorm(x)))) in FP8 as one node (see the module docstring); fc1 has no bias. plans: the two
-    layers' LinearPlans, fc1's with the RMSNorm prologue. backward returns (dx, dgamma, dW1, dW2, db2, None)."""
+class _NormMLPSteps:
+    """LayerNormMLP's steps (eager; delayed, current or block scaling; see the module docstring): RMSNorm inside fc1's
+    input cast, the GEMMs and casts as fp8ext's ops. plans: the two layers' LinearPlans, fc1's with the RMSNorm
+    prologue; fc1 has no bias."""
 
     @staticmethod
     def forward(ctx, x, gamma, w1, w2, b2, plans):
@@ -214,7 +215,6 @@ class _FusedMLPFunction(torch.autograd.Function):
         return y.reshape(*x.shape[:-1], w2.shape[0])
 
     @staticmethod
-    @once_differentiable  # a second derivative raises instead of coming out silently wrong
     def backward(ctx, dy):
         x2, g, rstd, x8t, x_sinv, w1_8t, w1_sinv, a_sinv, w2_sinv = ctx.saved_tensors
         if ctx.h is None:
@@ -247,6 +247,70 @@ class _FusedMLPFunction(torch.autograd.Function):
                 db2, None)
 
 
+class _OneCallMLPSteps:
+    """fp8ext's transformer's MLP w2(swiglu(w13(x))) as FP8Linear's one-call passes (ONE_CALL; ONE_CALL_OP, the same
+    calls as torch ops, under torch.compile; delayed scaling, no norm): forward w13's call, then w2's with SwiGLU
+    inside its input's cast; backward w2's call, then w13's with SwiGLU's gradient inside the cast of w13's output
+    gradient (linear_bwd's d_a). plans: the two layers' LinearPlans (w2's with the SwiGLU prologue); w13 has no bias;
+    gamma is None."""
+
+    @staticmethod
+    def forward(ctx, x, gamma, w13, w2, b2, plans):
+        p13, p2 = plans
+        calls = p13.backend
+        k = w13.shape[1]
+        x2 = x.view(-1, k)
+        m = x2.shape[0]
+        h, saved13 = calls.fwd(p13, x2, w13, None)
+        y, saved2 = calls.fwd(p2, h, w2, b2)
+        if b2 is not None and not p2.fuse_bias:
+            y = y + b2.to(y.dtype)
+        ctx.save_for_backward(saved13, h, saved2)
+        ctx.plans, ctx.x_shape, ctx.dtype = plans, x.shape, h.dtype
+        ctx.dims13, ctx.dims2 = (m, k, w13.shape[0]), (m, w2.shape[1], w2.shape[0])
+        return y.view(*x.shape[:-1], w2.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        saved13, h, saved2 = ctx.saved_tensors
+        p13, p2 = ctx.plans
+        calls = p13.backend
+        need_x, _, need_w13, need_w2, need_b2 = ctx.needs_input_grad[:5]
+        m, _, n = ctx.dims2
+        dy2 = dy.reshape(m, n)
+        if not dy2.is_contiguous():
+            dy2 = dy2.contiguous()
+        db_dtype = None
+        if p2.b_dtype is not None and need_b2:
+            db_dtype = p2.b_dtype if p2.b_dtype == dy2.dtype else torch.float32
+        upstream = need_x or need_w13
+        d_a, dw2, db2 = calls.bwd(p2, dy2, saved2, ctx.dims2, upstream, need_w2, db_dtype, ctx.dtype)
+        dx = dw13 = None
+        if upstream:
+            dx, dw13, _ = calls.bwd(p13, h, saved13, ctx.dims13, need_x, need_w13, None, ctx.dtype, swiglu_da=d_a)
+        if db2 is not None and db2.dtype != p2.b_dtype:
+            db2 = db2.to(p2.b_dtype)
+        return None if dx is None else dx.view(ctx.x_shape), None, dw13, dw2, db2, None
+
+
+class _FusedMLPFunction(torch.autograd.Function):
+    """fc2(swiglu(fc1([rmsnorm](x)))) in FP8 as one autograd node: SwiGLU computed inside fc2's input cast, its
+    gradient inside the cast of fc1's output gradient, so that neither SwiGLU's output nor dh is written in high
+    precision (9 bytes per element of dh become 4.5). plans: (steps, fc1's LinearPlan, fc2's), steps running the
+    layers' passes: _NormMLPSteps (LayerNormMLP, with the norm) or _OneCallMLPSteps (fp8ext's transformer).
+    backward returns (dx, dgamma, dW1, dW2, db2, None)."""
+
+    @staticmethod
+    def forward(ctx, x, gamma, w1, w2, b2, plans):
+        ctx.steps = plans[0]
+        return plans[0].forward(ctx, x, gamma, w1, w2, b2, plans[1:])
+
+    @staticmethod
+    @once_differentiable  # the fused casts' gradients: a second derivative raises instead of coming out wrong
+    def backward(ctx, dy):
+        return ctx.steps.backward(ctx, dy)
+
+
 @profiled("fp8ext.fused_mlp")
 def fused_mlp(fc1: FP8Linear, fc2: FP8Linear, x: torch.Tensor, gamma: torch.Tensor, eps: float,
               is_first_microbatch: Optional[bool] = None, *, reference: bool = False):
@@ -264,64 +328,18 @@ def fused_mlp(fc1: FP8Linear, fc2: FP8Linear, x: torch.Tensor, gamma: torch.Tens
     p1 = fc1.fp8_plan(recipe, x, is_first_microbatch, prologue=Prologue(RMSNORM, eps, "LayerNormMLP"))
     p2 = fc2.fp8_plan(recipe, x, is_first_microbatch)
     b2 = None if fc2.return_bias else fc2.bias
-    return fc2.returned(_FusedMLPFunction.apply(x, gamma.reshape(k), fc1.weight, fc2.weight, b2, (p1, p2)))
-
-
-class _SwiGLUMLPFunction(torch.autograd.Function):
-    """w2(swiglu(w13(x))) in FP8 as one node of FP8Linear's one-call passes (ONE_CALL; ONE_CALL_OP, the same calls as
-    torch ops, under torch.compile): forward w13's call, then w2's with SwiGLU inside its input's cast; backward w2's
-    call, then w13's with SwiGLU's gradient inside the cast of w13's output gradient, so that dh is never written in
-    high precision (9 bytes per element of dh become 4.5, as in LayerNormMLP's fused node). plans: the two layers'
-    LinearPlans (w2's with the SwiGLU prologue); w13 has no bias. backward returns (dx, dW13, dW2, db2, None)."""
-
-    @staticmethod
-    def forward(ctx, x, w13, w2, b2, plans):
-        p13, p2 = plans
-        calls = p13.backend
-        k = w13.shape[1]
-        x2 = x.view(-1, k)
-        m = x2.shape[0]
-        h, saved13 = calls.fwd(p13, x2, w13, None)
-        y, saved2 = calls.fwd(p2, h, w2, b2)
-        if b2 is not None and not p2.fuse_bias:
-            y = y + b2.to(y.dtype)
-        ctx.save_for_backward(saved13, h, saved2)
-        ctx.plans, ctx.x_shape, ctx.dtype = plans, x.shape, h.dtype
-        ctx.dims13, ctx.dims2 = (m, k, w13.shape[0]), (m, w2.shape[1], w2.shape[0])
-        return y.view(*x.shape[:-1], w2.shape[0])
-
-    @staticmethod
-    @once_differentiable  # the fused cast's gradient: a second derivative raises instead of coming out wrong
-    def backward(ctx, dy):
-        saved13, h, saved2 = ctx.saved_tensors
-        p13, p2 = ctx.plans
-        calls = p13.backend
-        need_x, need_w13, need_w2, need_b2 = ctx.needs_input_grad[:4]
-        m, _, n = ctx.dims2
-        dy2 = dy.reshape(m, n)
-        if not dy2.is_contiguous():
-            dy2 = dy2.contiguous()
-        db_dtype = None
-        if p2.b_dtype is not None and need_b2:
-            db_dtype = p2.b_dtype if p2.b_dtype == dy2.dtype else torch.float32
-        upstream = need_x or need_w13
-        d_a, dw2, db2 = calls.bwd(p2, dy2, saved2, ctx.dims2, upstream, need_w2, db_dtype, ctx.dtype)
-        dx = dw13 = None
-        if upstream:
-            dx, dw13, _ = calls.bwd(p13, h, saved13, ctx.dims13, need_x, need_w13, None, ctx.dtype, swiglu_da=d_a)
-        if db2 is not None and db2.dtype != p2.b_dtype:
-            db2 = db2.to(p2.b_dtype)
-        return None if dx is None else dx.view(ctx.x_shape), dw13, dw2, db2, None
+    return fc2.returned(_FusedMLPFunction.apply(x, gamma.reshape(k), fc1.weight, fc2.weight, b2,
+                                                (_NormMLPSteps, p1, p2)))
 
 
 @profiled("fp8ext.swiglu_mlp")
 def swiglu_mlp(w13: FP8Linear, w2: FP8Linear, x: torch.Tensor, is_first_microbatch: Optional[bool] = None, *,
                reference: bool = False):
     """w2(swiglu(w13(x))) in FP8 as one node of the one-call passes with SwiGLU and its gradient inside the casts
-    (_SwiGLUMLPFunction), eagerly or under torch.compile, or None when this call is not one the path takes: both layers
-    on FP8Linear's fast path (delayed scaling, their slots registered), w13 without a bias, w13's outputs twice w2's
-    inputs, neither returning its bias, and what fused_input_linear asks of x; the caller then runs the steps
-    separately, with the same result. reference=True takes the path on a CPU too (fp8ext.fused's reference
+    (_FusedMLPFunction with _OneCallMLPSteps), eagerly or under torch.compile, or None when this call is not one the
+    path takes: both layers on FP8Linear's fast path (delayed scaling, their slots registered), w13 without a bias,
+    w13's outputs twice w2's inputs, neither returning its bias, and what fused_input_linear asks of x; the caller
+    then runs the steps separately, with the same result. reference=True takes the path on a CPU too (fp8ext.fused's reference
     definitions, for tests)."""
     if not (isinstance(w13, FP8Linear) and isinstance(w2, FP8Linear)) or w13.bias is not None or w13.return_bias \
             or w2.return_bias or w13.out_features != 2 * w2.in_features:
@@ -339,4 +357,4 @@ def swiglu_mlp(w13: FP8Linear, w2: FP8Linear, x: torch.Tensor, is_first_microbat
     p2 = w2.lean_plan(q2, Prologue(SWIGLU), x.dtype, x.dtype, x.device, x.numel() // k)
     if p2 is None or p2.backend is not p13.backend or (p13.main_grad is None) != (p2.main_grad is None):
         return None
-    return _SwiGLUMLPFunction.apply(x, w13.weight, w2.weight, w2.bias, (p13, p2))
+    return _FusedMLPFunction.apply(x, None, w13.weight, w2.weight, w2.bias, (_OneCallMLPSteps, p13, p2))
