@@ -11,7 +11,9 @@ of fc1's output gradient (TE's dswiglu + cast_transpose).
               dx and dgamma; swiglu_backward: dh).
     the MLP   RMSNorm -> fc1 -> SwiGLU -> fc2 as one autograd node (fused_mlp): forward as above; backward fc2's
               GEMMs, then dh8, dh8^T = cast_transpose(dswiglu(h, d_a)) with SwiGLU's gradient computed inside fc1's
-              gradient cast (dh is never written in high precision), fc1's GEMMs, rms_norm_bwd.
+              gradient cast (dh is never written in high precision), fc1's GEMMs, rms_norm_bwd. fp8ext's
+              transformer's MLP (w13 -> SwiGLU -> w2, no norm) is the same node run as FP8Linear's one-call passes
+              (swiglu_mlp), eagerly and under torch.compile.
 
 The bytes are those of the unfused composition (the step's fused kernel writing x's dtype, then FP8Linear): the
 prologue computes the step's output as that kernel does and rounds it to x's dtype before the cast, and the amax
