@@ -27,7 +27,25 @@ from ..core.tensor import FP8Tensor
 
 __all__ = ["gemm", "set_gemm_autotune", "gemm_cache_info", "WORKSPACE_BYTES"]
 
-WORKSPACE_BYTES = 32 * 1024 * 1024  # cuBLAS's recommendation for Hopper
+
+
+def _workspace_bytes() -> int:
+    """The cuBLASLt workspace per device and stream: 32 MiB (cuBLAS's recommendation for Hopper), or
+    FP8EXT_GEMM_WORKSPACE_MIB. torch keeps its own (shared by its cuBLAS and cuBLASLt calls, torch._scaled_mm
+    included), so fp8ext's adds its size to a model's peak memory; a smaller one trades GEMM algorithms for memory."""
+    raw = os.environ.get("FP8EXT_GEMM_WORKSPACE_MIB")
+    if raw is None:
+        return 32 * 1024 * 1024
+    try:
+        mib = int(raw)
+    except ValueError:
+        mib = -1
+    if not 1 <= mib <= 1024:
+        raise ValueError(f"FP8EXT_GEMM_WORKSPACE_MIB must be a whole number of MiB from 1 to 1024, got {raw!r}")
+    return mib * 1024 * 1024
+
+
+WORKSPACE_BYTES = _workspace_bytes()
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
 _workspaces: Dict[Tuple[int, int], Tuple[torch.Tensor, object]] = {}  # (device, stream) -> (buffer, capsule)
 _FP8 = {torch.float8_e4m3fn: E4M3, torch.float8_e5m2: E5M2}

@@ -285,3 +285,21 @@ def test_out_that_is_not_a_tensor_is_a_type_error_naming_it(out):
     with pytest.raises(TypeError, match=r"gemm\(\): out must be a torch.Tensor or None, got "):
         fp8ext.gemm(a, a, a_scale_inv=one, b_scale_inv=one, out=out)
 
+
+
+@pytest.mark.parametrize("value,expected", [(None, 32 << 20), ("4", 4 << 20), ("1", 1 << 20)])
+def test_workspace_size_comes_from_fp8ext_gemm_workspace_mib(monkeypatch, value, expected):
+    from fp8ext.ops import _gemm
+    if value is None:
+        monkeypatch.delenv("FP8EXT_GEMM_WORKSPACE_MIB", raising=False)
+    else:
+        monkeypatch.setenv("FP8EXT_GEMM_WORKSPACE_MIB", value)
+    assert _gemm._workspace_bytes() == expected
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "2.5", "lots", "2048"])
+def test_a_bad_fp8ext_gemm_workspace_mib_is_refused_by_name(monkeypatch, value):
+    from fp8ext.ops import _gemm
+    monkeypatch.setenv("FP8EXT_GEMM_WORKSPACE_MIB", value)
+    with pytest.raises(ValueError, match="FP8EXT_GEMM_WORKSPACE_MIB"):
+        _gemm._workspace_bytes()
