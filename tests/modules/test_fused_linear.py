@@ -413,6 +413,20 @@ class _SwiGLULinear(torch.nn.Module):
         return self.lin(_ReferenceSwiGLU.apply(h) if self.reference else fused.swiglu(h))
 
 
+def _assert_same_steps(runs, states):
+    """runs[name] = (per step (output, input gradient, parameter gradients), ...): "eager" and "compiled" equal
+    "separate" bit for bit, and so do the layers' scaling states (states(run): their get_extra_state() dicts)."""
+    for name in ("eager", "compiled"):
+        for i, (want, got) in enumerate(zip(runs["separate"][0], runs[name][0])):
+            assert torch.equal(got[0], want[0]), (name, i, "output")
+            assert torch.equal(got[1], want[1]), (name, i, "input gradient")
+            for j, (gw, gg) in enumerate(zip(want[2], got[2])):
+                assert torch.equal(gg, gw), (name, i, f"gradient of parameter {j}")
+        for sa, sb in zip(states(runs[name]), states(runs["separate"])):
+            for key in ("amax_history", "scale", "scale_inv"):
+                assert torch.equal(sa[key], sb[key]), (name, key)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[requires_cuda, pytest.mark.cuda])])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_swiglu_in_the_one_call_passes_eager_and_compiled_equal_the_separate_steps(device, bias, monkeypatch):
@@ -459,14 +473,7 @@ def test_swiglu_in_the_one_call_passes_eager_and_compiled_equal_the_separate_ste
     # the prologue is a GPU argument (the CPU computes SwiGLU before the call): there, count the one-call passes
     assert runs["eager"][2] == 2, "steps 2 and 3 take the one-call pass with SwiGLU in the cast"
     assert runs["compiled"][2] == 3, "every compiled step takes it"
-    for name in ("eager", "compiled"):
-        for i, (want, got) in enumerate(zip(runs["separate"][0], runs[name][0])):
-            assert torch.equal(got[0], want[0]), (name, i, "output")
-            assert torch.equal(got[1], want[1]), (name, i, "input gradient")
-            for j, (gw, gg) in enumerate(zip(want[2], got[2])):
-                assert torch.equal(gg, gw), (name, i, f"gradient of parameter {j}")
-        for key in ("amax_history", "scale", "scale_inv"):
-            assert torch.equal(runs[name][1][key], runs["separate"][1][key]), (name, key)
+    _assert_same_steps(runs, lambda run: [run[1]])
 
 
 def test_swiglu_prologue_of_the_one_call_op_refuses_what_it_cannot_cast():
@@ -562,15 +569,7 @@ def test_swiglu_mlp_node_eager_and_compiled_equals_the_separate_steps(device, bi
     assert runs["separate"][2] == 0
     assert runs["eager"][2] == 2, "steps 2 and 3 take w13's backward call with SwiGLU's gradient in the cast"
     assert runs["compiled"][2] == 3, "every compiled step takes it"
-    for name in ("eager", "compiled"):
-        for i, (want, got) in enumerate(zip(runs["separate"][0], runs[name][0])):
-            assert torch.equal(got[0], want[0]), (name, i, "output")
-            assert torch.equal(got[1], want[1]), (name, i, "input gradient")
-            for j, (gw, gg) in enumerate(zip(want[2], got[2])):
-                assert torch.equal(gg, gw), (name, i, f"gradient of parameter {j}")
-        for sa, sb in zip(runs[name][1], runs["separate"][1]):
-            for key in ("amax_history", "scale", "scale_inv"):
-                assert torch.equal(sa[key], sb[key]), (name, key)
+    _assert_same_steps(runs, lambda run: run[1])
 
 
 def test_c_backward_call_checks_swiglus_gradient_argument():
