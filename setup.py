@@ -31,6 +31,7 @@ C_SOURCES = ["csrc/module.c", "csrc/py_ops.c", "csrc/py_fp8_tensor.c", "csrc/py_
 CUDA_HOST_SOURCES = ["csrc/cuda_runtime_state.c", "csrc/gemm_cublaslt.c", "csrc/gemm_autotune.c",
                      "csrc/gemm_plan_cache.c"]
 CUDA_KERNELS = sorted(glob.glob("csrc/kernels/*.cu", root_dir=ROOT))
+CUDA_HOST_CXX = ["csrc/torch_workspace.cpp"]  # C++ host code (nvcc hands it to the host compiler)
 
 
 def log(msg):
@@ -152,7 +153,7 @@ class BuildExt(build_ext):
             return obj
 
         with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-            return list(pool.map(one, CUDA_KERNELS))
+            return list(pool.map(one, CUDA_KERNELS + CUDA_HOST_CXX))
 
 
 def newer_than(obj, src):

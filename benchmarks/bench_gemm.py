@@ -154,6 +154,8 @@ def main():
     print(f"# {head['device']} ({head['sms']} SMs), torch {head['torch']}, CUDA {head['cuda']}, "
           f"cuBLASLt {fp8ext.build_info()['cublaslt_version']}, {head['date']}")
     torch.manual_seed(0)
+    ws = fp8ext.gemm_workspace_info()
+    print(f"# fp8ext's cuBLASLt workspace: {ws['owner']}'s, {ws['bytes'] / 2**20:g} MiB")
     rows = sweep(args.quick)
     print(table(rows, list(rows[0]), FMT))
     gm = math.exp(sum(math.log(r["tuned/_scaled_mm"]) for r in rows) / len(rows))
@@ -170,7 +172,7 @@ def main():
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "out")
     os.makedirs(out_dir, exist_ok=True)
     plot(rows, os.path.join(out_dir, "bench_gemm.png"))
-    save("bench_gemm.json", {"header": head, "sweep": rows, "geomean_tuned": gm, "geomean_heuristic": gm_h,
+    save("bench_gemm.json", {"header": head, "workspace": ws, "sweep": rows, "geomean_tuned": gm, "geomean_heuristic": gm_h,
                              "blocks": blocks, "host_us": host, "cache": fp8ext.gemm_cache_info()})
 
 

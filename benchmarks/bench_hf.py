@@ -53,7 +53,8 @@ def build(args, variant: str):
     blocks_only = lambda layer, name: "lm_head" not in name  # noqa: E731  (lm_head stays bf16, as torchao's recipes)
     context = contextlib.nullcontext
     if variant.startswith("fp8ext"):
-        recipe = fp8ext.Float8CurrentScaling() if "current" in variant else fp8ext.DelayedScaling()
+        recipe = fp8ext.Float8CurrentScaling() if "current" in variant else \
+            fp8ext.DelayedScaling(amax_history_len=args.amax_history)
         fp8ext.convert_to_fp8(model, filter_fn=blocks_only)
         if "compiled" in variant:  # recast: keep x and W for backward and cast them again there (less memory)
             fp8ext.prepare_fp8(model, recipe, recast_in_backward="recast" in variant)
@@ -105,6 +106,7 @@ def in_subprocess(args, variant: str) -> dict:
     cmd = [sys.executable, __file__, "--child", variant, "--device", args.device, "--batch", str(args.batch),
            "--seq_len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     cmd += ["--tiny"] if args.tiny else []
+    cmd += ["--amax_history", str(args.amax_history)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:  # a variant past its time is reported like a failed one; the others go on
@@ -174,6 +176,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--tiny", action="store_true", help="a small config (dry runs of the code paths)")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per variant")
+    ap.add_argument("--amax_history", type=int, default=1024,
+                    help="DelayedScaling's amax_history_len for the fp8ext variants that are not 'current' (the "
+                         "history is float32 per FP8 tensor slot: 2 MiB on this model with 1024 steps)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:  # one variant, in this process

@@ -32,6 +32,12 @@ void fp8ext_cuda_leave(const fp8ext_cuda_scope *scope);
 /* Raises RuntimeError("fn(): CUDA error cudaErrorX: description"); returns -1. */
 int fp8ext_cuda_raise(const char *fn, int err);
 
+/* torch's cuBLASLt workspace (torch_workspace.h) for a call of `fn` on `device`, which is current (fp8ext_cuda_enter),
+ * run on torch's current stream there: *ptr and *bytes (NULL and 0 for an empty one). Raises TypeError when it was
+ * never looked up (the caller then had to pass a workspace), torch.OutOfMemoryError or RuntimeError when torch
+ * failed to make it, RuntimeError when torch made it on another device. */
+int fp8ext_cuda_torch_workspace(const char *fn, int device, void **ptr, size_t *bytes);
+
 /* Number of visible CUDA devices; 0 when there is no driver or no device. */
 int fp8ext_cuda_device_count(void);
 int fp8ext_cuda_runtime_version(void);

@@ -11,9 +11,10 @@
  * exception, so fp8ext_gemm_run can run with the GIL released (autotune waits for the GPU). Threads:
  * the state's lock guards the handles, the cache and its counters; each plan's own lock guards its
  * descriptor (whose pointer attributes every call rewrites) and its tuning (gemm_plan_cache.c).
- * Memory: workspaces and autotune's scratch output belong to the caller (fp8ext.gemm takes them from
- * torch's allocator: a workspace per device and stream, so GEMMs on two streams never share scratch
- * memory and graph capture sees only stream-ordered memory). Only built with CUDA.
+ * Memory: workspaces and autotune's scratch output belong to the caller: torch's cuBLASLt workspace of the
+ * call's stream, borrowed (torch_workspace.h), or one from torch's allocator per device and stream; either
+ * way GEMMs on two streams never share scratch memory and graph capture sees only stream-ordered memory.
+ * Only built with CUDA.
  */
 #ifndef FP8EXT_GEMM_CUBLASLT_H
 #define FP8EXT_GEMM_CUBLASLT_H

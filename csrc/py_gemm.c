@@ -5,6 +5,7 @@
  * tensors are read in py_gemm_scales.c.
  */
 #include <errno.h>
+#include <stdint.h>
 #include <string.h>
 
 #include "fp8_numerics.h"
@@ -13,6 +14,9 @@
 #include "py_fp8_tensor.h"
 #include "py_gemm.h"
 #include "third_party/dlpack/dlpack.h"
+#ifdef FP8EXT_WITH_CUDA
+#include "torch_workspace.h"
+#endif
 
 #define value_error fp8ext_gemm_value_error
 
@@ -62,14 +66,11 @@ static int get_buffer(PyObject *o, const fp8ext_view *a, Py_ssize_t stream, cons
     return is_aligned(v->data, 256) ? 0 : value_error(FN "(): %s must start on a 256-byte boundary", arg);
 }
 
-/* The GPU's buffers: workspace (required) and tune_scratch (optional), both written by cuBLASLt. */
+/* The GPU's buffers: workspace and tune_scratch (both optional), both written by cuBLASLt. Without a workspace the
+ * GEMM borrows torch's (run_on_gpu). */
 static int get_gpu_buffers(PyObject *ws_o, PyObject *scratch_o, const fp8ext_view *a, Py_ssize_t stream,
                            fp8ext_view *ws, fp8ext_view *scratch) {
-    if (ws_o == Py_None) {
-        PyErr_SetString(PyExc_TypeError, FN "(): workspace (a uint8 CUDA tensor) is required on the GPU");
-        return -1;
-    }
-    if (get_buffer(ws_o, a, stream, "workspace", ws) < 0) return -1;
+    if (ws_o != Py_None && get_buffer(ws_o, a, stream, "workspace", ws) < 0) return -1;
     return scratch_o == Py_None ? 0 : get_buffer(scratch_o, a, stream, "tune_scratch", scratch);
 }
 
@@ -84,6 +85,10 @@ static int run_on_gpu(PyObject *module, const fp8ext_view *a, Py_ssize_t stream,
     fp8ext_cuda_scope scope;
     fp8ext_cuda_state *cs = &fp8ext_get_state(module)->cuda;
     if (fp8ext_cuda_enter(cs, a->device_id, FN, &scope) < 0) return -1;
+    if (!ws->capsule && fp8ext_cuda_torch_workspace(FN, a->device_id, &g->workspace, &g->workspace_size) < 0) {
+        fp8ext_cuda_leave(&scope);
+        return -1;
+    }
     fp8ext_gemm_status s;
     Py_BEGIN_ALLOW_THREADS
     s = fp8ext_gemm_run(&cs->gemm, g, (void *)stream, tune);
@@ -291,14 +296,83 @@ static PyObject *py_gemm_cache_clear(PyObject *module, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+/* bind_torch_workspace(lib_path): look up torch's cuBLASLt workspace functions in lib_path (libtorch_cuda, already
+ * loaded by `import torch`); from then on a GEMM called without a workspace borrows torch's. */
+static PyObject *py_bind_torch_workspace(PyObject *module, PyObject *arg) {
+    (void)module;
+    const char *path = PyUnicode_Check(arg) ? PyUnicode_AsUTF8(arg) : NULL;
+    if (!path) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_TypeError, "bind_torch_workspace(): lib_path must be a str, got %s", Py_TYPE(arg)->tp_name);
+        return NULL;
+    }
+#ifdef FP8EXT_WITH_CUDA
+    char err[1024];
+    int r;
+    Py_BEGIN_ALLOW_THREADS /* dlopen takes the loader's lock */
+    r = fp8ext_torch_ws_bind(path, err, sizeof err);
+    Py_END_ALLOW_THREADS
+    if (r < 0) {
+        PyErr_Format(PyExc_RuntimeError, "bind_torch_workspace(): %s", err);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+#else
+    PyErr_SetString(PyExc_RuntimeError, "bind_torch_workspace(): this fp8ext was built without CUDA");
+    return NULL;
+#endif
+}
+
+/* torch_workspace(device) -> (address, bytes): torch's cuBLASLt workspace that a GEMM on `device`, on torch's
+ * current stream there, borrows. */
+static PyObject *py_torch_workspace(PyObject *module, PyObject *arg) {
+    if (!PyLong_Check(arg)) {
+        PyErr_Format(PyExc_TypeError, "torch_workspace(): device must be an int (a CUDA device index), got %s",
+                     Py_TYPE(arg)->tp_name);
+        return NULL;
+    }
+    const long device = PyLong_AsLong(arg);
+    if (device == -1 && PyErr_Occurred()) return NULL;
+#ifdef FP8EXT_WITH_CUDA
+    if (device < 0 || device >= FP8EXT_MAX_DEVICES) {
+        PyErr_Format(PyExc_ValueError, "torch_workspace(): device %ld is out of range", device);
+        return NULL;
+    }
+    if (!fp8ext_torch_ws_bound()) {
+        PyErr_SetString(PyExc_RuntimeError, "torch_workspace(): torch's cuBLASLt workspace functions were not looked "
+                                            "up (bind_torch_workspace)");
+        return NULL;
+    }
+    fp8ext_cuda_scope scope;
+    if (fp8ext_cuda_enter(&fp8ext_get_state(module)->cuda, (int)device, "torch_workspace", &scope) < 0) return NULL;
+    void *p = NULL;
+    size_t n = 0;
+    const int r = fp8ext_cuda_torch_workspace("torch_workspace", (int)device, &p, &n);
+    fp8ext_cuda_leave(&scope);
+    if (r < 0) return NULL;
+    return Py_BuildValue("(Kn)", (unsigned long long)(uintptr_t)p, (Py_ssize_t)n);
+#else
+    (void)module;
+    PyErr_SetString(PyExc_RuntimeError, "torch_workspace(): this fp8ext was built without CUDA");
+    return NULL;
+#endif
+}
+
 PyMethodDef fp8ext_gemm_methods[] = {
     {"gemm", (PyCFunction)(void (*)(void))py_gemm, METH_VARARGS | METH_KEYWORDS,
      "gemm(a, b, a_fmt, b_fmt, a_scale_inv, b_scale_inv, out, out_fmt=-1, bias=None, out_scale=None, amax_out=None,\n"
      "     accumulate=False, fast_accum=False, workspace=None, stream=0, autotune=False, tune_scratch=None)\n"
      "     -> (a_mode, b_mode), or (a_mode, b_mode, nbytes): autotune needs a tune_scratch of nbytes, call again\n"
-     "Checks an FP8 GEMM's arguments; runs it with cuBLASLt for CUDA tensors (fp8ext.gemm emulates CPU ones)."},
+     "Checks an FP8 GEMM's arguments; runs it with cuBLASLt for CUDA tensors (fp8ext.gemm emulates CPU ones).\n"
+     "workspace None on the GPU: torch's cuBLASLt workspace (after bind_torch_workspace), and stream must be\n"
+     "torch's current stream."},
     {"gemm_cache_info", py_gemm_cache_info, METH_NOARGS,
      "GEMM plan cache statistics: plans, max_plans (the bound), hits, misses, evictions, tuned."},
     {"gemm_cache_clear", py_gemm_cache_clear, METH_NOARGS, "Drops every cached GEMM plan."},
+    {"bind_torch_workspace", py_bind_torch_workspace, METH_O,
+     "bind_torch_workspace(lib_path): GEMMs given no workspace borrow torch's cuBLASLt workspace, whose functions\n"
+     "are looked up in lib_path (libtorch_cuda, which must already be loaded; nothing new is loaded)."},
+    {"torch_workspace", py_torch_workspace, METH_O,
+     "torch_workspace(device) -> (address, bytes): torch's cuBLASLt workspace for device and its current stream."},
     {NULL, NULL, 0, NULL},
 };

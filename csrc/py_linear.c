@@ -242,13 +242,15 @@ static int run(PyObject *module, const char *fn, const fp8ext_view *where, Py_ss
         return 0;
     }
 #ifdef FP8EXT_WITH_CUDA
-    if (!ws->capsule) {
-        PyErr_Format(PyExc_TypeError, "%s(): workspace (a uint8 CUDA tensor) is required on the GPU", fn);
-        return -1;
-    }
     fp8ext_cuda_state *cs = &fp8ext_get_state(module)->cuda;
     fp8ext_cuda_scope scope;
     if (fp8ext_cuda_enter(cs, where->device_id, fn, &scope) < 0) return -1;
+    void *ws_data = ws->data; /* no workspace given: torch's, borrowed for the GEMMs of this call */
+    size_t ws_bytes = (size_t)ws->numel;
+    if (!ws->capsule && fp8ext_cuda_torch_workspace(fn, where->device_id, &ws_data, &ws_bytes) < 0) {
+        fp8ext_cuda_leave(&scope);
+        return -1;
+    }
     int err = 0, failed = -1;
     fp8ext_gemm_status s = {0};
     Py_BEGIN_ALLOW_THREADS
@@ -263,7 +265,7 @@ static int run(PyObject *module, const char *fn, const fp8ext_view *where, Py_ss
     }
     if (dbias && !err) err = fp8ext_cuda_cast_transpose_dbias(dbias, (void *)stream, scope.num_sms);
     for (int i = 0; i < n_gemms && !err && failed < 0; ++i) {
-        gemms[i].workspace = ws->data, gemms[i].workspace_size = (size_t)ws->numel, gemms[i].device = where->device_id;
+        gemms[i].workspace = ws_data, gemms[i].workspace_size = ws_bytes, gemms[i].device = where->device_id;
         s = fp8ext_gemm_run(&cs->gemm, &gemms[i], (void *)stream, 0);
         if (s.kind != FP8EXT_GEMM_OK) failed = i;
     }
@@ -550,7 +552,7 @@ PyMethodDef fp8ext_linear_methods[] = {
      "and each tensor's amax and scale are computed from it first (current scaling). keep False: saved is only\n"
      "the header of scale_invs, and x and w are cast without their transposed copies (backward casts again).\n"
      "prologue 2 (SwiGLU; GPU, delayed scaling, keep True): x is [M, 2K] and the layer's input is SwiGLU(x),\n"
-     "computed inside x's cast."},
+     "computed inside x's cast. workspace None on a GPU: torch's cuBLASLt workspace (bind_torch_workspace)."},
     {"linear_bwd", (PyCFunction)(void (*)(void))py_linear_bwd, METH_FASTCALL,
      "linear_bwd(dy, saved, scratch, m, k, n, fwd_fmt, g_scale, g_amax, bwd_fmt, dx, dw, accumulate, workspace,\n"
      "           stream, db[, margin[, x_t, w_t[, d_a]]]) -> bool\n"

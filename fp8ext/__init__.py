@@ -19,7 +19,7 @@ import torch  # noqa: F401  (loads torch's CUDA libraries before the extension's
 from . import _C
 from .ops import _library  # noqa: F401  (registers torch.ops.fp8ext.*)
 from .core import recipe  # noqa: F401  (fp8ext.recipe, as transformer_engine.common.recipe)
-from .ops._gemm import gemm, gemm_cache_info, set_gemm_autotune
+from .ops._gemm import gemm, gemm_cache_info, gemm_workspace_info, set_gemm_autotune
 from .core.context import autocast, fp8_autocast, get_fp8_recipe, get_scaling_manager, is_fp8_enabled
 from .core.debug import debug_checks_enabled, set_debug_checks
 from .core.profiling import profiling_enabled, set_profiling
@@ -132,6 +132,7 @@ __all__ = [
     "gemm",
     "set_gemm_autotune",
     "gemm_cache_info",
+    "gemm_workspace_info",
     "DelayedScaling",
     "CurrentScaling",
     "Float8CurrentScaling",

@@ -3,15 +3,17 @@
 out = (a * a_scale_inv) @ (b * b_scale_inv)^T (+ bias) (+ out with accumulate=True), the F.linear
 convention: a is [M, K], b is [N, K], both FP8. The scales' shapes say how they apply (see gemm()).
 On the GPU fp8ext._C checks the call and runs cuBLASLt with a cached plan (heuristic algorithm, or the
-fastest of the heuristic's candidates with autotune) on the caller's stream, with a 32 MiB workspace per
-device and stream taken from torch's allocator (two streams never share one; CUDA graphs capture it
-like any tensor). On the CPU the same checks run in C and the product is emulated: dequantize, then a
-float32 matmul, so CPU tests cover the API and its semantics.
+fastest of the heuristic's candidates with autotune) on the caller's stream, with torch's cuBLASLt workspace
+of that stream: the one torch._scaled_mm uses, so fp8ext adds none to a model's memory (FP8EXT_GEMM_WORKSPACE_MIB
+gives fp8ext's GEMMs a workspace of their own instead, per device and stream, from torch's allocator). On the
+CPU the same checks run in C and the product is emulated: dequantize, then a float32 matmul, so CPU tests cover
+the API and its semantics.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -25,14 +27,14 @@ from . import dequantize, quantize
 from ..core.profiling import profiled, profiling_enabled
 from ..core.tensor import FP8Tensor
 
-__all__ = ["gemm", "set_gemm_autotune", "gemm_cache_info", "WORKSPACE_BYTES"]
+__all__ = ["gemm", "set_gemm_autotune", "gemm_cache_info", "gemm_workspace_info", "WORKSPACE_BYTES"]
 
 
 
 def _workspace_bytes() -> int:
-    """The cuBLASLt workspace per device and stream: 32 MiB (cuBLAS's recommendation for Hopper), or
-    FP8EXT_GEMM_WORKSPACE_MIB. torch keeps its own (shared by its cuBLAS and cuBLASLt calls, torch._scaled_mm
-    included), so fp8ext's adds its size to a model's peak memory; a smaller one trades GEMM algorithms for memory."""
+    """The size of fp8ext's own cuBLASLt workspace, per device and stream: FP8EXT_GEMM_WORKSPACE_MIB, or 32 MiB
+    (cuBLAS's recommendation for Hopper) where torch's workspace cannot be borrowed. Setting the variable is how
+    to ask for one: the default borrows torch's (see workspace())."""
     raw = os.environ.get("FP8EXT_GEMM_WORKSPACE_MIB")
     if raw is None:
         return 32 * 1024 * 1024
@@ -46,8 +48,10 @@ def _workspace_bytes() -> int:
 
 
 WORKSPACE_BYTES = _workspace_bytes()
+_OWN_WORKSPACE = "FP8EXT_GEMM_WORKSPACE_MIB" in os.environ
+_borrow: Optional[bool] = None  # whether GEMMs borrow torch's workspace: decided on the first GPU call
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
-_workspaces: Dict[Tuple[int, int], Tuple[torch.Tensor, object]] = {}  # (device, stream) -> (buffer, capsule)
+_workspaces: Dict[Tuple[int, int], tuple] = {}  # (device, stream) -> (buffer, capsule), or _BORROWED
 _FP8 = {torch.float8_e4m3fn: E4M3, torch.float8_e5m2: E5M2}
 _autotune = os.environ.get("FP8EXT_GEMM_AUTOTUNE", "0") == "1"
 _to_dl = torch._C._to_dlpack
@@ -68,16 +72,68 @@ def gemm_cache_info() -> dict:
     return dict(_C.gemm_cache_info())
 
 
+def _borrow_torch_workspace() -> bool:
+    """Whether fp8ext's GEMMs borrow torch's cuBLASLt workspace: yes unless FP8EXT_GEMM_WORKSPACE_MIB asks for one of
+    their own, or torch's could not be found (then a warning says so: the peak memory grows by WORKSPACE_BYTES per
+    device and stream). torch's library is looked for beside torch, then by name among those already loaded."""
+    if _OWN_WORKSPACE:
+        return False
+    errors = []
+    for lib in (os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cuda.so"), "libtorch_cuda.so"):
+        try:
+            _C.bind_torch_workspace(lib)
+            return True
+        except RuntimeError as e:
+            errors.append(str(e))
+    warnings.warn(f"fp8ext's GEMMs use a cuBLASLt workspace of their own ({WORKSPACE_BYTES >> 20} MiB per device and "
+                  f"stream, besides torch's) because torch's could not be borrowed: {'; '.join(errors)}",
+                  RuntimeWarning, stacklevel=3)
+    return False
+
+
+_BORROWED = (None, None)  # the workspace entry of a (device, stream) whose GEMMs borrow torch's
+_torch_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
+def _own_workspace(device: torch.device) -> Tuple[torch.Tensor, object]:
+    with torch.inference_mode(False):  # long-lived state: never an inference tensor
+        buf = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    return buf, _to_dl(buf)
+
+
 def workspace(device: torch.device, stream: int):
-    """A DLPack capsule of the workspace for (device, stream), made on first use. The capsule is kept and
-    reused: fp8ext's C code borrows capsules and never consumes them."""
+    """The workspace argument of fp8ext's GPU calls on (device, stream): None, and the C call borrows torch's
+    cuBLASLt workspace of that stream (torch's current one: fp8ext's calls run there), or a DLPack capsule of
+    fp8ext's own buffer, made on first use and kept (fp8ext's C code borrows capsules and never consumes them):
+    with FP8EXT_GEMM_WORKSPACE_MIB, or for a call on a device that is not torch's current one (torch makes its
+    workspace on its current device)."""
     key = (device.index, stream)
     ws = _workspaces.get(key)
     if ws is None:
-        with torch.inference_mode(False):  # long-lived state: never an inference tensor
-            buf = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        ws = _workspaces[key] = (buf, _to_dl(buf))
+        global _borrow
+        if _borrow is None:
+            _borrow = _borrow_torch_workspace()
+        ws = _workspaces[key] = _BORROWED if _borrow else _own_workspace(device)
+    if ws is _BORROWED:
+        if device.index is None or device.index == _torch_device():
+            return None
+        ws = _workspaces[key] = _own_workspace(device)
     return ws[1]
+
+
+def gemm_workspace_info(device: Optional[torch.device] = None) -> dict:
+    """{'owner': 'torch' or 'fp8ext', 'bytes': size} of the cuBLASLt workspace fp8ext's GEMMs use on `device` (the
+    current CUDA device by default) and its current stream."""
+    device = torch.device("cuda") if device is None else torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise ValueError(f"gemm_workspace_info(): device must be a CUDA device, got {device}"
+                         f"{'' if torch.cuda.is_available() else ' (this machine has none)'}")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    stream = raw_stream(device.index)
+    if workspace(device, stream) is None:
+        return {"owner": "torch", "bytes": _C.torch_workspace(device.index)[1]}
+    return {"owner": "fp8ext", "bytes": WORKSPACE_BYTES}
 
 
 def pass_stream(device: torch.device):

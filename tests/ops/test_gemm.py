@@ -303,3 +303,156 @@ def test_a_bad_fp8ext_gemm_workspace_mib_is_refused_by_name(monkeypatch, value):
     monkeypatch.setenv("FP8EXT_GEMM_WORKSPACE_MIB", value)
     with pytest.raises(ValueError, match="FP8EXT_GEMM_WORKSPACE_MIB"):
         _gemm._workspace_bytes()
+
+
+class _FakeC:
+    """fp8ext._C's bind_torch_workspace, as it answers when torch's functions are found, or not."""
+
+    def __init__(self, error=None):
+        self.error, self.calls = error, []
+
+    def bind_torch_workspace(self, path):
+        self.calls.append(path)
+        if self.error:
+            raise RuntimeError(self.error)
+
+
+def test_gemms_borrow_torchs_workspace_when_it_is_found(monkeypatch):
+    from fp8ext.ops import _gemm
+    fake = _FakeC()
+    monkeypatch.setattr(_gemm, "_C", fake)
+    monkeypatch.setattr(_gemm, "_OWN_WORKSPACE", False)
+    assert _gemm._borrow_torch_workspace() is True
+    assert fake.calls and fake.calls[0].endswith("libtorch_cuda.so")
+
+
+def test_fp8ext_gemm_workspace_mib_keeps_a_workspace_of_fp8exts_own(monkeypatch):
+    from fp8ext.ops import _gemm
+    fake = _FakeC()
+    monkeypatch.setattr(_gemm, "_C", fake)
+    monkeypatch.setattr(_gemm, "_OWN_WORKSPACE", True)
+    assert _gemm._borrow_torch_workspace() is False and fake.calls == []
+
+
+def test_a_workspace_torch_cannot_lend_is_a_warning_not_a_silent_fallback(monkeypatch):
+    from fp8ext.ops import _gemm
+    monkeypatch.setattr(_gemm, "_C", _FakeC("libtorch_cuda.so has no _ZN2at4cuda22getCUDABlasLtWorkspaceEv"))
+    monkeypatch.setattr(_gemm, "_OWN_WORKSPACE", False)
+    with pytest.warns(RuntimeWarning, match=r"workspace of their own \(\d+ MiB .*could not be borrowed: "
+                                            r"libtorch_cuda.so has no"):
+        assert _gemm._borrow_torch_workspace() is False
+
+
+def test_torchs_library_is_also_looked_for_by_name(monkeypatch):
+    from fp8ext.ops import _gemm
+
+    class Fake(_FakeC):
+        def bind_torch_workspace(self, path):
+            self.calls.append(path)
+            if path != "libtorch_cuda.so":
+                raise RuntimeError(f"{path} is not a library this process has loaded")
+    fake = Fake()
+    monkeypatch.setattr(_gemm, "_C", fake)
+    monkeypatch.setattr(_gemm, "_OWN_WORKSPACE", False)
+    assert _gemm._borrow_torch_workspace() is True
+    assert len(fake.calls) == 2 and fake.calls[0].endswith("/lib/libtorch_cuda.so") and fake.calls[1] == "libtorch_cuda.so"
+
+
+@pytest.mark.parametrize("torch_device, borrowed", [(0, True), (1, False)])
+def test_a_gemm_off_torchs_current_device_takes_a_workspace_of_its_own(monkeypatch, torch_device, borrowed):
+    # torch makes its workspace on its own current device: a call on another device must not borrow it
+    from fp8ext.ops import _gemm
+    own = (object(), "own capsule")
+    monkeypatch.setattr(_gemm, "_workspaces", {})
+    monkeypatch.setattr(_gemm, "_borrow", True)
+    monkeypatch.setattr(_gemm, "_torch_device", lambda: torch_device)
+    monkeypatch.setattr(_gemm, "_own_workspace", lambda device: own)
+    got = _gemm.workspace(torch.device("cuda", 0), 1234)
+    assert got is (None if borrowed else "own capsule")
+    monkeypatch.setattr(_gemm, "_torch_device", lambda: 0)
+    assert _gemm.workspace(torch.device("cuda", 0), 1234) is got, "a (device, stream) keeps what it got first"
+
+
+def test_torch_workspace_names_its_device_argument():
+    with pytest.raises(TypeError, match=r"torch_workspace\(\): device must be an int"):
+        fp8ext._C.torch_workspace("cuda:0")
+
+
+@pytest.mark.skipif(fp8ext.build_info()["cuda"], reason="the binding's CPU-build answer")
+def test_a_cpu_build_has_no_torch_workspace_to_borrow():
+    with pytest.raises(RuntimeError, match="built without CUDA"):
+        fp8ext._C.bind_torch_workspace("libtorch_cuda.so")
+    with pytest.raises(TypeError, match="lib_path must be a str"):
+        fp8ext._C.bind_torch_workspace(3)
+
+
+def test_gemm_workspace_info_names_a_device_that_is_not_cuda():
+    with pytest.raises(ValueError, match=r"gemm_workspace_info\(\): device must be a CUDA device, got cpu"):
+        fp8ext.gemm_workspace_info("cpu")
+
+
+needs_borrowing = pytest.mark.skipif("FP8EXT_GEMM_WORKSPACE_MIB" in __import__("os").environ,
+                                     reason="FP8EXT_GEMM_WORKSPACE_MIB asks for a workspace of fp8ext's own")
+
+
+@requires_cuda
+@pytest.mark.cuda
+@needs_borrowing
+def test_gemm_and_torch_scaled_mm_share_one_workspace_per_stream():
+    a, b, sa, sb, ref = make(256, 512, 256, fp8ext.E4M3, fp8ext.E4M3, "tensor", "cuda")
+    out = torch.empty(256, 256, device="cuda", dtype=torch.bfloat16)
+    s = torch.cuda.Stream()  # a new stream: neither torch nor fp8ext has a workspace for it yet
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, out=out)
+        before = torch.cuda.memory_allocated()
+        theirs = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+        grown = torch.cuda.memory_allocated() - before
+        info = fp8ext.gemm_workspace_info()  # after: asking makes torch's workspace of the stream, were it not there
+    torch.cuda.current_stream().wait_stream(s)
+    assert info["owner"] == "torch" and info["bytes"] > 0
+    assert grown == theirs.numel() * theirs.element_size(), "torch._scaled_mm made a workspace fp8ext had not used"
+    assert rel_err(out, ref) < 1e-2
+
+
+@requires_cuda
+@pytest.mark.cuda
+@needs_borrowing
+def test_borrowed_workspace_gives_the_bytes_of_an_own_one_of_its_size(monkeypatch):
+    from fp8ext.ops import _gemm
+    a, b, sa, sb, _ = make(512, 1024, 768, fp8ext.E4M3, fp8ext.E5M2, "tensor", "cuda", seed=3)
+    borrowed = fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, out_dtype=torch.bfloat16)
+    nbytes = fp8ext.gemm_workspace_info()["bytes"]
+    monkeypatch.setattr(_gemm, "_workspaces", {})
+    monkeypatch.setattr(_gemm, "_borrow", False)
+    monkeypatch.setattr(_gemm, "WORKSPACE_BYTES", nbytes)
+    own = fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, out_dtype=torch.bfloat16)
+    assert fp8ext.gemm_workspace_info()["owner"] == "fp8ext"
+    assert torch.equal(own.view(torch.int16), borrowed.view(torch.int16))
+
+
+@requires_cuda
+@pytest.mark.cuda
+@needs_borrowing
+def test_binding_torchs_workspace_from_a_wrong_library_is_refused_and_changes_nothing():
+    import os
+    with pytest.raises(RuntimeError, match=r"/no/such/libtorch_cuda.so is not a library this process has loaded"):
+        fp8ext._C.bind_torch_workspace("/no/such/libtorch_cuda.so")
+    c10 = os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so")  # loaded by torch; not the right one
+    with pytest.raises(RuntimeError, match=r"libc10.so has no _ZN2at4cuda22getCUDABlasLtWorkspaceEv"):
+        fp8ext._C.bind_torch_workspace(c10)
+    a, b, sa, sb, ref = make(128, 256, 128, fp8ext.E4M3, fp8ext.E4M3, "tensor", "cuda")
+    out = fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, out_dtype=torch.float32)
+    assert fp8ext.gemm_workspace_info()["owner"] == "torch" and rel_err(out, ref) < 1e-3
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+@needs_borrowing
+def test_a_gemm_on_a_device_torch_has_not_made_current_is_right_and_changes_no_device():
+    torch.cuda.set_device(0)
+    a, b, sa, sb, ref = make(256, 512, 256, fp8ext.E4M3, fp8ext.E4M3, "tensor", "cuda:1")
+    out = fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, out_dtype=torch.float32)
+    assert out.device == torch.device("cuda", 1) and torch.cuda.current_device() == 0
+    assert fp8ext.gemm_workspace_info("cuda:1")["owner"] == "fp8ext"
+    assert rel_err(out, ref) < 1e-3
