@@ -75,6 +75,7 @@ def prepare_fp8(module: nn.Module, fp8_recipe=None, *, recast_in_backward: bool 
     their FP8 copies; eager steps are unchanged."""
     from ..core.context import _DEFAULT_RECIPE
     from ..core.recipe import CurrentScaling, DelayedScaling
+    from ..core.tensor import role_quantizers
     recipe = fp8_recipe if fp8_recipe is not None else _DEFAULT_RECIPE
     if recast_in_backward and not isinstance(recipe, (CurrentScaling, DelayedScaling)):
         raise ValueError(f"prepare_fp8: recast_in_backward=True needs per-tensor scales (DelayedScaling or "
@@ -90,4 +91,8 @@ def prepare_fp8(module: nn.Module, fp8_recipe=None, *, recast_in_backward: bool 
         # compiled forward would re-register them: a graph break); a second pass takes them from the final buffers.
         for m in layers:
             m.quantizers(recipe)
+    else:
+        # The stateless recipes' quantizers are made once per recipe and cached: made now, not by the first compiled
+        # step, whose guard on that cache would fail on the next step (a second compilation of the whole model).
+        role_quantizers(recipe)
     return module

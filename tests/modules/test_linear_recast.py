@@ -252,3 +252,23 @@ def test_the_one_call_ops_without_a_saved_buffer_give_the_same_bytes(delayed, de
         assert torch.equal(a, b_), what
     dx_only = ops.linear_bwd(dy, header, *args[:9], False, False, *args[11:], None, w_t)
     assert torch.equal(dx_only[0], want[0]) and dx_only[1].numel() == 0
+
+
+@pytest.mark.parametrize("recipe", [fp8ext.DelayedScaling, fp8ext.Float8CurrentScaling])
+@pytest.mark.parametrize("recast", [True, False])
+def test_after_prepare_fp8_a_compiled_model_compiles_once(monkeypatch, recipe, recast):
+    """The second and later steps reuse the first step's graph: prepare_fp8 made every cached quantizer before
+    the first trace, so no guard on that cache fails afterwards."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    import fp8ext.core.tensor as T
+    monkeypatch.setattr(T, "_role_quantizers", {})  # as in a fresh process
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, r = ScaledSharedInput(), recipe()
+    fp8ext.prepare_fp8(model, r, recast_in_backward=recast)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter)
+    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    for _ in range(3):
+        _step(compiled, r, x, [])
+    assert counter.frame_count == 1, f"{counter.frame_count} compilations in 3 steps"
