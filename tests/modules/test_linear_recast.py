@@ -254,8 +254,10 @@ def test_the_one_call_ops_without_a_saved_buffer_give_the_same_bytes(delayed, de
     assert torch.equal(dx_only[0], want[0]) and dx_only[1].numel() == 0
 
 
-@pytest.mark.parametrize("recipe", [fp8ext.DelayedScaling, fp8ext.Float8CurrentScaling])
-@pytest.mark.parametrize("recast", [True, False])
+@pytest.mark.parametrize("recipe, recast", [(fp8ext.DelayedScaling, True), (fp8ext.DelayedScaling, False),
+                                            (fp8ext.Float8CurrentScaling, True), (fp8ext.Float8CurrentScaling, False),
+                                            (fp8ext.Float8RowwiseScaling, False), (fp8ext.Float8BlockScaling, False)],
+                         ids=lambda v: getattr(v, "__name__", str(v)))
 def test_after_prepare_fp8_a_compiled_model_compiles_once(monkeypatch, recipe, recast):
     """The second and later steps reuse the first step's graph: prepare_fp8 made every cached quantizer before
     the first trace, so no guard on that cache fails afterwards."""
