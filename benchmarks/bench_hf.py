@@ -80,6 +80,15 @@ def run_variant(args, variant: str) -> dict:
     tokens = torch.randint(0, vocab, (args.batch, args.seq_len), device=args.device, generator=gen)
     times, losses = [], []
     warm_peak = None
+
+    def one_step():
+        with context():
+            loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
     for step in range(args.warmup + args.steps):
         if cuda and step == args.warmup:  # the timed steps' own peak, apart from compilation's and the first steps'
             warm_peak = torch.cuda.max_memory_allocated()
@@ -88,11 +97,7 @@ def run_variant(args, variant: str) -> dict:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         t0 = time.perf_counter()
-        with context():
-            loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = one_step()
         if cuda:
             end.record()
             end.synchronize()
@@ -104,16 +109,32 @@ def run_variant(args, variant: str) -> dict:
             losses.append(loss.item())
     med = statistics.median(times)
     steady = torch.cuda.max_memory_allocated() if cuda else None
-    return {"variant": variant, "tokens_per_s": args.batch * args.seq_len / (med / 1e3), "step_ms": med,
-            "peak_gib": max(steady, warm_peak or 0) / 2**30 if cuda else None,
-            "timed_peak_gib": steady / 2**30 if cuda else None, "last_loss": losses[-1]}
+    row = {"variant": variant, "tokens_per_s": args.batch * args.seq_len / (med / 1e3), "step_ms": med,
+           "peak_gib": max(steady, warm_peak or 0) / 2**30 if cuda else None,
+           "timed_peak_gib": steady / 2**30 if cuda else None, "last_loss": losses[-1]}
+    if args.profile and cuda:  # after the timed steps, so that their peak and time are not the profiler's
+        row["profile"] = profile_steps(one_step, steps=2)
+    return row
+
+
+def profile_steps(step, steps: int) -> dict:
+    """The GPU's kernel time per step under torch.profiler, by kind (profile_train.py's kinds) and the largest
+    kernels by name: {"kinds": {kind: [ms, launches]}, "top": [[name, ms, launches], ...]}."""
+    from profile_decode import kernels
+    from profile_train import KINDS, kind_of
+    per_name = kernels(step, steps=steps)
+    kinds = {k: [0.0, 0.0] for k, _ in KINDS + [("other", None)]}
+    for name, (us, n) in per_name:
+        kinds[kind_of(name)][0] += us / 1e3
+        kinds[kind_of(name)][1] += n
+    return {"kinds": kinds, "top": [[name, us / 1e3, n] for name, (us, n) in per_name[:20]]}
 
 
 def in_subprocess(args, variant: str) -> dict:
     cmd = [sys.executable, __file__, "--child", variant, "--device", args.device, "--batch", str(args.batch),
            "--seq_len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     cmd += ["--tiny"] if args.tiny else []
-    cmd += ["--amax_history", str(args.amax_history)]
+    cmd += ["--amax_history", str(args.amax_history)] + (["--profile"] if args.profile else [])
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:  # a variant past its time is reported like a failed one; the others go on
@@ -170,6 +191,24 @@ def report(rows: list, args) -> None:
     print(f"{args.batch} x {args.seq_len} tokens per step, {args.steps} timed steps after {args.warmup} warm-up")
     print(table(rows, ["variant", "tokens/s", "vs bf16 eager", "vs bf16 compiled", "peak GiB",
                        "timed steps' peak GiB"]))
+    profiled = [r for r in rows if r.get("profile")]
+    if profiled:  # where each variant's GPU time goes
+        from profile_train import KINDS
+        kinds = [k for k, _ in KINDS] + ["other"]
+        print("kernel time per step, ms (launches), torch.profiler, 2 steps after the timed ones:")
+        print("| kind | " + " | ".join(r["variant"] for r in profiled) + " |")
+        print("|---|" + "---:|" * len(profiled))
+        for k in kinds + ["all"]:
+            cells = []
+            for r in profiled:
+                v = r["profile"]["kinds"]
+                ms, n = (sum(x[0] for x in v.values()), sum(x[1] for x in v.values())) if k == "all" else v[k]
+                cells.append(f"{ms:.1f} ({n:.0f})")
+            print(f"| {k} | " + " | ".join(cells) + " |")
+        for r in profiled:
+            print(f"== {r['variant']}: largest kernels, ms per step (launches)")
+            for name, ms, n in r["profile"]["top"][:12]:
+                print(f"  {ms:8.2f}  {n:6.0f}  {name[:90]}")
     if args.device == "cuda":
         save(f"bench_hf_{'preset_' + args.preset if args.preset else 'llama'}.json", {"header": head, "rows": rows})
 
@@ -188,6 +227,8 @@ def main(argv=None) -> int:
     ap.add_argument("--amax_history", type=int, default=1024,
                     help="DelayedScaling's amax_history_len for the fp8ext variants that are not 'current' (the "
                          "history is float32 per FP8 tensor slot: 2 MiB on this model with 1024 steps)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile two steps per variant after the timed ones: kernel time by kind and by name")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:  # one variant, in this process
