@@ -111,6 +111,104 @@ def test_replay_refuses_an_input_that_requires_grad_when_its_sample_did_not():
     _check_like([torch.zeros(2)], [torch.zeros(2, requires_grad=True)])  # the other way round is harmless
 
 
+# ---- the gradients a replay hands to autograd (CPU: graphs replaced by functions writing the static buffers) -------
+class _FakeGraph:
+    def __init__(self, fn):
+        self.replay = fn
+
+
+def _graphed_linear():
+    """A graphed y = x W^T whose "graphs" write the static buffers as a replay would: (callable, W, static dW)."""
+    from fp8ext.modules.graphs import _graphed_function
+    from torch.utils._pytree import tree_flatten
+    w = nn.Parameter(torch.randn(3, 4))
+    x_s, y_s, gy_s, gw_s, gx_s = torch.zeros(2, 4), torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(3, 4), \
+        torch.zeros(2, 4)
+
+    def fwd():
+        y_s.copy_(x_s @ w.detach().t())
+
+    def bwd():
+        gw_s.copy_(gy_s.t() @ x_s)
+        gx_s.copy_(gy_s @ w.detach())
+
+    spec = tree_flatten((y_s,))[1]
+    fn = _graphed_function(_FakeGraph(fwd), _FakeGraph(bwd), (w,), 1, [], spec, (x_s, w), (y_s,), (gy_s,),
+                           (None, gw_s), None)
+    return fn, w, gw_s
+
+
+def _x_grad(x):
+    return x.t() @ torch.ones(2, 3)  # dW of (x W^T).sum()
+
+
+def test_replayed_gradients_accumulate_without_aliasing_the_static_buffer():
+    """.grad unset: a clone (autograd would keep the tensor itself); .grad set: added into it, and .grad never
+    shares memory with the buffer the next replay overwrites; torch.autograd.grad and a tensor hook get clones."""
+    fn, w, gw_s = _graphed_linear()
+    x1, x2, x3 = torch.randn(2, 4), torch.randn(2, 4), torch.randn(2, 4)
+    fn(x1)[0].sum().backward()
+    assert w.grad.data_ptr() != gw_s.data_ptr()
+    assert torch.allclose(w.grad, _x_grad(x1).t())
+    fn(x2)[0].sum().backward()  # accumulation: .grad is set, the static buffer is added in place
+    assert w.grad.data_ptr() != gw_s.data_ptr()
+    assert torch.allclose(w.grad, (_x_grad(x1) + _x_grad(x2)).t())
+    (g,) = torch.autograd.grad(fn(x3)[0].sum(), [w])  # .grad is set, but autograd.grad returns the gradient
+    assert g.data_ptr() != gw_s.data_ptr()
+    fn(x1)[0].sum().backward()
+    assert torch.allclose(g, _x_grad(x3).t()), "a later replay changed what torch.autograd.grad returned"
+    kept = []
+    handle = w.register_hook(lambda grad: kept.append(grad))
+    fn(x2)[0].sum().backward()
+    handle.remove()
+    assert kept[0].data_ptr() != gw_s.data_ptr(), "a tensor hook may keep the gradient: it must be a clone"
+
+
+def _graphed_bias():
+    """A graphed y = x + b (b's gradient needs no activation): (callable, b)."""
+    from fp8ext.modules.graphs import _graphed_function
+    from torch.utils._pytree import tree_flatten
+    b = nn.Parameter(torch.zeros(4))
+    x_s, y_s, gy_s, gb_s = torch.zeros(2, 4), torch.zeros(2, 4), torch.zeros(2, 4), torch.zeros(4)
+
+    def fwd():
+        y_s.copy_(x_s + b.detach())
+
+    def bwd():
+        gb_s.copy_(gy_s.sum(0))
+
+    spec = tree_flatten((y_s,))[1]
+    return _graphed_function(_FakeGraph(fwd), _FakeGraph(bwd), (b,), 1, [], spec, (x_s, b), (y_s,), (gy_s,),
+                             (None, gb_s), None), b
+
+
+def test_two_forwards_in_flight_keep_both_gradients():
+    """Two forwards before one backward: the second backward replay must not overwrite the first's gradient while
+    autograd still holds it for the parameter's accumulation."""
+    fn, b = _graphed_bias()
+    fn(torch.ones(2, 4))[0].sum().backward()  # .grad set: 2 per element
+    y1, y2 = fn(torch.ones(2, 4))[0], fn(torch.ones(2, 4))[0]
+    (y1.sum() + 2 * y2.sum()).backward()
+    assert torch.equal(b.grad, torch.full((4,), 2.0 + 2 + 4)), b.grad
+
+
+def test_a_graphed_callable_in_a_reference_cycle_is_collected():
+    """The callable keeps no reference to a parameter that Python's garbage collector cannot see."""
+    import gc
+    import weakref
+
+    class Owner:
+        pass
+    fn, w, _ = _graphed_linear()
+    fn(torch.randn(2, 4))[0].sum().backward()
+    owner = Owner()
+    owner.fn, owner.w, w.owner = fn, w, owner
+    gone = weakref.ref(owner)
+    del owner, fn, w
+    gc.collect()
+    assert gone() is None
+
+
 # ---- the FP8 state bookkeeping (runs on the CPU: the same code the graphs capture) ---------------------------------
 def _manager_with_amaxes(history_len=3):
     mgr = fp8ext.FP8ScalingManager(fp8ext.DelayedScaling(amax_history_len=history_len), device="cpu")
