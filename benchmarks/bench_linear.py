@@ -10,6 +10,8 @@ figures), with a random upstream gradient. Implementations:
                  autograd function under torch.compile (the baseline those anchor figures were measured with)
   fp8ext         FP8Linear in fp8_autocast(DelayedScaling()), every step a full step: the scale update on
                  entry, the weight cast (the weight changes every step in training), x and dy cast_transposed
+  fp8ext current the same with Float8CurrentScaling (each cast scaled by its tensor's own amax)
+  torchao        where torchao is installed: its tensorwise Float8Linear (convert_to_float8_training), compiled
 Medians of CUDA-event timings, implementations interleaved over rounds: one step between synchronisations
 (as the anchors measured) and, as "steady", many steps back to back (a training loop, host ahead of the GPU). At (4096, 1024, 1024) both bf16 and
 fp8ext steps are also captured as CUDA graphs and replayed (launch overhead out of the way).
@@ -90,6 +92,11 @@ def main():
             y.backward(gy)
 
         impls = {"bf16": bf16_step, "torch FP8 (compiled)": torch_fp8_step, "fp8ext FP8Linear": fp8ext_step}
+        extra = {"fp8ext current": current_step(lin, x, gy)}  # beside the table's columns: ratios to bf16
+        ao = torchao_step(lin, x, gy)
+        if ao is not None:
+            extra["torchao tensorwise (compiled)"] = ao
+        impls |= extra
         for fn in impls.values():
             fn()
         t = {name: v[0] for name, v in rounds(impls, reps=10 if m * n * k > 1e11 else 30).items()}
@@ -99,19 +106,29 @@ def main():
         steady = {name: steady_ms(fn, steps=10 if m * n * k > 1e11 else 40) for name, fn in impls.items()}
         row["steady: torch FP8 / bf16"] = steady["bf16"] / steady["torch FP8 (compiled)"]
         row["steady: fp8ext / bf16"] = steady["bf16"] / steady["fp8ext FP8Linear"]
+        for name in extra:
+            row[f"{name} / bf16"] = t["bf16"] / t[name]
+            row[f"steady: {name} / bf16"] = steady["bf16"] / steady[name]
         rows.append(row)
         print(f"  {row['M,K,N']:>16}: bf16 {t['bf16']:.3f} ms, torch FP8 {t['torch FP8 (compiled)']:.3f} ms, "
               f"fp8ext {t['fp8ext FP8Linear']:.3f} ms -> {row['fp8ext / bf16']:.2f}x (steady state "
-              f"{row['steady: fp8ext / bf16']:.2f}x)", flush=True)
+              f"{row['steady: fp8ext / bf16']:.2f}x)" + "".join(f"; {name} {row[name + ' / bf16']:.2f}x (steady "
+                                                                f"{row['steady: ' + name + ' / bf16']:.2f}x)"
+                                                                for name in extra), flush=True)
         with fp8ext.fp8_autocast(fp8_recipe=recipe):
             b8 = sum(saved_bytes(lambda: f8(x), n * k))
         b16 = sum(saved_bytes(lambda: lin(x), n * k))
         mem_rows.append({"M,K,N": row["M,K,N"], "bf16 kept MiB": b16 / 2**20, "fp8ext kept MiB": b8 / 2**20,
                          "fp8ext / bf16": b8 / b16 if b16 else float("nan")})
-        del x, gy, lin, f8, w
+        del x, gy, lin, f8, w, impls, extra, ao
         torch.cuda.empty_cache()
 
-    print(table(rows, list(rows[0]), {k: "{:.3f}" for k in rows[0] if k != "M,K,N"}))
+    cols = [c for c in rows[0] if not any(c.endswith(f"{name} / bf16") for name in EXTRA)]
+    print(table(rows, cols, {k: "{:.3f}" for k in cols if k != "M,K,N"}))
+    more = [c for c in rows[0] if c not in cols]
+    print("the same steps, fp8ext with Float8CurrentScaling and torchao's tensorwise Float8Linear (compiled) where "
+          "torchao is installed, vs bf16:")
+    print(table(rows, ["M,K,N"] + more, {k: "{:.3f}x" for k in more}))
     print("memory kept for backward per layer, parameters excluded (bf16 keeps x; fp8ext keeps x8^T and the FP8 copy")
     print("W8^T of the weight):")
     print(table(mem_rows, list(mem_rows[0]), {"bf16 kept MiB": "{:.1f}", "fp8ext kept MiB": "{:.1f}",
@@ -122,7 +139,8 @@ def main():
               f"-> {g['ratio']:.2f}x of bf16's speed")
     host = host_times(recipe)
     print(f"host time per step (4096,1024,1024, no sync): bf16 {host['bf16_us']:.0f} us, fp8ext "
-          f"{host['fp8ext_us']:.0f} us ({host['fp8ext_us'] / host['bf16_us']:.2f}x bf16's)")
+          f"{host['fp8ext_us']:.0f} us ({host['fp8ext_us'] / host['bf16_us']:.2f}x bf16's)" +
+          "".join(f", {name} {host[name + '_us']:.0f} us" for name in EXTRA if name + "_us" in host))
     lab = lab_mlp()
     print("the lab's SimpleMLP (768-3072-768, batch 32, AdamW, loss.item() every step):")
     print(table(lab, list(lab[0]), {"ms/step": "{:.3f}", "vs bf16 eager": "{:.3f}x", "vs bf16 graphed": "{:.3f}x"}))
@@ -170,7 +188,52 @@ def graph_small(recipe, shape):
 
 def host_times(recipe):
     bf16_step, fp8_step = small_layer(recipe)
-    return {"bf16_us": host_us(bf16_step, calls=50), "fp8ext_us": host_us(fp8_step, calls=50)}
+    out = {"bf16_us": host_us(bf16_step, calls=50), "fp8ext_us": host_us(fp8_step, calls=50)}
+    m, k, n = 4096, 1024, 1024
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    lin = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    out["fp8ext current_us"] = host_us(current_step(lin, x, gy), calls=50)
+    ao = torchao_step(lin, x, gy)
+    if ao is not None:
+        ao()
+        out["torchao tensorwise (compiled)_us"] = host_us(ao, calls=50)
+    return out
+
+
+EXTRA = ("fp8ext current", "torchao tensorwise (compiled)")
+
+
+def current_step(lin, x, gy):
+    """fp8ext's step with Float8CurrentScaling (each cast scaled by its tensor's own amax), on an FP8Linear of its own
+    with `lin`'s weight."""
+    recipe = fp8ext.Float8CurrentScaling()
+    f8 = fp8ext.FP8Linear(lin.in_features, lin.out_features, bias=False, device="cuda", params_dtype=lin.weight.dtype)
+    f8.load_state_dict(lin.state_dict())
+
+    def step():
+        f8._weight_cache = None
+        with fp8ext.fp8_autocast(fp8_recipe=recipe):
+            y = f8(x)
+        y.backward(gy)
+    return step
+
+
+def torchao_step(lin, x, gy):
+    """torchao's tensorwise Float8Linear (dynamic scales, its default recipe) on a copy of `lin`, compiled, or None
+    where torchao is not installed."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        return None
+    import copy
+    model = convert_to_float8_training(nn.Sequential(copy.deepcopy(lin)),
+                                       config=Float8LinearConfig.from_recipe_name("tensorwise"))
+    model = torch.compile(model)
+
+    def step():
+        model(x).backward(gy)
+    return step
 
 
 def lab_mlp(steps=100):

@@ -26,11 +26,7 @@ ones and replays). It is written out here because FP8 needs steps around it that
   the rest of a step is equivalent too: its entry runs the update and the flag then skips the graph's;
 - gradients: parameters' (and leaf inputs') gradients are returned as clones, not as the graph's static buffers,
   which the next backward replay overwrites (torch's helper corrupts gradient accumulation that way,
-  pytorch/pytorch#181723; Transformer Engine clones too). Where autograd only adds a parameter's gradient into a
-  .grad that is already set (zero_grad(set_to_none=False), gradient accumulation after the first micro-batch), no
-  tensor hook is on the parameter and no other forward of the callable waits for its backward, the static buffer is
-  handed over as it is: no clone, one kernel and allocation fewer per parameter and step (a hook registered on the
-  parameter's AccumulateGrad node itself then sees that buffer, and must not keep it).
+  pytorch/pytorch#181723; Transformer Engine clones too).
 
 Refused, because a graph cannot follow it: a DelayedScaling interval other than 1 (whether a step recomputes the
 scales is decided on the host), fp8_weight_caching (the weights are cast on every replay), TE's pipeline-schedule
@@ -43,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -264,8 +259,6 @@ def _check_like(leaves: Sequence[Any], static: Sequence[torch.Tensor]) -> None:
 
 def _graphed_function(fwd_graph, bwd_graph, params, n_user: int, keys: List[str], spec, surface, outputs,
                       grad_outputs, grad_inputs, replay: Optional[FP8Replay]) -> Callable:
-    pending = weakref.WeakSet()  # the contexts of this callable's forwards whose backward has not replayed yet
-
     class Graphed(torch.autograd.Function):
         @staticmethod
         def forward(ctx, *inputs):
@@ -277,9 +270,8 @@ def _graphed_function(fwd_graph, bwd_graph, params, n_user: int, keys: List[str]
             fwd_graph.replay()
             if replay is not None:
                 replay.after_forward()
-            # Gradients that autograd may store (.grad of parameters and leaf inputs) are returned as clones.
+            # Gradients that autograd stores (.grad of parameters and leaf inputs) are returned as clones.
             ctx.owned = tuple(i >= n_user or inputs[i].is_leaf for i in range(len(inputs)))
-            pending.add(ctx)
             return tuple(o.detach() for o in outputs)
 
         @staticmethod
@@ -294,30 +286,8 @@ def _graphed_function(fwd_graph, bwd_graph, params, n_user: int, keys: List[str]
             if replay is not None:
                 replay.before_backward()
             bwd_graph.replay()
-            pending.discard(ctx)
-            alone = not pending  # no other forward of this callable waits for its backward (and a replay)
-            return tuple(None if b is None else (b.clone() if owned and not (alone and _added(ctx, i)) else b.detach())
-                         for i, (b, owned) in enumerate(zip(grad_inputs, ctx.owned)))
-
-    def _added(ctx, i: int) -> bool:
-        """Whether autograd only adds the gradient of input i into a parameter's .grad, so that the graph's static
-        buffer can be handed over without a clone: a parameter whose .grad is already set, with no tensor hooks, whose
-        AccumulateGrad this backward runs. AccumulateGrad then adds it into .grad (out of place under create_graph)
-        and keeps no reference to it, as in zero_grad(set_to_none=False) loops and gradient accumulation; backward
-        checks that no other forward of this callable is pending, whose backward replay would overwrite the buffer
-        before the add. Not for leaf inputs, a .grad not set (AccumulateGrad would keep the tensor itself),
-        torch.autograd.grad (which returns it), tensor hooks (which may keep it). Hooks registered on the
-        AccumulateGrad node itself see the buffer too: they must not keep it."""
-        j = i - n_user
-        if j < 0:
-            return False
-        p, acc = params[j], ctx.next_functions[i][0]
-        if acc is None or p.grad is None or p._backward_hooks:
-            return False
-        try:
-            return torch._C._will_engine_execute_node(acc)
-        except RuntimeError:  # torch refuses the question for a leaf inside torch.autograd.grad, which returns it
-            return False
+            return tuple(None if b is None else (b.clone() if owned else b.detach())
+                         for b, owned in zip(grad_inputs, ctx.owned))
 
     def graphed(*args, **kwargs):
         if sorted(kwargs) != sorted(keys):

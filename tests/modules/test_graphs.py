@@ -192,6 +192,18 @@ def test_two_forwards_in_flight_keep_both_gradients():
     assert torch.equal(b.grad, torch.full((4,), 2.0 + 2 + 4)), b.grad
 
 
+def test_a_second_backward_through_an_earlier_forward_keeps_both_gradients():
+    """A backward that replays the graph twice (through a forward whose backward already ran, and a new one) must
+    not let the second replay overwrite the first's gradient while autograd still holds it."""
+    fn, b = _graphed_bias()
+    fn(torch.ones(2, 4))[0].sum().backward()  # .grad set: 2 per element
+    y_a = fn(torch.ones(2, 4))[0]
+    y_a.sum().backward()  # 4
+    y_b = fn(torch.ones(2, 4))[0]
+    (5 * y_a.sum() + y_b.sum()).backward()  # + 2 * 5 + 2 * 1
+    assert torch.equal(b.grad, torch.full((4,), 16.0)), b.grad
+
+
 def test_a_graphed_callable_in_a_reference_cycle_is_collected():
     """The callable keeps no reference to a parameter that Python's garbage collector cannot see."""
     import gc
