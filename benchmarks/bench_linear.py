@@ -25,6 +25,7 @@ import os
 import sys
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import fp8ext
@@ -236,6 +237,18 @@ def torchao_step(lin, x, gy):
     return step
 
 
+class LabMLP(nn.Module):
+    """The lab's SimpleMLP (notebooks/lab_3_2_3_fp8_training_inference.ipynb): 768-3072-768, GELU; `lin` makes the
+    layers (nn.Linear or fp8ext.Linear)."""
+
+    def __init__(self, lin):
+        super().__init__()
+        self.fc1, self.fc2 = lin(768, 3072), lin(3072, 768)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
 def lab_mlp(steps=100):
     """The lab's model (notebooks/lab_3_2_3_fp8_training_inference.ipynb): SimpleMLP 768-3072-768 (GELU, biases), batch 32, AdamW, MSE, loss.item() every step
     (so every step waits for the GPU), bf16 next to fp8ext (the lab's recipe: HYBRID, history 16, most_recent)
@@ -243,15 +256,6 @@ def lab_mlp(steps=100):
     (torch's for bf16, fp8ext's for FP8) where fp8ext has it."""
     import statistics
     import time
-    import torch.nn.functional as F
-
-    class MLP(nn.Module):
-        def __init__(self, lin):
-            super().__init__()
-            self.fc1, self.fc2 = lin(768, 3072), lin(3072, 768)
-
-        def forward(self, x):
-            return self.fc2(F.gelu(self.fc1(x)))
 
     recipe = fp8ext.DelayedScaling(fp8_format=fp8ext.Format.HYBRID, amax_history_len=16, amax_compute_algo="most_recent")
     x = torch.randn(32, 768, device="cuda", dtype=torch.bfloat16)
@@ -260,10 +264,10 @@ def lab_mlp(steps=100):
     def make(kind):
         torch.manual_seed(0)
         if kind == "bf16":
-            return MLP(nn.Linear).cuda().to(torch.bfloat16), None
+            return LabMLP(nn.Linear).cuda().to(torch.bfloat16), None
         if kind == "fp8ext, fp32 parameters (the lab's)":
-            return MLP(lambda i, o: fp8ext.Linear(i, o, device="cuda")), recipe
-        return MLP(lambda i, o: fp8ext.Linear(i, o, device="cuda", params_dtype=torch.bfloat16)), recipe
+            return LabMLP(lambda i, o: fp8ext.Linear(i, o, device="cuda")), recipe
+        return LabMLP(lambda i, o: fp8ext.Linear(i, o, device="cuda", params_dtype=torch.bfloat16)), recipe
 
     def run(model, rec, graphed):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -9,8 +9,6 @@ time (with the loss.item() sync), the host time to issue a step (no sync), the P
 import cProfile
 import io
 import pstats
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -18,16 +16,8 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import fp8ext
-
-
-class MLP(nn.Module):
-    def __init__(self, lin):
-        super().__init__()
-        self.fc1, self.fc2 = lin(768, 3072), lin(3072, 768)
-
-    def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(x)))
-
+from bench_linear import LabMLP
+from fp8ext._bench import host_us
 
 RECIPE = fp8ext.DelayedScaling(fp8_format=fp8ext.Format.HYBRID, amax_history_len=16, amax_compute_algo="most_recent")
 
@@ -35,8 +25,8 @@ RECIPE = fp8ext.DelayedScaling(fp8_format=fp8ext.Format.HYBRID, amax_history_len
 def make(kind: str):
     torch.manual_seed(0)
     if kind == "bf16":
-        return MLP(nn.Linear).cuda().to(torch.bfloat16), None
-    return MLP(lambda i, o: fp8ext.Linear(i, o, device="cuda", params_dtype=torch.bfloat16)), RECIPE
+        return LabMLP(nn.Linear).cuda().to(torch.bfloat16), None
+    return LabMLP(lambda i, o: fp8ext.Linear(i, o, device="cuda", params_dtype=torch.bfloat16)), RECIPE
 
 
 def stepper(model, recipe, x, target, sync: bool = True):
@@ -56,18 +46,6 @@ def stepper(model, recipe, x, target, sync: bool = True):
     return one
 
 
-def median_us(fn, calls: int, rounds: int = 5) -> float:
-    times = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t0) / calls * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
-
-
 def main() -> None:
     x = torch.randn(32, 768, device="cuda", dtype=torch.bfloat16)
     target = torch.randn(32, 768, device="cuda", dtype=torch.bfloat16)
@@ -76,8 +54,8 @@ def main() -> None:
         one, issue = stepper(model, recipe, x, target), stepper(model, recipe, x, target, sync=False)
         for _ in range(20):
             one()
-        step_us, host_us = median_us(one, 20), median_us(issue, 10)
-        print(f"== {kind}: step {step_us:.1f} us (loss.item() each step); host issue {host_us:.1f} us (no sync)")
+        step_us, issue_us = host_us(one, calls=20), host_us(issue, calls=10)
+        print(f"== {kind}: step {step_us:.1f} us (loss.item() each step); host issue {issue_us:.1f} us (no sync)")
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(100):
