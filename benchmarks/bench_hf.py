@@ -5,6 +5,8 @@ next to torchao's float8 training where torchao is installed; and fp8ext's own 1
     python benchmarks/bench_hf.py --variants bf16-eager fp8ext-eager --steps 10
     python benchmarks/bench_hf.py --preset 1b            # fp8ext.train --preset 1b: bf16 / FP8, eager / compiled
     python benchmarks/bench_hf.py --tiny --device cpu    # a dry run of every code path (no speed claims)
+    python benchmarks/bench_hf.py --activation_checkpointing both --variants bf16-eager fp8ext-eager
+                                                         # each variant without and with checkpointing
 
 The model is built from a config, so nothing is downloaded (needs transformers: the "test" extra): hidden 2048,
 intermediate 8192, 16 layers, 16 heads, 8 KV heads, vocabulary 32000, bf16 parameters, fused AdamW, random
@@ -15,7 +17,9 @@ own process (its peak memory alone, no shared compilation cache); a variant that
 its error and the others go on. Timing: CUDA events around each step after the warm-up steps (compilation
 happens there), median; tokens/s = tokens per step / median step time; peak = torch.cuda.max_memory_allocated
 over the whole run (compilation included: inductor's kernel timing allocates memory of its own), and the timed
-steps' peak apart. Ratios are against bf16 eager and bf16 compiled of the same run.
+steps' peak apart. Ratios are against bf16 eager and bf16 compiled of the same run (with checkpointing, against
+bf16 with checkpointing). --activation_checkpointing full: transformers' gradient_checkpointing_enable() (torch's
+non-reentrant checkpoint around each decoder layer); with --preset, fp8ext.train's --activation_checkpointing full.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ def build(args, variant: str):
     cfg = LlamaConfig(**sizes, max_position_embeddings=args.seq_len, attn_implementation="sdpa")
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(args.device, torch.bfloat16)
+    if args.activation_checkpointing == "full":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     blocks_only = lambda layer, name: "lm_head" not in name  # noqa: E731  (lm_head stays bf16, as torchao's recipes)
     context = contextlib.nullcontext
     if variant.startswith("fp8ext"):
@@ -109,7 +115,7 @@ def run_variant(args, variant: str) -> dict:
             losses.append(loss.item())
     med = statistics.median(times)
     steady = torch.cuda.max_memory_allocated() if cuda else None
-    row = {"variant": variant, "tokens_per_s": args.batch * args.seq_len / (med / 1e3), "step_ms": med,
+    row = {"variant": _name(variant, args.activation_checkpointing), "tokens_per_s": args.batch * args.seq_len / (med / 1e3), "step_ms": med,
            "peak_gib": max(steady, warm_peak or 0) / 2**30 if cuda else None,
            "timed_peak_gib": steady / 2**30 if cuda else None, "last_loss": losses[-1]}
     if args.profile and cuda:  # after the timed steps, so that their peak and time are not the profiler's
@@ -130,56 +136,69 @@ def profile_steps(step, steps: int) -> dict:
     return {"kinds": kinds, "top": [[name, us / 1e3, n] for name, (us, n) in per_name[:20]]}
 
 
-def in_subprocess(args, variant: str) -> dict:
+def _name(variant: str, checkpointing: str) -> str:
+    return variant + (" +ckpt" if checkpointing == "full" else "")
+
+
+def in_subprocess(args, variant: str, checkpointing: str = "none") -> dict:
+    name = _name(variant, checkpointing)
     cmd = [sys.executable, __file__, "--child", variant, "--device", args.device, "--batch", str(args.batch),
-           "--seq_len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+           "--seq_len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--activation_checkpointing", checkpointing]
     cmd += ["--tiny"] if args.tiny else []
     cmd += ["--amax_history", str(args.amax_history)] + (["--profile"] if args.profile else [])
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:  # a variant past its time is reported like a failed one; the others go on
-        print(f"{variant}: did not finish in {args.timeout} s (--timeout)", file=sys.stderr)
-        return {"variant": variant, "error": f"timed out after {args.timeout} s"}
+        print(f"{name}: did not finish in {args.timeout} s (--timeout)", file=sys.stderr)
+        return {"variant": name, "error": f"timed out after {args.timeout} s"}
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("RESULT "):
             row = json.loads(line[len("RESULT "):])
-            print(f"{variant}: {row['tokens_per_s']:,.0f} tokens/s, peak {row['peak_gib']} GiB", flush=True)
+            print(f"{name}: {row['tokens_per_s']:,.0f} tokens/s, peak {row['peak_gib']} GiB", flush=True)
             return row
     err = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-    print(f"{variant}: failed (rc {proc.returncode}): {err}", file=sys.stderr)
-    return {"variant": variant, "error": err}
+    print(f"{name}: failed (rc {proc.returncode}): {err}", file=sys.stderr)
+    return {"variant": name, "error": err}
 
 
 def preset_runs(args) -> list:
-    """fp8ext.train --preset P in bf16 and FP8, eager and compiled: its own summary (tokens/s, peak memory)."""
+    """fp8ext.train --preset P in bf16 and FP8, eager and compiled (without and/or with activation checkpointing):
+    its own summary (tokens/s, peak memory)."""
     rows = []
-    for compiled in (False, True):
-        for fp8 in (False, True):
-            name = f"fp8ext.train {args.preset} {'FP8' if fp8 else 'bf16'} {'compiled' if compiled else 'eager'}"
-            out = os.path.join(os.environ.get("OUT") or os.path.join(HERE, "out"), "bench_hf_runs",
-                               name.replace(" ", "_"))
-            cmd = [sys.executable, "-m", "fp8ext.train", "--no_progress", "--no_save", "--out_dir", out, "--preset",
-                   args.preset, "--batch_size", str(args.batch), "--seq_len", str(args.seq_len), "--max_steps",
-                   str(args.warmup + args.steps), "--eval_every", "1000000", "--eval_batches", "2",
-                   "--device", args.device]
-            cmd += (["--use_fp8"] if fp8 else []) + (["--compile"] if compiled else [])
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-            try:
-                s = json.load(open(os.path.join(out, "run.json")))
-                rows.append({"variant": name, "tokens_per_s": s["tokens_per_s"], "peak_gib": s["peak_memory_gib"]})
-            except (OSError, ValueError, KeyError):
-                err = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-                print(f"{name}: failed (rc {proc.returncode}): {err}", file=sys.stderr)
-                rows.append({"variant": name, "error": err})
+    for compiled, ckpt, fp8 in [(c, a, f) for c in (False, True) for a in _checkpointing(args) for f in (False, True)]:
+        name = _name(f"fp8ext.train {args.preset} {'FP8' if fp8 else 'bf16'} {'compiled' if compiled else 'eager'}",
+                     ckpt)
+        out = os.path.join(os.environ.get("OUT") or os.path.join(HERE, "out"), "bench_hf_runs",
+                           name.replace(" ", "_"))
+        cmd = [sys.executable, "-m", "fp8ext.train", "--no_progress", "--no_save", "--out_dir", out, "--preset",
+               args.preset, "--batch_size", str(args.batch), "--seq_len", str(args.seq_len), "--max_steps",
+               str(args.warmup + args.steps), "--eval_every", "1000000", "--eval_batches", "2",
+               "--device", args.device]
+        cmd += (["--use_fp8"] if fp8 else []) + (["--compile"] if compiled else [])
+        cmd += ["--activation_checkpointing", ckpt] if ckpt != "none" else []
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        try:
+            s = json.load(open(os.path.join(out, "run.json")))
+            rows.append({"variant": name, "tokens_per_s": s["tokens_per_s"], "peak_gib": s["peak_memory_gib"]})
+        except (OSError, ValueError, KeyError):
+            err = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            print(f"{name}: failed (rc {proc.returncode}): {err}", file=sys.stderr)
+            rows.append({"variant": name, "error": err})
     return rows
+
+
+def _checkpointing(args) -> list:
+    return ["none", "full"] if args.activation_checkpointing == "both" else [args.activation_checkpointing]
 
 
 def report(rows: list, args) -> None:
     from _harness import device_header, save, table
     base = {r["variant"]: r.get("tokens_per_s") for r in rows}
-    eager = base.get("bf16-eager") or base.get(f"fp8ext.train {args.preset} bf16 eager")
-    comp = base.get("bf16-compiled") or base.get(f"fp8ext.train {args.preset} bf16 compiled")
     for r in rows:
+        ck = "full" if r["variant"].endswith(" +ckpt") else "none"
+        eager = base.get(_name("bf16-eager", ck)) or base.get(_name(f"fp8ext.train {args.preset} bf16 eager", ck))
+        comp = base.get(_name("bf16-compiled", ck)) or base.get(_name(f"fp8ext.train {args.preset} bf16 compiled", ck))
         tps = r.get("tokens_per_s")
         r["vs bf16 eager"] = f"{tps / eager:.3f}x" if tps and eager else "-"
         r["vs bf16 compiled"] = f"{tps / comp:.3f}x" if tps and comp else "-"
@@ -229,6 +248,9 @@ def main(argv=None) -> int:
                          "history is float32 per FP8 tensor slot: 2 MiB on this model with 1024 steps)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile two steps per variant after the timed ones: kernel time by kind and by name")
+    ap.add_argument("--activation_checkpointing", choices=["none", "full", "both"], default="none",
+                    help="full: each decoder layer checkpointed (recomputed in the backward pass); both: every variant "
+                         "without and with it, in the same call")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:  # one variant, in this process
@@ -249,7 +271,7 @@ def main(argv=None) -> int:
             if "torchao-compiled" in variants:
                 print("torchao is not installed: its variant is left out", file=sys.stderr)
                 variants.remove("torchao-compiled")
-        rows = [in_subprocess(args, v) for v in variants]
+        rows = [in_subprocess(args, v, ck) for ck in _checkpointing(args) for v in variants]
     report(rows, args)
     return 0 if all("error" not in r for r in rows) else 1
 

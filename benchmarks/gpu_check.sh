@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_check.sh sanitize        # compute-sanitizer memcheck and racecheck over the kernel tests
 #   bash benchmarks/gpu_check.sh stream_bw       # the HBM streaming ceiling of the weight-only kernel (nvcc, sm_90)
 #   HF_BATCHES="8 16" bash benchmarks/gpu_check.sh hf   # the Hugging Face Llama: bf16, fp8ext (saved / recast), torchao
+#   bash benchmarks/gpu_check.sh ckpt_preset ckpt_hf   # without / with activation checkpointing: preset 1b, HF Llama
 # The lent machine has no Jupyter: for `notebooks`, carry wheels of nbclient, nbformat and ipykernel with their
 # dependencies in .whl/ (pip download ... -d .whl; see the device tool's notes); they are installed from there.
 set -uo pipefail
@@ -115,6 +116,19 @@ ROWS
             grep -E "compiled|eager|variant|failed" "$OUT/bench_hf_b$b.log"
             mv "$OUT/bench_hf_llama.json" "$OUT/bench_hf_llama_b$b.json" 2>/dev/null
         done ;;
+    ckpt_preset|ckpt_hf)
+        # activation checkpointing's cost: peak memory and tokens/s without and with it (each block / decoder layer
+        # checkpointed), bf16 beside FP8 in the same call: fp8ext.train's preset (CKPT_PRESET, default 1b) or the
+        # Hugging Face Llama (CKPT_VARIANTS)
+        echo "== $step"
+        if [ "$step" = ckpt_preset ]; then
+            what="--preset ${CKPT_PRESET:-1b}"
+        else
+            what="--variants ${CKPT_VARIANTS:-bf16-eager fp8ext-eager bf16-compiled fp8ext-compiled}"
+        fi
+        (cd benchmarks && $PY bench_hf.py $what --activation_checkpointing both --batch ${CKPT_BATCH:-8} \
+            --steps ${CKPT_STEPS:-10} --warmup 4) > "$OUT/bench_$step.log" 2>&1 || status=1
+        grep -vE "^W[0-9]|Warning|warn" "$OUT/bench_$step.log" | tail -20 ;;
     quantize|gemm|linear|weight_only|decode_attention|block|fused_cast)
         echo "== bench_$step"
         $PY benchmarks/bench_$step.py 2>&1 | tee "$OUT/bench_$step.log" || status=1 ;;

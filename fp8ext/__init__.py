@@ -40,7 +40,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "FP8Linear": ".modules.linear", "Linear": ".modules.linear",
     "FP8ConversionWarning": ".modules.convert", "convert_to_fp8": ".modules.convert", "prepare_fp8": ".modules.convert",
-    "make_graphed_callables": ".modules.graphs",
+    "make_graphed_callables": ".modules.graphs", "checkpoint": ".modules.checkpoint",
+    "load_fp8_state": ".modules.pretrained",
     "LayerNormLinear": ".modules.layernorm_modules", "LayerNormMLP": ".modules.layernorm_modules",
 }
 
@@ -152,6 +153,8 @@ __all__ = [
     "LayerNormMLP",
     "convert_to_fp8",
     "prepare_fp8",
+    "checkpoint",
+    "load_fp8_state",
     "FP8ConversionWarning",
     "set_debug_checks",
     "set_profiling",

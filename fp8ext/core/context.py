@@ -11,7 +11,9 @@ in the recipe's FP8ScalingManager (one per recipe and device); the scales are up
 one kernel, at the step boundary: when the next outermost fp8_autocast is entered, that is after the previous
 step's backward pass has recorded the gradients' amaxes, so step t+1 scales with everything step t saw.
 
-A step is the body of an outermost fp8_autocast. Each recipe in use has its own boundary: a recipe first
+A step is the body of an outermost fp8_autocast entered outside a backward pass (an fp8_autocast entered while
+autograd runs a backward, where activation checkpointing reruns a forward, updates no scales: the rerun computes
+with the scales of the forward it repeats; fp8ext/modules/checkpoint.py). Each recipe in use has its own boundary: a recipe first
 entered in a nested context (`with fp8_autocast(fp8_recipe=a): with fp8_autocast(fp8_recipe=b): ...`) is
 updated when that nested context is entered for the first time in the step, so it scales as it would alone.
 A step whose body raises leaves no trace: when an exception leaves the outermost context, the amaxes that the
@@ -34,7 +36,8 @@ import torch
 from .recipe import RECIPES, CurrentScaling, DelayedScaling, Float8BlockScaling, Float8RowwiseScaling
 from .scaling import FP8ScalingManager
 
-__all__ = ["fp8_autocast", "autocast", "activation_dtype", "is_fp8_enabled", "get_fp8_recipe", "get_scaling_manager"]
+__all__ = ["fp8_autocast", "autocast", "activation_dtype", "is_fp8_enabled", "get_fp8_recipe", "get_scaling_manager",
+           "in_backward"]
 
 Recipe = Union[DelayedScaling, CurrentScaling, Float8BlockScaling, Float8RowwiseScaling]
 _DEFAULT_RECIPE = DelayedScaling()
@@ -62,6 +65,12 @@ def current_context() -> Optional[_Context]:
     """The innermost fp8_autocast of this thread, or None outside any."""
     stack = _state.stack
     return stack[-1] if stack else None
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward pass on this thread (where torch.utils.checkpoint reruns a
+    checkpointed forward: fp8ext.modules.checkpoint)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def is_fp8_enabled() -> bool:
@@ -109,6 +118,26 @@ def _update_pending(recipe: Recipe, group) -> None:
             mgr.update(group)
 
 
+_compiled_managers = [0]  # how many managers have compiled_steps set (prepare_fp8): their exit marking is needed
+
+
+def mark_compiled_steps(mgr) -> None:
+    """Lets compiled steps leave `mgr.dirty` to the exit of the step's outermost fp8_autocast (set by prepare_fp8):
+    a flag set inside a checkpointed region breaks torch.compile's graph there."""
+    if not mgr.compiled_steps:
+        mgr.compiled_steps = True
+        _compiled_managers[0] += 1
+
+
+def _mark_compiled_steps(recipes) -> None:
+    """A step ended: its compiled layers recorded amaxes in the managers that prepare_fp8 prepared."""
+    for recipe in recipes:
+        if isinstance(recipe, DelayedScaling):
+            for mgr in _managers_of(recipe):
+                if mgr.compiled_steps:
+                    mgr.dirty = True
+
+
 def _discard_step(recipes) -> None:
     """A step raised: the managers of `recipes` (each updated at the step's start, so nothing was pending then)
     forget what the step recorded."""
@@ -142,7 +171,7 @@ class fp8_autocast(contextlib.ContextDecorator):  # noqa: N801 - Transformer Eng
         stack = state.stack
         if not stack:
             state.step_recipes = []
-        if self._update:
+        if self._update and not in_backward():  # in a backward: activation checkpointing reruns a forward
             recipe = self._ctx.recipe
             if recipe not in state.step_recipes:  # this recipe's first entry in the step: its step boundary
                 _update_pending(recipe, self._ctx.group)
@@ -152,8 +181,11 @@ class fp8_autocast(contextlib.ContextDecorator):  # noqa: N801 - Transformer Eng
     def __exit__(self, exc_type, exc, tb):
         state = _state
         state.stack.pop()
-        if exc_type is not None and not state.stack:
-            _discard_step(state.step_recipes)
+        if not state.stack:
+            if exc_type is not None:
+                _discard_step(state.step_recipes)
+            elif _compiled_managers[0]:
+                _mark_compiled_steps(state.step_recipes)
         return False
 
 

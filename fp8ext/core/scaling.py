@@ -30,7 +30,7 @@ from ._boundary import stream_of
 from .formats import E4M3, FP8Format, format_of_code, resolve_format
 from .recipe import DelayedScaling
 
-__all__ = ["FP8ScalingManager"]
+__all__ = ["FP8ScalingManager", "pack_slots_state", "unpack_slots_state"]
 
 _to_dl = torch._C._to_dlpack
 
@@ -76,6 +76,8 @@ class FP8ScalingManager:
         self.generation = 0  # bumped when the buffers are reallocated (views taken before are stale)
         self.steps = 0  # updates run so far
         self.dirty = False  # something recorded an amax since the last update
+        # prepare_fp8 sets it: compiled steps leave `dirty` to the exit of the step's fp8_autocast (core/context.py)
+        self.compiled_steps = False
         self._lock = threading.RLock()
         self._views: Dict[int, tuple] = {}
 
@@ -327,3 +329,46 @@ class FP8ScalingManager:
     def __repr__(self) -> str:
         return (f"FP8ScalingManager({self.num_slots} tensors on {self.device}, history {self.history_len}, "
                 f"algo {self.recipe.amax_compute_algo}, margin {self.margin}, steps {self.steps})")
+
+
+# ---- a layer's slots as one tensor ---------------------------------------------------------------------------------
+# What a layer's get_extra_state returns: every saver (torch.save, safetensors, transformers' save_pretrained and its
+# sharding, distributed checkpoints) takes a tensor, and an integer tensor is never cast by a loader that converts
+# floating-point weights to another dtype. int32 [slots, 3 + history_len], a row per slot in the layer's order:
+#     column 0      the manager's update count (`steps`, the same in every row)
+#     columns 1, 2  scale and scale_inv, float32 bit patterns
+#     columns 3..   the amax history, float32 bit patterns (entry 0 first)
+# A layer without FP8 state yet gives an empty tensor (0 rows).
+
+
+def pack_slots_state(state: dict) -> torch.Tensor:
+    """The tensor form (see above) of slots_state()'s dict; an empty dict gives an empty tensor."""
+    if not state:
+        return torch.zeros((0, 3), dtype=torch.int32)
+    hist = state["amax_history"].float().cpu()
+    n = hist.shape[0]
+    out = torch.empty((n, 3 + hist.shape[1]), dtype=torch.int32)
+    out[:, 0] = int(state.get("steps") or 0)
+    out[:, 1] = state["scale"].float().cpu().reshape(n).view(torch.int32)
+    out[:, 2] = state["scale_inv"].float().cpu().reshape(n).view(torch.int32)
+    out[:, 3:] = hist.view(torch.int32)
+    return out
+
+
+def unpack_slots_state(packed, who: str, slots: int) -> dict:
+    """slots_state()'s dict back from pack_slots_state's tensor ({} for an empty one); a dict (the form fp8ext's
+    checkpoints had before) passes through. Anything else, or a tensor of another shape or dtype, raises naming
+    `who`."""
+    if isinstance(packed, dict):
+        return packed
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.int32 or packed.dim() != 2 \
+            or packed.shape[0] not in (0, slots) or packed.shape[1] < 3:
+        what = f"{packed.dtype} tensor of shape {list(packed.shape)}" if isinstance(packed, torch.Tensor) \
+            else type(packed).__name__
+        raise ValueError(f"{who}: the FP8 scaling state must be an int32 tensor [{slots}, 3 + amax history length] "
+                         f"(as get_extra_state gives), got a {what}")
+    if packed.shape[0] == 0:
+        return {}
+    t = packed.detach().cpu().contiguous()
+    return {"steps": int(t[0, 0]), "scale": t[:, 1].clone().view(torch.float32),
+            "scale_inv": t[:, 2].clone().view(torch.float32), "amax_history": t[:, 3:].clone().view(torch.float32)}

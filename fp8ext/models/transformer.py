@@ -7,7 +7,7 @@ of the blocks compute in FP8 inside `fp8_autocast`; the token embedding, the nor
 the output projection (the logits) stay in high precision. The linear layers are `fp8ext.Linear` whether or
 not FP8 is on, so FP8 and bf16 checkpoints are the same state dict and load into each other.
 
-    python -m fp8ext.models.transformer [--fp8] [--preset tiny|small|1b|llama8b-2l] [--device D]
+    python -m fp8ext.models.transformer [--fp8] [--preset tiny|small|1b|llama8b-2l|llama8b-4l] [--device D]
 
 prints the self test: parameter counts, one forward pass, its loss, the device and whether FP8 is on.
 """
@@ -101,6 +101,10 @@ PRESETS: Dict[str, TransformerConfig] = {
     "1b": TransformerConfig(d_model=2048, n_layers=22, n_heads=16, n_kv_heads=4, d_ff=5632, max_seq_len=2048),
     # two layers of Llama-3-8B's sizes
     "llama8b-2l": TransformerConfig(d_model=4096, n_layers=2, n_heads=32, n_kv_heads=8, d_ff=14336,
+                                    max_seq_len=4096, rope_theta=500000.0),
+    # four layers of Llama-3-8B's sizes (0.87B parameters): its layers' shapes for activation checkpointing and
+    # multi-node runs
+    "llama8b-4l": TransformerConfig(d_model=4096, n_layers=4, n_heads=32, n_kv_heads=8, d_ff=14336,
                                     max_seq_len=4096, rope_theta=500000.0),
 }
 

@@ -45,7 +45,8 @@ from .. import _C
 from ..core import debug
 from ..ops import fused, quantize_blocks_t_eager
 from ..core._boundary import dl, dl_fp8, stream_of
-from ..core.context import activation_dtype, current_context
+from ..core.context import activation_dtype
+from .checkpoint import forward_context
 from .linear import FP8Linear
 from .linear_autograd import LinearFunction, forward_gemm, linear_backward
 from ..core.profiling import profiled
@@ -130,36 +131,39 @@ def has_hooks(module: torch.nn.Module) -> bool:
 
 
 def _eligible(x: torch.Tensor, width: int, linears, reference: bool, block_ok: bool = False,
-              compiled: bool = False) -> bool:
-    """Whether this call is one the fused paths take (see the module docstring): x [..., width] feeding the first
-    of `linears` (FP8Linear, without forward hooks), inside fp8_autocast with delayed scaling, or block scaling
-    (block_ok: 1 x 128 input tiles, a bf16 or float16 x on a GPU). compiled: the caller's path also runs while
-    torch.compile traces (the one-call passes as torch ops)."""
+              compiled: bool = False):
+    """The fp8_autocast context of this call where it is one the fused paths take (see the module docstring), else
+    None: x [..., width] feeding the first of `linears` (FP8Linear, without forward hooks), inside fp8_autocast (or
+    rerunning a checkpointed forward that ran in one: fp8ext.modules.checkpoint) with delayed scaling, or block
+    scaling (block_ok: 1 x 128 input tiles, a bf16 or float16 x on a GPU). compiled: the caller's path also runs
+    while torch.compile traces (the one-call passes as torch ops)."""
     if not all(isinstance(lin, FP8Linear) and not has_hooks(lin) for lin in linears):
-        return False  # e.g. fp8ext.inference's quantized layers, or a layer sharded or observed through hooks
-    ctx = current_context()
+        return None  # e.g. fp8ext.inference's quantized layers, or a layer sharded or observed through hooks
+    ctx = None
+    for lin in linears:  # each layer records the context (a checkpointed rerun of this call finds it)
+        ctx = forward_context(lin)
     if ctx is None or not ctx.enabled or ctx.calibrating:
-        return False
+        return None
     block = block_ok and isinstance(ctx.recipe, Float8BlockScaling) and ctx.recipe.x_block_scaling_dim == 1
     if not (block or isinstance(ctx.recipe, DelayedScaling)):
-        return False
+        return None
     if block and getattr(x, "dtype", None) not in (torch.bfloat16, torch.float16) and not reference:
-        return False
+        return None
     compiling = torch.compiler.is_compiling()
     if not ENABLED or not fused.TRAINING or (compiling and not compiled) or debug.enabled():
-        return False
+        return None
     if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != width or x.dtype not in _DTYPES \
             or activation_dtype(x) != x.dtype or x.is_meta:
-        return False
+        return None
     for lin in linears:
         w = lin.weight
         if w.device != x.device or w.is_meta or lin.in_features % 16 or lin.out_features % 16:
-            return False
+            return None
     m = x.numel() // width
     if m == 0 or m % 16:
-        return False
+        return None
     kernels = fused.train_available if compiling else fused.available
-    return kernels(x, linears[0].in_features) or (reference and x.device.type == "cpu")
+    return ctx if kernels(x, linears[0].in_features) or (reference and x.device.type == "cpu") else None
 
 
 @profiled("fp8ext.fused_input_linear")
@@ -172,18 +176,19 @@ def fused_input_linear(linear: FP8Linear, op: int, x: torch.Tensor, gamma: Optio
     SwiGLU with delayed scaling takes FP8Linear's fast path where the layer does (one C call per pass, eager, or the
     two as torch ops under torch.compile), SwiGLU inside its input's cast."""
     k = linear.in_features
-    if op == SWIGLU and _eligible(x, 2 * k, (linear,), reference, compiled=True) and \
-            isinstance(current_context().recipe, DelayedScaling):
-        y = linear.fast_forward(current_context(), x, is_first_microbatch, Prologue(SWIGLU))
+    ctx = _eligible(x, 2 * k, (linear,), reference, compiled=True) if op == SWIGLU else None
+    if ctx is not None and isinstance(ctx.recipe, DelayedScaling):
+        y = linear.fast_forward(ctx, x, is_first_microbatch, Prologue(SWIGLU))
         if y is not None:
             return y
     if torch.compiler.is_compiling():  # nothing else of this path is traced: the separate steps' ops are
         return None
-    if not _eligible(x, 2 * k if op == SWIGLU else k, (linear,), reference, block_ok=True):
+    ctx = _eligible(x, 2 * k if op == SWIGLU else k, (linear,), reference, block_ok=True)
+    if ctx is None:
         return None
     if op == RMSNORM and (gamma is None or gamma.numel() != k or k > 8192):
         return None
-    plan = linear.fp8_plan(current_context().recipe, x, is_first_microbatch, prologue=Prologue(op, eps))
+    plan = linear.fp8_plan(ctx.recipe, x, is_first_microbatch, prologue=Prologue(op, eps))
     bias = None if linear.return_bias else linear.bias
     if op == SWIGLU:
         return linear.returned(LinearFunction.apply(x, linear.weight, bias, plan))
@@ -324,9 +329,10 @@ def fused_mlp(fc1: FP8Linear, fc2: FP8Linear, x: torch.Tensor, gamma: torch.Tens
     k, f = fc1.in_features, fc2.in_features
     if fc1.bias is not None or fc1.return_bias or fc1.out_features != 2 * f or k > 8192 or gamma.numel() != k:
         return None
-    if not _eligible(x, k, (fc1, fc2), reference, block_ok=True):
+    ctx = _eligible(x, k, (fc1, fc2), reference, block_ok=True)
+    if ctx is None:
         return None
-    recipe = current_context().recipe
+    recipe = ctx.recipe
     p1 = fc1.fp8_plan(recipe, x, is_first_microbatch, prologue=Prologue(RMSNORM, eps, "LayerNormMLP"))
     p2 = fc2.fp8_plan(recipe, x, is_first_microbatch)
     b2 = None if fc2.return_bias else fc2.bias
@@ -347,10 +353,8 @@ def swiglu_mlp(w13: FP8Linear, w2: FP8Linear, x: torch.Tensor, is_first_microbat
             or w2.return_bias or w13.out_features != 2 * w2.in_features:
         return None
     k = w13.in_features
-    if not _eligible(x, k, (w13, w2), reference, compiled=True) or not x.is_contiguous():
-        return None
-    ctx = current_context()
-    if not isinstance(ctx.recipe, DelayedScaling):
+    ctx = _eligible(x, k, (w13, w2), reference, compiled=True)
+    if ctx is None or not x.is_contiguous() or not isinstance(ctx.recipe, DelayedScaling):
         return None
     p13 = w13.fast_plan(ctx, x, is_first_microbatch)
     q2 = w2._fast_quantizers(ctx, is_first_microbatch)

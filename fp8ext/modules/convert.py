@@ -1,7 +1,11 @@
-"""convert_to_fp8: swap a model's nn.Linear layers for FP8Linear, in place, keeping their parameters."""
+"""convert_to_fp8: swap a model's nn.Linear layers for FP8Linear, in place, keeping their parameters; with a recipe,
+the converted model computes in FP8 on every call without fp8_autocast (for training loops that other code owns:
+transformers' Trainer, accelerate, Lightning). prepare_fp8: register the layers' scaling slots ahead of time."""
 
 from __future__ import annotations
 
+import sys
+import threading
 import warnings
 from typing import Callable, List, Optional
 
@@ -9,14 +13,15 @@ from torch import nn
 
 from .linear import FP8Linear
 
-__all__ = ["convert_to_fp8", "prepare_fp8", "FP8ConversionWarning"]
+__all__ = ["convert_to_fp8", "prepare_fp8", "set_forward_recipe", "FP8ConversionWarning"]
 
 
 class FP8ConversionWarning(UserWarning):
     """convert_to_fp8 left some nn.Linear layers in high precision."""
 
 
-def convert_to_fp8(module: nn.Module, filter_fn: Optional[Callable[[nn.Module, str], bool]] = None) -> nn.Module:
+def convert_to_fp8(module: nn.Module, filter_fn: Optional[Callable[[nn.Module, str], bool]] = None, *,
+                   fp8_recipe=None) -> nn.Module:
     """Replaces every nn.Linear in `module` (recursively, in place) by an FP8Linear that holds the same
     Parameter objects (so an optimizer made before the conversion still updates them) and returns the module
     (a new FP8Linear when `module` itself is an nn.Linear).
@@ -24,7 +29,14 @@ def convert_to_fp8(module: nn.Module, filter_fn: Optional[Callable[[nn.Module, s
     filter_fn(layer, fully_qualified_name) -> bool chooses which layers to convert (torchao's convention).
     Layers whose in_features or out_features is not a multiple of 16 cannot run FP8 GEMMs: they are left as
     they are and reported in one FP8ConversionWarning; the list is also in `module._fp8_skipped`.
+
+    fp8_recipe: the returned module then computes in FP8 with that recipe on every call, as if each call were
+    wrapped in `fp8_autocast(fp8_recipe=fp8_recipe)` (each call is a step: delayed scales update when it begins),
+    for code that calls the model itself (transformers' Trainer, accelerate, Lightning). An fp8_autocast the caller
+    entered around the call takes precedence (enabled=False computes in high precision). Converting again with
+    fp8_recipe=None removes it.
     """
+    _check_recipe(fp8_recipe, "convert_to_fp8")
     skipped: List[str] = []
 
     def make(layer: nn.Linear, name: str) -> Optional[nn.Module]:
@@ -57,7 +69,58 @@ def convert_to_fp8(module: nn.Module, filter_fn: Optional[Callable[[nn.Module, s
         warnings.warn("convert_to_fp8: kept in high precision (FP8 GEMMs need in/out features divisible by 16): "
                       + ", ".join(skipped), FP8ConversionWarning, stacklevel=2)
     root._fp8_skipped = skipped
+    set_forward_recipe(root, fp8_recipe)
     return root
+
+
+def _check_recipe(fp8_recipe, who: str) -> None:
+    from ..core.recipe import RECIPES
+    if fp8_recipe is not None and not isinstance(fp8_recipe, RECIPES):
+        raise TypeError(f"{who}(): fp8_recipe must be None or a recipe (DelayedScaling, Float8CurrentScaling, "
+                        f"Float8BlockScaling, Float8RowwiseScaling), got {type(fp8_recipe).__name__}")
+
+
+class _CallScope(threading.local):
+    def __init__(self):
+        self.entered = []  # per call of a module with a forward recipe: its fp8_autocast, or None (the caller's won)
+
+
+_scope = _CallScope()
+
+
+class _ForwardRecipe:
+    """The forward pre-hook and forward hook (always called, exceptions included) that run a module's calls inside
+    fp8_autocast(fp8_recipe=recipe) unless the caller is inside one already. Holds only the recipe (copies and
+    pickles of the module take it along)."""
+
+    def __init__(self, recipe):
+        self.recipe = recipe
+
+    def enter(self, module, args):
+        from ..core.context import current_context, fp8_autocast
+        ctx = None
+        if current_context() is None:
+            ctx = fp8_autocast(enabled=True, fp8_recipe=self.recipe)
+            ctx.__enter__()
+        _scope.entered.append(ctx)
+
+    def exit(self, module, args, output):
+        ctx = _scope.entered.pop()
+        if ctx is not None:
+            ctx.__exit__(*sys.exc_info())  # inside the forward's exception handler when the forward raised
+
+
+def set_forward_recipe(module: nn.Module, fp8_recipe) -> None:
+    """Makes every call of `module` compute in FP8 with `fp8_recipe` (see convert_to_fp8), or with None, stops it."""
+    _check_recipe(fp8_recipe, "set_forward_recipe")
+    for handle in getattr(module, "_fp8_recipe_hooks", ()):
+        handle.remove()
+    module._fp8_recipe_hooks = ()
+    if fp8_recipe is None:
+        return
+    hooks = _ForwardRecipe(fp8_recipe)
+    module._fp8_recipe_hooks = (module.register_forward_pre_hook(hooks.enter),
+                                module.register_forward_hook(hooks.exit, always_call=True))
 
 
 def prepare_fp8(module: nn.Module, fp8_recipe=None, *, recast_in_backward: bool = False) -> nn.Module:
@@ -72,8 +135,11 @@ def prepare_fp8(module: nn.Module, fp8_recipe=None, *, recast_in_backward: bool 
     (DelayedScaling or Float8CurrentScaling; the backward recasts with the scales its forward used, even when a
     later forward has updated a delayed slot); with delayed scaling only the layers on the fast path recast
     (contiguous inputs with a token count that is a multiple of 16); layers with a fused norm or activation keep
-    their FP8 copies; eager steps are unchanged."""
-    from ..core.context import _DEFAULT_RECIPE
+    their FP8 copies; eager steps are unchanged.
+    With delayed scaling, compiled steps then mark the recipe's managers for their next update when the step's
+    outermost fp8_autocast exits, rather than from inside the compiled graph (torch.compile keeps no such flag
+    inside a checkpointed region: activation checkpointing would break the graph)."""
+    from ..core.context import _DEFAULT_RECIPE, mark_compiled_steps
     from ..core.recipe import CurrentScaling, DelayedScaling
     from ..core.tensor import role_quantizers
     recipe = fp8_recipe if fp8_recipe is not None else _DEFAULT_RECIPE
@@ -87,6 +153,9 @@ def prepare_fp8(module: nn.Module, fp8_recipe=None, *, recast_in_backward: bool 
     if isinstance(recipe, DelayedScaling):
         for m in layers:
             m.init_fp8(recipe)
+            mgr = m.scaling_manager(recipe)
+            if mgr is not None:
+                mark_compiled_steps(mgr)
         # Registering may grow the manager's buffers, which makes the views the earlier layers took stale (a
         # compiled forward would re-register them: a graph break); a second pass takes them from the final buffers.
         for m in layers:

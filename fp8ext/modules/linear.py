@@ -36,11 +36,13 @@ from .. import _C
 from ..core import debug
 from ..core._boundary import stream_of
 from ..ops._gemm import bias_epilogue
-from ..core.context import activation_dtype, current_context, get_scaling_manager
+from ..core.context import activation_dtype, get_scaling_manager
+from .checkpoint import forward_context
 from .linear_autograd import (COMPOSED, HIGH_PRECISION, ONE_CALL, ONE_CALL_OP, SWIGLU_PROLOGUE, LinearFunction,
                               LinearPlan, recast_in_backward)
 from ..core.profiling import profiled
 from ..core.recipe import CurrentScaling, DelayedScaling
+from ..core.scaling import pack_slots_state, unpack_slots_state
 from ..core.tensor import FP8Tensor, Quantizer, role_quantizers
 
 __all__ = ["FP8Linear", "Linear"]
@@ -54,6 +56,15 @@ _graphs_possible = torch.cuda.is_available()
 def _cast(t2d: torch.Tensor, quantizer: Quantizer, keep_scale: bool = False) -> FP8Tensor:
     """t2d's FP8 cast by `quantizer` (the weight's casts go through here: tests count them)."""
     return quantizer.quantize(t2d, keep_scale)
+
+
+def mark_recorded(mgr) -> None:
+    """Marks the manager for its update at the next step (this step records amaxes in it). Under torch.compile, a
+    manager that prepare_fp8 prepared is marked by fp8_autocast's exit instead (FP8ScalingManager.compiled_steps):
+    the flag is a side effect that compiled code cannot keep inside a checkpointed region (torch.compile's
+    activation checkpointing), where it would break the graph."""
+    if not (mgr.compiled_steps and torch.compiler.is_compiling()):
+        mgr.dirty = True
 
 
 def _capturing() -> bool:
@@ -143,9 +154,10 @@ class FP8Linear(nn.Module):
         self._weight_cache = None  # (key, w8, w8t, scale_inv) of the last weight cast kept for reuse
         self._fp8_views = {}  # recipe -> (manager, slot views, manager generation, (input, weight, grad) Quantizers)
         self._leases = {}  # id(manager) -> the finalizer that releases this layer's slots there
-        self._manager = None  # the manager of the last recipe used (for get_extra_state)
+        self._manager = None  # the manager of the last recipe used (for fp8_state)
         self._pending_fp8_state = pending  # loaded extra state, applied when the layer gets its slots
         self._lean = None  # (recipe, quantizers) of the fast path, set by the first FP8 step (delayed or current)
+        self._fp8_forward = None  # the context of the last forward, for a checkpointed rerun (fp8ext.checkpoint)
 
     def reset_parameters(self) -> None:
         """nn.Linear's initialisation, or init_method(weight) and a zero bias when init_method was given."""
@@ -166,9 +178,9 @@ class FP8Linear(nn.Module):
     # ---- copies: a copy (deepcopy, pickle) is a new layer with its own slots and the same FP8 state ----------
     def __getstate__(self):
         state = self.__dict__.copy()
-        for key in ("_weight_cache", "_fp8_views", "_leases", "_manager", "_fp8_id", "_lean"):
+        for key in ("_weight_cache", "_fp8_views", "_leases", "_manager", "_fp8_id", "_lean", "_fp8_forward"):
             state.pop(key, None)
-        state["_pending_fp8_state"] = self.get_extra_state() or None
+        state["_pending_fp8_state"] = self.fp8_state() or None
         return state
 
     def __setstate__(self, state):
@@ -189,6 +201,14 @@ class FP8Linear(nn.Module):
             st = self.init_fp8(recipe)
         self._manager = st[0]
         return st[0], st[1]
+
+    def scaling_manager(self, recipe: DelayedScaling):
+        """The FP8ScalingManager that holds this layer's scales for `recipe` (made on first use; None for a meta
+        weight, which is never cast)."""
+        lean = self._lean
+        if lean is not None and lean[0] is recipe and lean[1][0].manager is not None:
+            return lean[1][0].manager
+        return None if self.weight.is_meta else get_scaling_manager(recipe, self.weight.device)
 
     def quantizers(self, recipe: DelayedScaling):
         """The layer's (input, weight, grad_output) Quantizers for a DelayedScaling `recipe`, its slots registered
@@ -218,9 +238,10 @@ class FP8Linear(nn.Module):
         st = self._fp8_views[recipe] = (mgr, [mgr.views(s) for s in slots], mgr.generation, quantizers)
         return st
 
-    def get_extra_state(self):
-        """The layer's FP8 scaling state ({} before its first FP8 step), on the CPU, as its next step will use it
-        (see FP8ScalingManager.slots_state): a run resumed from it scales exactly as the one that saved it."""
+    def fp8_state(self) -> dict:
+        """The layer's FP8 scaling state ({} before its first FP8 step) as a dict, on the CPU, as its next step will
+        use it (see FP8ScalingManager.slots_state): 'names' (input, weight, grad_output), 'amax_history' [3, len],
+        'scale', 'scale_inv' [3] and 'steps'. A run resumed from it scales exactly as the one that saved it."""
         mgr = self._manager
         if mgr is None:
             return self._pending_fp8_state or {}
@@ -228,7 +249,14 @@ class FP8Linear(nn.Module):
         st["names"] = ["input", "weight", "grad_output"]
         return st
 
+    def get_extra_state(self) -> torch.Tensor:
+        """fp8_state() as one int32 tensor (fp8ext.core.scaling.pack_slots_state), so that every saver takes it:
+        torch.save, safetensors and transformers' save_pretrained (sharded too), distributed checkpoints."""
+        return pack_slots_state(self.fp8_state())
+
     def set_extra_state(self, state) -> None:
+        """Loads get_extra_state()'s tensor (or the dict of fp8ext's earlier checkpoints)."""
+        state = unpack_slots_state(state, f"FP8Linear({self.in_features}, {self.out_features}).set_extra_state", 3)
         if not state:
             return
         pending = {k: state[k] for k in ("amax_history", "scale", "scale_inv")}
@@ -275,8 +303,9 @@ class FP8Linear(nn.Module):
     def forward(self, input: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         """y = input W^T + b (a tuple (input W^T, b) with return_bias=True). is_first_microbatch (Transformer
         Engine's argument): None (default) casts the weight on every call; True casts it and keeps the cast;
-        False reuses the kept cast for the next micro-batches of the same step."""
-        ctx = current_context()
+        False reuses the kept cast for the next micro-batches of the same step. Under activation checkpointing the
+        recomputed forward runs in the fp8_autocast context of the original one (fp8ext/modules/checkpoint.py)."""
+        ctx = forward_context(self)
         y = self.fast_forward(ctx, input, is_first_microbatch)
         if y is not None:
             return y
@@ -328,7 +357,7 @@ class FP8Linear(nn.Module):
         if isinstance(recipe, DelayedScaling):
             mgr, _ = self._manager_views(recipe)
             quantizers = self._fp8_views[recipe][3]
-            mgr.dirty = True
+            mark_recorded(mgr)
             if not torch.compiler.is_compiling():
                 lean = self._lean
                 if lean is None or lean[0] is not recipe or lean[1] is not quantizers:
@@ -369,11 +398,13 @@ class FP8Linear(nn.Module):
 
     def fast_plan(self, ctx, input, is_first_microbatch=None, prologue=None) -> Optional[LinearPlan]:
         """The LinearPlan of fast_forward's call on `input` (ONE_CALL; ONE_CALL_OP under torch.compile), or None."""
-        quantizers = self._fast_quantizers(ctx, is_first_microbatch)
-        if quantizers is None or not isinstance(input, torch.Tensor):
+        if not isinstance(input, torch.Tensor) or input.is_meta or self.weight.is_meta:
             return None
         width = 2 * self.in_features if prologue is not None else self.in_features
         if not input.is_contiguous() or input.dim() == 0 or input.shape[-1] != width:
+            return None
+        quantizers = self._fast_quantizers(ctx, is_first_microbatch)
+        if quantizers is None:
             return None
         return self.lean_plan(quantizers, prologue, input.dtype, activation_dtype(input), input.device,
                               input.numel() // width)
@@ -389,7 +420,20 @@ class FP8Linear(nn.Module):
         lean = self._compiled_lean(ctx.recipe) if compiling else self._lean
         if lean is not None and (lean[0] is ctx.recipe or lean[0] == ctx.recipe) and lean[1][0].current():
             return lean[1]
-        return None
+        return None if compiling else self._lean_quantizers(ctx.recipe)
+
+    def _lean_quantizers(self, recipe):
+        """The fast path's quantizers for `recipe` (delayed or per-tensor current scaling; else None), made on the
+        first step (the slots registered) and again after the manager's buffers grew: every call that can take the
+        fast path takes it, so a checkpointed forward and its rerun save the same tensors."""
+        if isinstance(recipe, DelayedScaling):
+            quantizers = self.quantizers(recipe)
+        elif isinstance(recipe, CurrentScaling):
+            quantizers = role_quantizers(recipe)
+        else:
+            return None
+        self._lean = (recipe, quantizers)
+        return quantizers
 
     def lean_plan(self, quantizers, prologue, in_dtype, out_dtype, device, m) -> Optional[LinearPlan]:
         """The fast path's LinearPlan for an input of `m` rows in `in_dtype` on `device` (contiguous, checked by the
@@ -413,7 +457,7 @@ class FP8Linear(nn.Module):
         fuse_bias = bias_epilogue(bias, out_dtype) and bias.is_contiguous()
         main_grad = self._main_grad() if self.fuse_wgrad_accumulation and torch.is_grad_enabled() else None
         if mgr is not None:
-            mgr.dirty = True
+            mark_recorded(mgr)
         compiling = torch.compiler.is_compiling()
         # recast: bfloat16 and float32 inputs (see linear_autograd._recast_t); float16 keeps its FP8 copies
         recast = compiling and self.fp8_recast_in_backward and in_dtype != torch.float16

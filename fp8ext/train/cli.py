@@ -51,6 +51,10 @@ def parser() -> argparse.ArgumentParser:
                         "follows --max_steps): split a run into jobs and continue each with --resume")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) instead of DDP")
+    p.add_argument("--activation_checkpointing", choices=["none", "full", "selective"], default="none",
+                   help="recompute activations in the backward instead of keeping them, per transformer block "
+                        "(torch.utils.checkpoint): full: the whole block; selective: all but the outputs of the matrix "
+                        "products and attention (torch's selective activation checkpointing)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval_every", type=int, default=100, help="validation loss every N steps (and at the end)")
     p.add_argument("--eval_batches", type=int, default=8)

@@ -3,13 +3,16 @@
 One optimizer step: grad_accum_steps micro-batches, each a forward under torch.autocast(bfloat16) on a GPU
 (float32 on a CPU) with the blocks' linear layers in FP8 when --use_fp8 is given, then gradient clipping and
 AdamW. The host waits for the device only every `log_every` steps (to read the losses), at evaluations and
-at checkpoints, never inside a step. Several processes (torchrun) train data-parallel: DDP, or FSDP2 with
---fsdp; FP8 amaxes are max-reduced across all ranks, so every rank holds the same scales.
+at checkpoints, never inside a step. Several processes (torchrun, on one node or several) train data-parallel:
+DDP, or FSDP2 with --fsdp; FP8 amaxes are max-reduced across all ranks, so every rank holds the same scales.
+--activation_checkpointing recomputes each block's activations in the backward (all of them, or all but the
+matrix products' and attention's outputs) instead of keeping them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 import math
@@ -24,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import fp8ext
-from ..models.transformer import Transformer, preset
+from ..models.transformer import Transformer, TransformerBlock, preset
 from ..core.recipe import CurrentScaling, DelayedScaling, Float8BlockScaling, Float8RowwiseScaling, Format
 from . import checkpoint
 from .data import batch, load_corpus
@@ -114,6 +117,45 @@ def _wrap(model, args, device, world):
         from torch.nn.parallel import DistributedDataParallel
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     return torch.compile(model) if args.compile else model
+
+
+# The ops whose outputs --activation_checkpointing selective keeps (the rest of a block is recomputed in the
+# backward): the matrix products and attention, which cost O(d_model) or O(seq_len) FLOPs per output element to
+# recompute, where the norms, RoPE and SwiGLU cost a few. Torch's dispatcher must see an op for it to be kept:
+# fp8ext's torch ops (torch.compile) and the CPU's emulated FP8 products (aten::mm) are; the C calls of the eager
+# fast path on a GPU (ONE_CALL, fp8ext/modules/linear_autograd.py) are not, so those layers are recomputed.
+_SAVED_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_mm", "fp8ext::gemm", "fp8ext::linear_fwd",
+              "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention",
+              "aten::_scaled_dot_product_cudnn_attention", "aten::_scaled_dot_product_flash_attention_for_cpu")
+
+
+def _saved_ops() -> list:
+    """The default overloads of the _SAVED_OPS that this torch (and fp8ext, once its modules are imported) has."""
+    packets = (getattr(getattr(torch.ops, name.split("::")[0]), name.split("::")[1], None) for name in _SAVED_OPS)
+    return [p.default for p in packets if p is not None and "default" in p.overloads()]
+
+
+def _checkpoint_blocks(model: Transformer, mode: str) -> None:
+    """Wraps each of model.blocks, in place, in torch's checkpoint_wrapper (non-reentrant torch.utils.checkpoint;
+    mode "selective" with a selective-checkpointing context that keeps _SAVED_OPS's outputs). Called before DDP,
+    FSDP2 and torch.compile wrap the model, as torch's FSDP2 recipes do. The state dict keeps its keys (the
+    wrapper's prefix is dropped on saving and restored on loading)."""
+    if mode == "none":
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+    kw = {}
+    if mode == "selective":
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts  # torch >= 2.4
+        kw["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _saved_ops())
+    wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kw)
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper,
+                                   check_fn=lambda m: isinstance(m, TransformerBlock))
+
+
+def _checkpointed_blocks(model: Transformer) -> int:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    return sum(isinstance(b, CheckpointWrapper) for b in model.blocks)
 
 
 def _optimizer(model, args, device):
@@ -254,6 +296,7 @@ def _build(args: Namespace, device: torch.device, world: int):
     recipe = _recipe(args)
     if args.use_fp8 and args.compile:  # every FP8 slot now: a compiled forward never registers one (a graph break)
         fp8ext.prepare_fp8(raw, recipe)
+    _checkpoint_blocks(raw, args.activation_checkpointing)
     model = _wrap(raw, args, device, world)
     opt = _optimizer(model, args, device)
     start = checkpoint.load(args.resume, raw, opt)["step"] if args.resume else 0
@@ -270,13 +313,18 @@ def _run_info(args: Namespace, raw, corpus, device: torch.device, rank: int, wor
             # which of fp8ext's fused kernels ran (a GPU, fp8ext built with CUDA): RMSNorm, RoPE and SwiGLU, eager
             # or compiled (as torch ops there)
             "fused_kernels": ([] if not (fp8ext.fused.TRAINING and device.type == "cuda" and fp8ext.cuda_available())
-                              else ["rms_norm", "rope", "swiglu"])}
+                              else ["rms_norm", "rope", "swiglu"]),
+            # --activation_checkpointing, and how many blocks its wrapper holds (each one, or none)
+            "activation_checkpointing": args.activation_checkpointing,
+            "checkpointed_blocks": _checkpointed_blocks(raw)}
     if rank != 0:
         return info
+    ac = args.activation_checkpointing
     print(f"fp8ext.train: preset {args.preset} ({info['parameters'] / 1e6:.1f}M parameters), {precision}"
           f"{' (' + args.fp8_recipe + ' scaling)' if args.use_fp8 else ''}, {info['device_name']} x {world}"
           f"{', FSDP2' if args.fsdp and world > 1 else ', DDP' if world > 1 else ''}"
-          f"{', compiled' if args.compile else ''}; {corpus.description}")
+          f"{', compiled' if args.compile else ''}{'' if ac == 'none' else ', activation checkpointing ' + ac}"
+          f"; {corpus.description}")
     return info
 
 

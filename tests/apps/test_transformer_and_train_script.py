@@ -27,7 +27,7 @@ def metrics(run_dir):
 # ---- the model --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name, low, high", [("tiny", 0.05e6, 0.5e6), ("small", 100e6, 140e6), ("1b", 0.9e9, 1.1e9),
-                                             ("llama8b-2l", 0.4e9, 0.5e9)])
+                                             ("llama8b-2l", 0.4e9, 0.5e9), ("llama8b-4l", 0.85e9, 0.9e9)])
 def test_preset_sizes(name, low, high):
     n = Transformer(PRESETS[name], device="meta").num_parameters()
     assert low <= n <= high, f"{name}: {n / 1e6:.1f}M parameters"

@@ -255,7 +255,7 @@ def test_layernorm_modules_and_converted_models_train_under_the_recipes(device, 
         with fp8ext.fp8_autocast(fp8_recipe=recipe):
             got = fp8(x)
         assert _relerr(got, hp(x).double()) < 0.06
-    assert fp8[0].get_extra_state() == {}, "block and row-wise scaling keep no state across steps"
+    assert fp8[0].fp8_state() == {}, "block and row-wise scaling keep no state across steps"
 
 
 def test_state_dict_round_trips_and_a_converted_layer_loads_under_another_recipe():

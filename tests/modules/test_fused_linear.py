@@ -99,7 +99,7 @@ def test_reference_path_is_the_separate_steps_bit_for_bit(op, bias, dtype):
             assert torch.equal(ga.grad, gb.grad), step
         for t in (xa, xb, ga, gb, *fused_lin.parameters(), *sep_lin.parameters()):
             t.grad = None
-    sa, sb = fused_lin.get_extra_state(), sep_lin.get_extra_state()
+    sa, sb = fused_lin.fp8_state(), sep_lin.fp8_state()
     for key in ("amax_history", "scale", "scale_inv"):
         assert torch.equal(sa[key], sb[key]), key
     assert sa["amax_history"].abs().sum() > 0  # the input's amax was recorded
@@ -149,7 +149,7 @@ def test_reference_mlp_is_the_separate_steps_bit_for_bit(fc2_bias, main_grad):
         for t in (xa, xb, ga, gb, *a1.parameters(), *a2.parameters(), *b1.parameters(), *b2.parameters()):
             t.grad = None
     for la, lb in ((a1, b1), (a2, b2)):
-        sa, sb = la.get_extra_state(), lb.get_extra_state()
+        sa, sb = la.fp8_state(), lb.fp8_state()
         for key in ("amax_history", "scale", "scale_inv"):
             assert torch.equal(sa[key], sb[key]), key
         assert sa["amax_history"][:, 2].abs().sum() > 0  # the output gradient's amax was recorded
@@ -343,7 +343,7 @@ def test_layernorm_modules_on_the_gpu_equal_their_separate_steps(kind, monkeypat
     lins = ([(fused_m.linear, sep_m.linear)] if kind == "linear"
             else [(fused_m.fc1, sep_m.fc1), (fused_m.fc2, sep_m.fc2)])
     for la, lb in lins:
-        sa, sb = la.get_extra_state(), lb.get_extra_state()
+        sa, sb = la.fp8_state(), lb.fp8_state()
         for key in ("amax_history", "scale", "scale_inv"):
             assert torch.equal(sa[key], sb[key]), key
 
@@ -415,7 +415,7 @@ class _SwiGLULinear(torch.nn.Module):
 
 def _assert_same_steps(runs, states):
     """runs[name] = (per step (output, input gradient, parameter gradients), ...): "eager" and "compiled" equal
-    "separate" bit for bit, and so do the layers' scaling states (states(run): their get_extra_state() dicts)."""
+    "separate" bit for bit, and so do the layers' scaling states (states(run): their fp8_state() dicts)."""
     for name in ("eager", "compiled"):
         for i, (want, got) in enumerate(zip(runs["separate"][0], runs[name][0])):
             assert torch.equal(got[0], want[0]), (name, i, "output")
@@ -431,7 +431,7 @@ def _assert_same_steps(runs, states):
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_swiglu_in_the_one_call_passes_eager_and_compiled_equal_the_separate_steps(device, bias, monkeypatch):
     """SwiGLU into an FP8 layer with delayed scaling takes FP8Linear's one-call passes with SwiGLU inside the input's
-    cast (after the first step, which registers the slots), eagerly and under torch.compile (the calls as torch ops,
+    cast (from the first step on, which registers the slots), eagerly and under torch.compile (the calls as torch ops,
     one graph): over three steps with SGD between them, outputs, gradients and scaling state equal those of SwiGLU
     followed by FP8Linear, bit for bit. On the CPU SwiGLU is fp8ext.fused's reference definition (the GPU computes
     it inside the cast)."""
@@ -469,9 +469,9 @@ def test_swiglu_in_the_one_call_passes_eager_and_compiled_equal_the_separate_ste
                 for p in lin.parameters():
                     p -= 0.05 * p.grad
                     p.grad = None
-        runs[name] = (out, lin.get_extra_state(), sum(prologue_calls) if device == "cuda" else len(prologue_calls))
+        runs[name] = (out, lin.fp8_state(), sum(prologue_calls) if device == "cuda" else len(prologue_calls))
     # the prologue is a GPU argument (the CPU computes SwiGLU before the call): there, count the one-call passes
-    assert runs["eager"][2] == 2, "steps 2 and 3 take the one-call pass with SwiGLU in the cast"
+    assert runs["eager"][2] == 3, "every step takes the one-call pass with SwiGLU in the cast, the first included"
     assert runs["compiled"][2] == 3, "every compiled step takes it"
     _assert_same_steps(runs, lambda run: [run[1]])
 
@@ -517,7 +517,7 @@ class _SwiGLUMLP(torch.nn.Module):
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "w2_bias"])
 def test_swiglu_mlp_node_eager_and_compiled_equals_the_separate_steps(device, bias, monkeypatch):
     """w2(swiglu(w13(x))) with delayed scaling as one node of the one-call passes (SwiGLU inside w2's input cast, its
-    gradient inside the cast of w13's output gradient), eagerly (after the first step, which registers the slots) and
+    gradient inside the cast of w13's output gradient), eagerly (from the first step on, which registers the slots) and
     under torch.compile: over three steps with SGD between them, the output, every gradient and the scaling state equal
     those of w13, SwiGLU and w2 run separately, bit for bit. On the CPU SwiGLU and its gradient are fp8ext.fused's
     reference definitions (the GPU computes them inside the casts)."""
@@ -565,9 +565,9 @@ def test_swiglu_mlp_node_eager_and_compiled_equals_the_separate_steps(device, bi
                 for p in params:
                     p -= 0.05 * p.grad
                     p.grad = None
-        runs[name] = (out, [lin.get_extra_state() for lin in (w13, w2)], sum(fused_bwd))
+        runs[name] = (out, [lin.fp8_state() for lin in (w13, w2)], sum(fused_bwd))
     assert runs["separate"][2] == 0
-    assert runs["eager"][2] == 2, "steps 2 and 3 take w13's backward call with SwiGLU's gradient in the cast"
+    assert runs["eager"][2] == 3, "every step takes w13's backward call with SwiGLU's gradient in the cast"
     assert runs["compiled"][2] == 3, "every compiled step takes it"
     _assert_same_steps(runs, lambda run: run[1])
 

@@ -41,7 +41,7 @@ def run_steps(layer, recipe, xs, gys, fast, monkeypatch, lr=0.05):
                 if p.grad is not None:
                     p -= lr * p.grad
                     p.grad = None
-    return out, layer.get_extra_state()
+    return out, layer.fp8_state()
 
 
 def same(a, b, what):
@@ -83,7 +83,7 @@ def test_current_scaling_fast_path_matches_composed_path_bit_for_bit(device, dty
             for p in layer.parameters():
                 p.grad = None
         outs[fast_path] = out
-    assert len(calls) == len(xs) - 1, "the first step takes the composed path, every later one the fast path"
+    assert len(calls) == len(xs), "every step takes the fast path, the first included"
     for i, (f, s) in enumerate(zip(outs[True], outs[False])):
         same(f[0], s[0], f"step {i}: output")
         same(f[1], s[1], f"step {i}: input gradient")
@@ -107,9 +107,9 @@ def test_fast_path_matches_composed_path_bit_for_bit(device, dtype, bias, fuse_w
     rf = fp8ext.DelayedScaling(fp8_format=HYBRID, amax_history_len=4)
     rs = fp8ext.DelayedScaling(fp8_format=HYBRID, amax_history_len=4)
     steps_fast, state_fast = run_steps(fast, rf, xs, gys, True, monkeypatch)
-    assert len(calls) == len(xs) - 1, "the first step takes the composed path, every later one the fast path"
+    assert len(calls) == len(xs), "every step takes the fast path, the first included"
     steps_slow, state_slow = run_steps(slow, rs, xs, gys, False, monkeypatch)
-    assert len(calls) == len(xs) - 1
+    assert len(calls) == len(xs), "the composed run makes no fast-path call"
     for i, (f, s) in enumerate(zip(steps_fast, steps_slow)):
         same(f[0], s[0], f"step {i}: output")
         same(f[1], s[1], f"step {i}: input gradient")
@@ -129,23 +129,23 @@ def test_inputs_the_fast_path_leaves_to_the_composed_one(device, monkeypatch):
     monkeypatch.setattr(L._C, "linear_fwd", lambda *a: calls.append(1) or real(*a))
     x = torch.randn(32, 64, device=device)
     with fp8ext.fp8_autocast(fp8_recipe=recipe):
-        layer(x)  # registers the slots: composed path
+        layer(x)  # registers the slots and takes the fast path
         layer(x)
-        assert len(calls) == 1
+        assert len(calls) == 2
         layer(torch.randn(24, 64, device=device))  # 24 tokens: not a multiple of 16
         layer(torch.randn(64, 32, device=device).t())  # not contiguous
         layer(x, is_first_microbatch=True)  # weight caching
         with torch.no_grad():
             layer(x)  # no gradient needed: still the fast path
-        assert len(calls) == 2
+        assert len(calls) == 3
     with fp8ext.fp8_autocast(fp8_recipe=fp8ext.Float8BlockScaling()):
         layer(x)
         layer(x)  # block scales: the composed path
-    assert len(calls) == 2
+    assert len(calls) == 3
     with fp8ext.fp8_autocast(fp8_recipe=fp8ext.CurrentScaling()):
-        layer(x)  # a new recipe: composed, then fast
+        layer(x)  # a new recipe: fast from its first call
         layer(x)
-    assert len(calls) == 3, "per-tensor current scaling takes the fast path too"
+    assert len(calls) == 5, "per-tensor current scaling takes the fast path too"
 
 
 def _call_args():
@@ -308,7 +308,7 @@ def test_compiled_fast_path_is_the_eager_one_bit_for_bit(device, recipe, bias, m
                 for p in layer.parameters():
                     p -= 0.05 * p.grad
                     p.grad = None
-        runs[name] = (out, layer.get_extra_state() if recipe == "delayed" else None, len(calls))
+        runs[name] = (out, layer.fp8_state() if recipe == "delayed" else None, len(calls))
     assert runs["compiled"][2] == len(xs), "every compiled step takes the fast path's forward call"
     for i, (e, c) in enumerate(zip(runs["eager"][0], runs["compiled"][0])):
         same(c[0], e[0], f"step {i}: output")

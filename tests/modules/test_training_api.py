@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fp8ext
+from fp8ext.core.scaling import unpack_slots_state
 from conftest import DEVICES, requires_cuda
 
 
@@ -224,7 +225,7 @@ def test_a_step_that_raises_leaves_the_scaling_state_as_it_was(device):
         assert torch.equal(a, b), f"step {i}: a failed step earlier changed this step's output"
     for (n, a), b in zip(failed.named_modules(), clean.modules()):
         if isinstance(a, fp8ext.FP8Linear):
-            sa, sb = a.get_extra_state(), b.get_extra_state()
+            sa, sb = a.fp8_state(), b.fp8_state()
             for key in ("amax_history", "scale", "scale_inv"):
                 assert torch.equal(sa[key], sb[key]), f"{n}: {key} differs after a failed step"
 
@@ -291,14 +292,16 @@ def test_gradients_agree_with_nn_linear(device, recipe, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_saved_activations_are_fp8(device):
-    """What the layer keeps for backward: x in FP8 (1 byte/element, half of bf16)."""
+def test_saved_activations_are_fp8(device, monkeypatch):
+    """What the layer keeps for backward: x in FP8 (1 byte/element, half of bf16). The composed path saves FP8
+    tensors (the fast path, one byte buffer holding the same copies: test_fast_path_saves_one_buffer_of_fp8_copies)."""
     saved = []
 
     def pack(t):
         saved.append((t.dtype, t.numel(), t.data_ptr()))
         return t
 
+    monkeypatch.setattr(fp8ext.linear, "_FAST_PATH", False)
     layer = fp8ext.FP8Linear(256, 512, device=device, params_dtype=torch.bfloat16)
     x = torch.randn(64, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), fp8ext.fp8_autocast():
@@ -307,6 +310,20 @@ def test_saved_activations_are_fp8(device):
     assert all(d in (torch.float8_e4m3fn, torch.float8_e5m2) for d, _, _ in big), big
     x_bytes = sum(n for d, n, _ in big if n == 64 * 256)
     assert x_bytes == x.numel(), "one FP8 copy of x: half the bytes of the bf16 activation"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fast_path_saves_one_buffer_of_fp8_copies(device):
+    """The fast path keeps one byte buffer for backward: x8^T and W8^T (one byte per element each) and a header of
+    scales, less than a kilobyte; no high-precision copy of x."""
+    saved = []
+    layer = fp8ext.FP8Linear(256, 512, device=device, params_dtype=torch.bfloat16)
+    x = torch.randn(64, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t), fp8ext.fp8_autocast():
+        layer(x)
+    assert [t.dtype for t in saved] == [torch.uint8], [(t.dtype, t.shape) for t in saved]
+    fp8_bytes = x.numel() + layer.weight.numel()
+    assert fp8_bytes <= saved[0].numel() < fp8_bytes + 1024, (saved[0].numel(), fp8_bytes)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -393,7 +410,8 @@ def test_state_dicts_move_between_fp8linear_and_nn_linear():
         h(torch.randn(8, 32))
         mgr = h._manager
         names = h._slot_names()
-        assert mgr.get_scale(names[0]).item() == sd["_extra_state"]["scale"][0].item() != 1.0
+        saved = unpack_slots_state(sd["_extra_state"], "test", 3)
+        assert mgr.get_scale(names[0]).item() == saved["scale"][0].item() != 1.0
 
 
 # ---- convert_to_fp8 ----------------------------------------------------------------------------

@@ -86,7 +86,7 @@ def test_saved_fp8_state_is_what_the_next_step_uses():
     layer = fp8ext.FP8Linear(32, 16)
     with fp8ext.fp8_autocast(fp8_recipe=recipe):
         layer(batch(0)).sum().backward()
-    saved = layer.get_extra_state()  # the update of this step's amaxes is still pending
+    saved = layer.fp8_state()  # the update of this step's amaxes is still pending
     with fp8ext.fp8_autocast(fp8_recipe=recipe):  # entering runs it
         live = layer._manager.slots_state(layer._slot_names())
     for key in ("amax_history", "scale", "scale_inv"):
