@@ -42,6 +42,7 @@ _LAZY = {
     "FP8ConversionWarning": ".modules.convert", "convert_to_fp8": ".modules.convert", "prepare_fp8": ".modules.convert",
     "make_graphed_callables": ".modules.graphs", "checkpoint": ".modules.checkpoint",
     "load_fp8_state": ".modules.pretrained",
+    "enable_fp8_all_gather": ".modules.fsdp", "precompute_fp8_weight_scales": ".modules.fsdp",
     "LayerNormLinear": ".modules.layernorm_modules", "LayerNormMLP": ".modules.layernorm_modules",
 }
 
@@ -155,6 +156,8 @@ __all__ = [
     "prepare_fp8",
     "checkpoint",
     "load_fp8_state",
+    "enable_fp8_all_gather",
+    "precompute_fp8_weight_scales",
     "FP8ConversionWarning",
     "set_debug_checks",
     "set_profiling",

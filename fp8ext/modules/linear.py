@@ -38,6 +38,7 @@ from ..core._boundary import stream_of
 from ..ops._gemm import bias_epilogue
 from ..core.context import activation_dtype, get_scaling_manager
 from .checkpoint import forward_context
+from .fsdp import FP8GatheredWeight  # FSDP2's FP8 all-gather: a weight that arrives already cast
 from .linear_autograd import (COMPOSED, HIGH_PRECISION, ONE_CALL, ONE_CALL_OP, SWIGLU_PROLOGUE, LinearFunction,
                               LinearPlan, recast_in_backward)
 from ..core.profiling import profiled
@@ -285,6 +286,8 @@ class FP8Linear(nn.Module):
         recast when the weight provably changed (another tensor, an in-place update such as an optimizer step
         or load_state_dict, another format, quantizer or scale slot, inference mode)."""
         w = self.weight
+        if isinstance(w, FP8GatheredWeight):  # FSDP2 gathered it in FP8 (fp8ext/modules/fsdp.py): already cast
+            return w.fp8_tensor(quantizer)
         keep = is_first_microbatch is not None and not torch.compiler.is_compiling() and not (
             w.is_cuda and torch.cuda.is_current_stream_capturing())
         if not keep:  # cast for this call only; compiled, its scale is kept for backward's recast of W8^T
@@ -441,6 +444,8 @@ class FP8Linear(nn.Module):
         if debug.enabled():
             return None
         w = self.weight
+        if isinstance(w, FP8GatheredWeight):  # the one-call path casts W itself: an FP8-gathered W takes the composed
+            return None                       # path (fp8_plan -> _weight_fp8)
         k = self.in_features
         mgr = quantizers[0].manager
         if prologue is not None and (prologue.op != SWIGLU_PROLOGUE or mgr is None or self.fp8_recast_in_backward):

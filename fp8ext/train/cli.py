@@ -51,6 +51,9 @@ def parser() -> argparse.ArgumentParser:
                         "follows --max_steps): split a run into jobs and continue each with --resume")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) instead of DDP")
+    p.add_argument("--fp8_all_gather", action="store_true",
+                   help="with --fsdp and --use_fp8 (delayed or current scaling): FSDP2 gathers each FP8 layer's weight "
+                        "cast to FP8 (1 byte an element) instead of in high precision")
     p.add_argument("--activation_checkpointing", choices=["none", "full", "selective"], default="none",
                    help="recompute activations in the backward instead of keeping them, per transformer block "
                         "(torch.utils.checkpoint): full: the whole block; selective: all but the outputs of the matrix "

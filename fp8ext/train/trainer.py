@@ -296,11 +296,23 @@ def _build(args: Namespace, device: torch.device, world: int):
     recipe = _recipe(args)
     if args.use_fp8 and args.compile:  # every FP8 slot now: a compiled forward never registers one (a graph break)
         fp8ext.prepare_fp8(raw, recipe)
+    if args.fp8_all_gather:
+        _check_fp8_all_gather(args)
+        if world > 1:  # (one process gathers nothing)
+            fp8ext.enable_fp8_all_gather(raw, recipe)  # before fully_shard (_wrap)
     _checkpoint_blocks(raw, args.activation_checkpointing)
     model = _wrap(raw, args, device, world)
     opt = _optimizer(model, args, device)
     start = checkpoint.load(args.resume, raw, opt)["step"] if args.resume else 0
+    _precompute_fp8_scales(model, args, world)
     return corpus, raw, model, opt, recipe, start
+
+
+def _check_fp8_all_gather(args: Namespace) -> None:
+    if not (args.fsdp and args.use_fp8) or args.fp8_recipe not in ("delayed", "current"):
+        raise SystemExit("fp8ext-train: --fp8_all_gather needs --fsdp and --use_fp8 with --fp8_recipe delayed or "
+                         f"current (one scale per weight), got fsdp={args.fsdp}, use_fp8={args.use_fp8}, "
+                         f"fp8_recipe={args.fp8_recipe}")
 
 
 def _run_info(args: Namespace, raw, corpus, device: torch.device, rank: int, world: int, start: int) -> dict:
@@ -316,6 +328,8 @@ def _run_info(args: Namespace, raw, corpus, device: torch.device, rank: int, wor
                               else ["rms_norm", "rope", "swiglu"]),
             # --activation_checkpointing, and how many blocks its wrapper holds (each one, or none)
             "activation_checkpointing": args.activation_checkpointing,
+            # --fp8_all_gather in force: FSDP2 over several processes gathered the FP8 layers' weights in FP8
+            "fp8_all_gather": bool(args.fp8_all_gather and args.fsdp and world > 1),
             "checkpointed_blocks": _checkpointed_blocks(raw)}
     if rank != 0:
         return info
@@ -323,7 +337,7 @@ def _run_info(args: Namespace, raw, corpus, device: torch.device, rank: int, wor
     print(f"fp8ext.train: preset {args.preset} ({info['parameters'] / 1e6:.1f}M parameters), {precision}"
           f"{' (' + args.fp8_recipe + ' scaling)' if args.use_fp8 else ''}, {info['device_name']} x {world}"
           f"{', FSDP2' if args.fsdp and world > 1 else ', DDP' if world > 1 else ''}"
-          f"{', compiled' if args.compile else ''}{'' if ac == 'none' else ', activation checkpointing ' + ac}"
+          f"{' with FP8 all-gather' if info['fp8_all_gather'] else ''}{', compiled' if args.compile else ''}{'' if ac == 'none' else ', activation checkpointing ' + ac}"
           f"; {corpus.description}")
     return info
 
@@ -356,7 +370,15 @@ def _train_step(model, opt, corpus, args: Namespace, step: int, rank: int, world
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
+    _precompute_fp8_scales(model, args, world)
     return lr, step_loss
+
+
+def _precompute_fp8_scales(model, args: Namespace, world: int) -> None:
+    """--fp8_all_gather with current scaling: every weight's scale for the next gathers, from one all-reduce (after
+    each change of the weights: the optimizer's step, loading a checkpoint)."""
+    if args.fp8_all_gather and world > 1 and args.fp8_recipe == "current":
+        fp8ext.precompute_fp8_weight_scales(model)
 
 
 def _log_rows(metrics, bar, pending: list, losses: list, done: int, *, rate: float, mfu, val_loss) -> None:

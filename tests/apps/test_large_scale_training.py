@@ -173,3 +173,40 @@ def test_docs_show_the_two_node_command_this_file_runs():
     cmd = node_command(29400, "two-nodes", "runs/two-nodes", ["--fsdp"])
     shown = " ".join(["OMP_NUM_THREADS=1", "torchrun", *cmd[3:]])  # torchrun is `python -m torch.distributed.run`
     assert shown in doc, f"docs/training.md does not show {shown!r}"
+
+
+# ---- FP8 all-gather under FSDP2 ----------------------------------------------------------------------------------
+
+def run_fsdp(out_dir, recipe, extra) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "fp8ext.train",
+           *RUN, "--device", "cpu", "--use_fp8", "--fp8_recipe", recipe, "--fsdp", "--max_steps", "4",
+           "--eval_every", "4", *extra, "--out_dir", str(out_dir)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_fp8_all_gather_trains_as_the_high_precision_gather(tmp_path, recipe):
+    """--fp8_all_gather: FSDP2 gathers the weights in FP8, each rank's shard cast with the whole weight's scale, so
+    the losses and weights are those of gathering in high precision and casting after, bit for bit (with current
+    scaling the whole checkpoint: with delayed scaling a saved copy applies the pending update with this rank's
+    amaxes, and rank 0's weight amax is then its shard's)."""
+    run_fsdp(tmp_path / "hp", recipe, [])
+    run_fsdp(tmp_path / "fp8", recipe, ["--fp8_all_gather"])
+    info = json.loads((tmp_path / "fp8" / "run.json").read_text())
+    assert info["fp8_all_gather"] is True
+    if recipe == "delayed":
+        assert info["fp8_scales_equal_across_ranks"] is True
+    assert json.loads((tmp_path / "hp" / "run.json").read_text())["fp8_all_gather"] is False
+    assert [r["loss"] for r in metrics(tmp_path / "fp8")] == [r["loss"] for r in metrics(tmp_path / "hp")]
+    a = torch.load(tmp_path / "fp8" / "checkpoint.pt", weights_only=True)["model"]
+    b = torch.load(tmp_path / "hp" / "checkpoint.pt", weights_only=True)["model"]
+    keys = [k for k in b if recipe == "current" or not k.endswith("_extra_state")]
+    assert [k for k in keys if not torch.equal(a[k], b[k])] == []
+
+
+def test_fp8_all_gather_refuses_what_it_cannot_gather(capsys):
+    for args in (["--use_fp8"], ["--fsdp"], ["--fsdp", "--use_fp8", "--fp8_recipe", "block"]):
+        with pytest.raises(SystemExit, match="--fp8_all_gather needs --fsdp and --use_fp8 with --fp8_recipe delayed "
+                                             "or current"):
+            cli.main(RUN + ["--device", "cpu", "--fp8_all_gather", "--max_steps", "1", *args])
