@@ -12,8 +12,6 @@ matrix products' and attention's outputs) instead of keeping them.
 from __future__ import annotations
 
 import contextlib
-import functools
-import gc
 import json
 import math
 import os
@@ -27,10 +25,12 @@ import torch
 import torch.distributed as dist
 
 import fp8ext
-from ..models.transformer import Transformer, TransformerBlock, preset
+from ..models.transformer import Transformer, preset
 from ..core.recipe import CurrentScaling, DelayedScaling, Float8BlockScaling, Float8RowwiseScaling, Format
 from . import checkpoint
 from .data import batch, load_corpus
+from .parallel import (check_fp8_all_gather, checkpoint_blocks, checkpointed_blocks, precompute_fp8_scales,
+                       release_meshes, wrap)
 
 __all__ = ["train", "peak_bf16_flops"]
 
@@ -84,78 +84,6 @@ def _recipe(args):
     if args.fp8_recipe == "rowwise":
         return Float8RowwiseScaling()
     return DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=args.amax_history_len, amax_compute_algo="max")
-
-
-# The device meshes this process built for FSDP2, released at teardown (see _release_meshes)
-_MESHES: list = []
-
-
-def _release_meshes(drop_groups: bool) -> None:
-    """Drops the process groups held by the device meshes FSDP2 trained with, once destroy_process_group ran.
-    DTensor's global sharding caches keep a mesh alive after training, and the mesh keeps its process group: a
-    gloo group's worker threads then outlive destroy_process_group, and the group is destroyed during interpreter
-    exit, which can abort the process ("terminate called without an active exception"). Releasing it here lets
-    the group shut its threads down while the interpreter is alive."""
-    while _MESHES:
-        registry = getattr(_MESHES.pop(), "_pg_registry", None)
-        if drop_groups and isinstance(registry, dict):
-            registry.clear()
-    if drop_groups:
-        gc.collect()
-
-
-def _wrap(model, args, device, world):
-    if world > 1 and args.fsdp:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        mesh = init_device_mesh(device.type, (world,))  # the training device's, not the machine's default (--device cpu)
-        _MESHES.append(mesh)
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    elif world > 1:
-        from torch.nn.parallel import DistributedDataParallel
-        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    return torch.compile(model) if args.compile else model
-
-
-# The ops whose outputs --activation_checkpointing selective keeps (the rest of a block is recomputed in the
-# backward): the matrix products and attention, which cost O(d_model) or O(seq_len) FLOPs per output element to
-# recompute, where the norms, RoPE and SwiGLU cost a few. Torch's dispatcher must see an op for it to be kept:
-# fp8ext's torch ops (torch.compile) and the CPU's emulated FP8 products (aten::mm) are; the C calls of the eager
-# fast path on a GPU (ONE_CALL, fp8ext/modules/linear_autograd.py) are not, so those layers are recomputed.
-_SAVED_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_mm", "fp8ext::gemm", "fp8ext::linear_fwd",
-              "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention",
-              "aten::_scaled_dot_product_cudnn_attention", "aten::_scaled_dot_product_flash_attention_for_cpu")
-
-
-def _saved_ops() -> list:
-    """The default overloads of the _SAVED_OPS that this torch (and fp8ext, once its modules are imported) has."""
-    packets = (getattr(getattr(torch.ops, name.split("::")[0]), name.split("::")[1], None) for name in _SAVED_OPS)
-    return [p.default for p in packets if p is not None and "default" in p.overloads()]
-
-
-def _checkpoint_blocks(model: Transformer, mode: str) -> None:
-    """Wraps each of model.blocks, in place, in torch's checkpoint_wrapper (non-reentrant torch.utils.checkpoint;
-    mode "selective" with a selective-checkpointing context that keeps _SAVED_OPS's outputs). Called before DDP,
-    FSDP2 and torch.compile wrap the model, as torch's FSDP2 recipes do. The state dict keeps its keys (the
-    wrapper's prefix is dropped on saving and restored on loading)."""
-    if mode == "none":
-        return
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
-    kw = {}
-    if mode == "selective":
-        from torch.utils.checkpoint import create_selective_checkpoint_contexts  # torch >= 2.4
-        kw["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _saved_ops())
-    wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kw)
-    apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper,
-                                   check_fn=lambda m: isinstance(m, TransformerBlock))
-
-
-def _checkpointed_blocks(model: Transformer) -> int:
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-    return sum(isinstance(b, CheckpointWrapper) for b in model.blocks)
 
 
 def _optimizer(model, args, device):
@@ -223,7 +151,7 @@ def train(args: Namespace) -> dict:
     finally:
         if owned and dist.is_initialized():  # a process group left to the interpreter's exit can abort it
             dist.destroy_process_group()
-        _release_meshes(drop_groups=owned)  # a caller's own process group stays as it is
+        release_meshes(drop_groups=owned)  # a caller's own process group stays as it is
 
 
 def _train(args: Namespace, device: torch.device, rank: int, world: int) -> dict:
@@ -297,22 +225,15 @@ def _build(args: Namespace, device: torch.device, world: int):
     if args.use_fp8 and args.compile:  # every FP8 slot now: a compiled forward never registers one (a graph break)
         fp8ext.prepare_fp8(raw, recipe)
     if args.fp8_all_gather:
-        _check_fp8_all_gather(args)
+        check_fp8_all_gather(args)
         if world > 1:  # (one process gathers nothing)
-            fp8ext.enable_fp8_all_gather(raw, recipe)  # before fully_shard (_wrap)
-    _checkpoint_blocks(raw, args.activation_checkpointing)
-    model = _wrap(raw, args, device, world)
+            fp8ext.enable_fp8_all_gather(raw, recipe)  # before fully_shard (wrap)
+    checkpoint_blocks(raw, args.activation_checkpointing)
+    model = wrap(raw, args, device, world)
     opt = _optimizer(model, args, device)
     start = checkpoint.load(args.resume, raw, opt)["step"] if args.resume else 0
-    _precompute_fp8_scales(model, args, world)
+    precompute_fp8_scales(model, args, world)
     return corpus, raw, model, opt, recipe, start
-
-
-def _check_fp8_all_gather(args: Namespace) -> None:
-    if not (args.fsdp and args.use_fp8) or args.fp8_recipe not in ("delayed", "current"):
-        raise SystemExit("fp8ext-train: --fp8_all_gather needs --fsdp and --use_fp8 with --fp8_recipe delayed or "
-                         f"current (one scale per weight), got fsdp={args.fsdp}, use_fp8={args.use_fp8}, "
-                         f"fp8_recipe={args.fp8_recipe}")
 
 
 def _run_info(args: Namespace, raw, corpus, device: torch.device, rank: int, world: int, start: int) -> dict:
@@ -330,7 +251,7 @@ def _run_info(args: Namespace, raw, corpus, device: torch.device, rank: int, wor
             "activation_checkpointing": args.activation_checkpointing,
             # --fp8_all_gather in force: FSDP2 over several processes gathered the FP8 layers' weights in FP8
             "fp8_all_gather": bool(args.fp8_all_gather and args.fsdp and world > 1),
-            "checkpointed_blocks": _checkpointed_blocks(raw)}
+            "checkpointed_blocks": checkpointed_blocks(raw)}
     if rank != 0:
         return info
     ac = args.activation_checkpointing
@@ -370,15 +291,8 @@ def _train_step(model, opt, corpus, args: Namespace, step: int, rank: int, world
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    _precompute_fp8_scales(model, args, world)
+    precompute_fp8_scales(model, args, world)
     return lr, step_loss
-
-
-def _precompute_fp8_scales(model, args: Namespace, world: int) -> None:
-    """--fp8_all_gather with current scaling: every weight's scale for the next gathers, from one all-reduce (after
-    each change of the weights: the optimizer's step, loading a checkpoint)."""
-    if args.fp8_all_gather and world > 1 and args.fp8_recipe == "current":
-        fp8ext.precompute_fp8_weight_scales(model)
 
 
 def _log_rows(metrics, bar, pending: list, losses: list, done: int, *, rate: float, mfu, val_loss) -> None:
