@@ -206,8 +206,8 @@ class FP8Linear(nn.Module):
     def scaling_manager(self, recipe: DelayedScaling):
         """The FP8ScalingManager that holds this layer's scales for `recipe` (made on first use; None for a meta
         weight, which is never cast)."""
-        lean = self._lean
-        if lean is not None and lean[0] is recipe and lean[1][0].manager is not None:
+        lean = self._lean  # the fast path's: an equal recipe made anew each step finds it too (no dictionary lookup)
+        if lean is not None and (lean[0] is recipe or lean[0] == recipe) and lean[1][0].manager is not None:
             return lean[1][0].manager
         return None if self.weight.is_meta else get_scaling_manager(recipe, self.weight.device)
 
