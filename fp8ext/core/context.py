@@ -13,7 +13,9 @@ step's backward pass has recorded the gradients' amaxes, so step t+1 scales with
 
 A step is the body of an outermost fp8_autocast entered outside a backward pass (an fp8_autocast entered while
 autograd runs a backward, where activation checkpointing reruns a forward, updates no scales: the rerun computes
-with the scales of the forward it repeats; fp8ext/modules/checkpoint.py). Each recipe in use has its own boundary: a recipe first
+with the scales of the forward it repeats; fp8ext/modules/checkpoint.py). A boundary updates the slots that
+the thread's previous step recorded, and no others: two models with equal recipes (one manager) that take turns,
+or train in two threads, scale as each would alone (core/scaling.py). Each recipe in use has its own boundary: a recipe first
 entered in a nested context (`with fp8_autocast(fp8_recipe=a): with fp8_autocast(fp8_recipe=b): ...`) is
 updated when that nested context is entered for the first time in the step, so it scales as it would alone.
 A step whose body raises leaves no trace: when an exception leaves the outermost context, the amaxes that the
@@ -34,7 +36,7 @@ from typing import Dict, NamedTuple, Optional, Tuple, Union
 import torch
 
 from .recipe import RECIPES, CurrentScaling, DelayedScaling, Float8BlockScaling, Float8RowwiseScaling
-from .scaling import FP8ScalingManager
+from .scaling import FP8ScalingManager, take_records
 
 __all__ = ["fp8_autocast", "autocast", "activation_dtype", "is_fp8_enabled", "get_fp8_recipe", "get_scaling_manager",
            "in_backward"]
@@ -110,12 +112,17 @@ def _managers_of(recipe: Recipe):
 
 
 def _update_pending(recipe: Recipe, group) -> None:
-    """Runs the scale update of every manager of `recipe` that recorded amaxes since its last update."""
+    """A step boundary of this thread: the managers of `recipe` update the slots that this thread's previous step
+    recorded (every slot after a record that names none: a compiled or graphed step). Slots another thread or
+    another model recorded wait for that step's own boundary (core/scaling.py)."""
     if not isinstance(recipe, DelayedScaling):
         return
     for mgr in _managers_of(recipe):
-        if mgr.dirty:
+        mine = take_records(mgr)
+        if mgr._whole:
             mgr.update(group)
+        elif mine:
+            mgr.update(group, mine)
 
 
 _compiled_managers = [0]  # how many managers have compiled_steps set (prepare_fp8): their exit marking is needed
@@ -144,8 +151,11 @@ def _discard_step(recipes) -> None:
     for recipe in recipes:
         if isinstance(recipe, DelayedScaling):
             for mgr in _managers_of(recipe):
-                if mgr.dirty:
+                mine = take_records(mgr)
+                if mgr._whole:
                     mgr.discard_recorded()
+                elif mine:
+                    mgr.discard_recorded(mine)
 
 
 class fp8_autocast(contextlib.ContextDecorator):  # noqa: N801 - Transformer Engine's name, used as a function

@@ -12,6 +12,14 @@ have room for more, unused slots hold amax 0 and scale 1):
 history moves along one entry. No host synchronisation in a step: only checkpointing (slots_state) reads
 the device.
 
+Which slots an update touches: FP8Linear's forward records its slots for the step of the thread it runs in
+(`record`), and the next step boundary of that thread updates those slots only (`update(slots=...)`; all of
+them in one kernel when they are all the manager's slots, the usual case). So two models whose recipes
+compare equal, which share a manager, never advance each other's histories, whether they take turns in one
+thread (actor and critic, teacher and student) or train in two threads: each slot is updated once per step
+that recorded it, as if its model trained alone. Records that name no slot (`dirty = True`: torch.compile'd
+and CUDA-graphed steps, which set it for the whole manager) update every slot, as before.
+
 The teaching API of FP8 training notes is kept: update_amax(name, amax), get_scale(name), margin (as TE's
 exponent: a multiplicative margin 2.0 is margin=1), and a loss-scaling style backoff (a step whose
 amax is NaN/Inf shrinks that tensor's scale by backoff_factor).
@@ -33,6 +41,19 @@ from .recipe import DelayedScaling
 __all__ = ["FP8ScalingManager", "pack_slots_state", "unpack_slots_state"]
 
 _to_dl = torch._C._to_dlpack
+
+
+class _ThreadRecords(threading.local):
+    def __init__(self):
+        self.by_manager: Dict["FP8ScalingManager", set] = {}  # the slots this thread's current step recorded
+
+
+_records = _ThreadRecords()
+
+
+def take_records(mgr: "FP8ScalingManager") -> Optional[set]:
+    """The slots of `mgr` that this thread recorded since its last step boundary (forgotten here), or None."""
+    return _records.by_manager.pop(mgr, None)
 
 
 def _state_mode():
@@ -75,11 +96,41 @@ class FP8ScalingManager:
             self._fmt_max = torch.ones(0, dtype=torch.float32, device=self.device)
         self.generation = 0  # bumped when the buffers are reallocated (views taken before are stale)
         self.steps = 0  # updates run so far
-        self.dirty = False  # something recorded an amax since the last update
+        self._whole = False  # `dirty = True`: recorded, slots not named: the next update takes every slot
+        self._pending: set = set()  # slots recorded (record) and not updated since, by any thread
+        self._lag: List[int] = []  # by slot: updates that skipped it (a slot's own count: steps - lag)
+        self._lagged = False  # some lag is not 0
         # prepare_fp8 sets it: compiled steps leave `dirty` to the exit of the step's fp8_autocast (core/context.py)
         self.compiled_steps = False
         self._lock = threading.RLock()
         self._views: Dict[int, tuple] = {}
+
+    # ---- what was recorded ------------------------------------------------------------------------
+    @property
+    def dirty(self) -> bool:
+        """Whether something recorded an amax since the last update (the next step boundary updates)."""
+        return self._whole or bool(self._pending)
+
+    @dirty.setter
+    def dirty(self, value: bool) -> None:  # True: the next update takes every slot; False: nothing is pending
+        if value:
+            self._whole = True
+        else:
+            self._whole = False
+            self._pending.clear()
+
+    def record(self, slots) -> None:
+        """Marks `slots` (indices) as recorded in this thread's current step: this thread's next step boundary
+        updates them (fp8_autocast's entry). The per-forward call of FP8Linear: a few set operations."""
+        mine = _records.by_manager.get(self)
+        if mine is None:
+            mine = _records.by_manager[self] = set()
+        mine.update(slots)
+        self._pending.update(slots)
+
+    def slot_steps(self, slot: int) -> int:
+        """How many updates slot `slot` has had (the manager's `steps`, less those that skipped it)."""
+        return self.steps - self._lag[slot]
 
     # ---- slots ----------------------------------------------------------------------------------
     @property
@@ -125,13 +176,17 @@ class FP8ScalingManager:
                     self.scale[slot] = 1.0
                     self.scale_inv[slot] = 1.0
                     self._names[slot], self._formats[slot] = name, f
+                    self._lag[slot] = self.steps  # a new tensor's own update count starts at 0
+                    self._pending.discard(slot)
                 else:
                     if len(self._names) == self.capacity:
                         self._grow(max(64, 2 * len(self._names)))  # capacity doubles: growth is rare
                     slot = len(self._names)
                     self._names.append(name)
                     self._formats.append(f)
+                    self._lag.append(self.steps)
                 self._fmt_max[slot] = f.max
+            self._lagged = self._lagged or self.steps != 0
             self._index[name] = slot
             return slot
 
@@ -192,7 +247,7 @@ class FP8ScalingManager:
             value = amax.to(device=self.device, dtype=torch.float32) if isinstance(amax, torch.Tensor) else \
                 torch.tensor(float(amax), device=self.device)
             torch.maximum(entry, value.reshape(()), out=entry)
-        self.dirty = True
+        self.record((self.slot(name),))
 
     def get_scale(self, name: str) -> torch.Tensor:
         """The scale of `name` (a 0-d device tensor: reading it with .item() synchronises)."""
@@ -205,22 +260,69 @@ class FP8ScalingManager:
         return self._formats[self.slot(name)]
 
     # ---- the update -----------------------------------------------------------------------------
-    def update(self, group=None) -> None:
-        """One step: (optionally) max-reduce this step's amaxes across `group`, then recompute every scale
-        (every `interval` steps) and move the histories down a row. One kernel; no host synchronisation."""
+    def update(self, group=None, slots=None) -> None:
+        """One step: (optionally) max-reduce this step's amaxes across `group`, then recompute the scales (every
+        `interval` of each slot's updates) and move the histories down a row. `slots`: only these (the slots
+        one thread's step recorded; see the module docstring); None: all. One kernel when every slot is taken
+        and no slot was skipped before (interval 1 needs no more); no host synchronisation."""
         with self._lock:
-            if not self._names:
+            self._apply_releases()
+            if not self._index:
+                self._whole = False
+                self._pending.clear()
                 return
+            live = len(self._index)
+            if slots is not None:
+                slots = sorted(s for s in set(slots) if s < len(self._names) and self._names[s] is not None)
+                if len(slots) == live:
+                    slots = None
+                elif not slots:
+                    return
+            idx = None if slots is None else torch.tensor(slots, dtype=torch.long, device=self.device)
             if group is not None and self.recipe.reduce_amax:
                 import torch.distributed as dist
                 if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-                    recent = self.amax_history[:, 0].contiguous()  # entry 0 of every row: one collective
-                    dist.all_reduce(recent, op=dist.ReduceOp.MAX, group=group)
-                    self.amax_history[:, 0].copy_(recent)
+                    if idx is None:  # entry 0 of every row: one collective
+                        recent = self.amax_history[:, 0].contiguous()
+                        dist.all_reduce(recent, op=dist.ReduceOp.MAX, group=group)
+                        self.amax_history[:, 0].copy_(recent)
+                    else:
+                        recent = self.amax_history[:, 0].index_select(0, idx)
+                        dist.all_reduce(recent, op=dist.ReduceOp.MAX, group=group)
+                        self.amax_history[:, 0].index_copy_(0, idx, recent)
             self.steps += 1
-            self._scale_update(self.amax_history, self.scale, self.scale_inv, self._fmt_max, self.steps,
-                               self._own_capsules())
-            self.dirty = False
+            if slots is None:
+                self._whole = False
+                self._pending.clear()
+                if not self._lagged or self.recipe.interval == 1:
+                    self._scale_update(self.amax_history, self.scale, self.scale_inv, self._fmt_max, self.steps,
+                                       self._own_capsules())
+                    return
+                taken = [s for s, n in enumerate(self._names) if n is not None]
+            else:
+                taken = slots
+                skipped = set(range(len(self._names))) - set(slots)
+                for s in skipped:
+                    self._lag[s] += 1
+                self._lagged = True
+                self._pending.difference_update(slots)
+            self._update_rows(taken)
+
+    def _update_rows(self, slots: List[int]) -> None:
+        """The scale update of some rows: gathered, updated (a kernel per `interval` phase: one or two), written
+        back."""
+        interval = self.recipe.interval
+        phases: Dict[bool, List[int]] = {}
+        for s in slots:
+            phases.setdefault((self.steps - self._lag[s]) % interval == 0, []).append(s)
+        with _state_mode():
+            for due, rows in phases.items():
+                idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+                bufs = [t.index_select(0, idx) for t in (self.amax_history, self.scale, self.scale_inv,
+                                                          self._fmt_max)]
+                self._scale_update(*bufs, interval if due else interval + 1)
+                for t, b in zip((self.amax_history, self.scale, self.scale_inv), bufs[:3]):
+                    t.index_copy_(0, idx, b)
 
     def gated_update(self, flag: torch.Tensor, group=None) -> None:
         """update(group), kept only where the 0-d bool `flag` (on the manager's device) is set: what a CUDA graph
@@ -255,13 +357,20 @@ class FP8ScalingManager:
                     self.scale_inv[slot] = 1.0
         self.steps, self.dirty = steps, dirty
 
-    def discard_recorded(self) -> None:
-        """Forgets every amax recorded since the last update (this step's history entries go back to 0, as the
-        update left them): fp8_autocast calls it when a step raises, so a failed step leaves no trace. No host
-        synchronisation."""
+    def discard_recorded(self, slots=None) -> None:
+        """Forgets the amaxes recorded since the last update in `slots` (default: all; this step's history entries
+        go back to 0, as the update left them): fp8_autocast calls it when a step raises, so a failed step leaves
+        no trace. No host synchronisation."""
         with self._lock, _state_mode():
-            self.amax_history[:, 0].zero_()
-            self.dirty = False
+            if slots is None:
+                self.amax_history[:, 0].zero_()
+                self.dirty = False
+                return
+            rows = sorted(s for s in set(slots) if s < self.capacity)
+            if rows:
+                idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+                self.amax_history[:, 0].index_fill_(0, idx, 0.0)
+            self._pending.difference_update(rows)
 
     def _own_capsules(self):
         """DLPack capsules of the manager's four buffers, made again only when a buffer was replaced (the update
@@ -307,8 +416,12 @@ class FP8ScalingManager:
             self.amax_history.index_copy_(0, idx, h.to(self.device))
             self.scale.index_copy_(0, idx, scale.float().to(self.device))
             self.scale_inv.index_copy_(0, idx, scale_inv.float().to(self.device))
-            if steps is not None and self.steps == 0:
-                self.steps = int(steps)
+            if steps is not None:  # a slot's own update count (where its `interval` falls) is the saved one
+                if self.steps == 0 and not self._lagged:
+                    self.steps = int(steps)
+                for n in names:
+                    lag = self._lag[self.slot(n)] = self.steps - int(steps)
+                    self._lagged = self._lagged or lag != 0
 
     def slots_state(self, names: List[str]) -> dict:
         """{'names', 'amax_history', 'scale', 'scale_inv', 'steps'} of the named slots, on the CPU, as the next
@@ -320,8 +433,9 @@ class FP8ScalingManager:
             idx = torch.tensor([self.slot(n) for n in names], dtype=torch.long, device=self.device)
             hist, scale, scale_inv, fmt_max = (t.index_select(0, idx).cpu() for t in
                                                (self.amax_history, self.scale, self.scale_inv, self._fmt_max))
-            steps = self.steps
-            if self.dirty:
+            slots = [self.slot(n) for n in names]
+            steps = self.slot_steps(slots[0]) if slots else self.steps
+            if self._whole or not self._pending.isdisjoint(slots):
                 steps += 1
                 self._scale_update(hist, scale, scale_inv, fmt_max, steps)
         return {"names": list(names), "amax_history": hist, "scale": scale, "scale_inv": scale_inv, "steps": steps}
@@ -360,7 +474,7 @@ def unpack_slots_state(packed, who: str, slots: int) -> dict:
     checkpoints had before) passes through. Anything else, or a tensor of another shape or dtype, raises naming
     `who`."""
     if isinstance(packed, dict):
-        return packed
+        return check_slots_state(packed, who, slots) if packed else {}
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.int32 or packed.dim() != 2 \
             or packed.shape[0] not in (0, slots) or packed.shape[1] < 3:
         what = f"{packed.dtype} tensor of shape {list(packed.shape)}" if isinstance(packed, torch.Tensor) \
@@ -370,5 +484,41 @@ def unpack_slots_state(packed, who: str, slots: int) -> dict:
     if packed.shape[0] == 0:
         return {}
     t = packed.detach().cpu().contiguous()
-    return {"steps": int(t[0, 0]), "scale": t[:, 1].clone().view(torch.float32),
-            "scale_inv": t[:, 2].clone().view(torch.float32), "amax_history": t[:, 3:].clone().view(torch.float32)}
+    return check_slots_state({"steps": int(t[0, 0]), "scale": t[:, 1].clone().view(torch.float32),
+                              "scale_inv": t[:, 2].clone().view(torch.float32),
+                              "amax_history": t[:, 3:].clone().view(torch.float32)}, who, slots)
+
+
+_TINY = 2.0 ** -126  # below: float32 subnormals, where 1 / scale keeps fewer digits
+
+
+def check_slots_state(state: dict, who: str, slots: int) -> dict:
+    """`state` (slots_state's dict: scale, scale_inv [slots], amax_history [slots, n], steps) if a layer can scale
+    with it; else a ValueError naming `who` and what is wrong. A scale that is not a positive finite float32 of
+    normal size, or whose scale_inv is not its inverse, would cast every later step wrongly (a 0 or NaN scale fails
+    in a kernel, a scale_inv that is not 1 / scale dequantizes wrongly), so it is refused when loaded, not at the
+    next forward. Any positive finite scale up to float32's largest is one a history can give (amax tiny)."""
+    try:
+        scale, scale_inv, hist = (torch.as_tensor(state[k]).detach().cpu() for k in ("scale", "scale_inv", "amax_history"))
+    except KeyError as e:
+        raise ValueError(f"{who}: the FP8 scaling state has no {e.args[0]!r}") from None
+    if not (scale.is_floating_point() and scale_inv.is_floating_point() and hist.is_floating_point()) or \
+            scale.shape != (slots,) or scale_inv.shape != (slots,) or hist.dim() != 2 or hist.shape[0] != slots \
+            or hist.shape[1] < 1:
+        raise ValueError(f"{who}: the FP8 scaling state needs float scale and scale_inv of shape [{slots}] and an amax "
+                         f"history [{slots}, n], got {list(scale.shape)}, {list(scale_inv.shape)} and "
+                         f"{list(hist.shape)}")
+    s, si = scale.double(), scale_inv.double()
+    bad = ~(torch.isfinite(s) & torch.isfinite(si) & (s > 0) & (si > 0))
+    inverse = torch.where(si >= _TINY, (s * si - 1).abs() <= 1e-6, (si - 1 / s).abs() <= 2.0 ** -148)
+    bad |= ~inverse
+    if bad.any():
+        i = int(bad.nonzero()[0])
+        raise ValueError(f"{who}: FP8 scaling state slot {i} has scale {scale[i].item()!r} and scale_inv "
+                         f"{scale_inv[i].item()!r}: a scale must be a positive finite float32 and scale_inv its inverse "
+                         f"(1 / scale)")
+    steps = state.get("steps")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps < 2 ** 31):
+        raise ValueError(f"{who}: the FP8 scaling state's update count (steps) must be an integer from 0 to 2**31 - 1, "
+                         f"got {steps!r}")
+    return state

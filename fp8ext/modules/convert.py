@@ -21,12 +21,16 @@ class FP8ConversionWarning(UserWarning):
 
 
 def convert_to_fp8(module: nn.Module, filter_fn: Optional[Callable[[nn.Module, str], bool]] = None, *,
-                   fp8_recipe=None) -> nn.Module:
+                   fp8_recipe=None, convert_head: bool = False) -> nn.Module:
     """Replaces every nn.Linear in `module` (recursively, in place) by an FP8Linear that holds the same
     Parameter objects (so an optimizer made before the conversion still updates them) and returns the module
     (a new FP8Linear when `module` itself is an nn.Linear).
 
     filter_fn(layer, fully_qualified_name) -> bool chooses which layers to convert (torchao's convention).
+    The model's output head stays in high precision unless convert_head=True, as fp8ext's own Transformer keeps
+    it (and torchao's and Transformer Engine's recipes do): the layer that `module.get_output_embeddings()` returns
+    (a transformers model's lm_head, tied to the embedding or not), else a child Linear named `lm_head`. Its
+    name is in `module._fp8_kept_head` (None when there is none).
     Layers whose in_features or out_features is not a multiple of 16 cannot run FP8 GEMMs: they are left as
     they are and reported in one FP8ConversionWarning; the list is also in `module._fp8_skipped`.
 
@@ -38,9 +42,10 @@ def convert_to_fp8(module: nn.Module, filter_fn: Optional[Callable[[nn.Module, s
     """
     _check_recipe(fp8_recipe, "convert_to_fp8")
     skipped: List[str] = []
+    head = None if convert_head else _output_head(module)
 
     def make(layer: nn.Linear, name: str) -> Optional[nn.Module]:
-        if type(layer) is not nn.Linear or (filter_fn is not None and not filter_fn(layer, name)):
+        if type(layer) is not nn.Linear or (filter_fn is not None and not filter_fn(layer, name)) or layer is head:
             return None
         if layer.in_features % 16 or layer.out_features % 16:
             skipped.append(f"{name or '<root>'} ({layer.in_features} -> {layer.out_features})")
@@ -69,8 +74,23 @@ def convert_to_fp8(module: nn.Module, filter_fn: Optional[Callable[[nn.Module, s
         warnings.warn("convert_to_fp8: kept in high precision (FP8 GEMMs need in/out features divisible by 16): "
                       + ", ".join(skipped), FP8ConversionWarning, stacklevel=2)
     root._fp8_skipped = skipped
+    root._fp8_kept_head = None if head is None else next(n for n, m in module.named_modules() if m is head)
     set_forward_recipe(root, fp8_recipe)
     return root
+
+
+def _output_head(module: nn.Module) -> Optional[nn.Linear]:
+    """The model's output head (see convert_to_fp8), or None."""
+    get = getattr(module, "get_output_embeddings", None)
+    head = None
+    if callable(get):
+        try:
+            head = get()
+        except NotImplementedError:  # transformers' base class, for models without an output embedding
+            head = None
+    if head is None:
+        head = getattr(module, "lm_head", None)
+    return head if isinstance(head, nn.Linear) and not isinstance(module, nn.Linear) else None
 
 
 def _check_recipe(fp8_recipe, who: str) -> None:

@@ -59,13 +59,17 @@ def _cast(t2d: torch.Tensor, quantizer: Quantizer, keep_scale: bool = False) -> 
     return quantizer.quantize(t2d, keep_scale)
 
 
-def mark_recorded(mgr) -> None:
-    """Marks the manager for its update at the next step (this step records amaxes in it). Under torch.compile, a
-    manager that prepare_fp8 prepared is marked by fp8_autocast's exit instead (FP8ScalingManager.compiled_steps):
+def mark_recorded(mgr, quantizers, whole: bool) -> None:
+    """Marks the quantizers' slots for their update at this thread's next step boundary (this step records amaxes
+    in them). Under torch.compile the whole manager is marked (a compiled graph keeps no per-slot bookkeeping), and
+    a manager that prepare_fp8 prepared is marked by fp8_autocast's exit instead (FP8ScalingManager.compiled_steps):
     the flag is a side effect that compiled code cannot keep inside a checkpointed region (torch.compile's
-    activation checkpointing), where it would break the graph."""
-    if not (mgr.compiled_steps and torch.compiler.is_compiling()):
-        mgr.dirty = True
+    activation checkpointing), where it would break the graph. `whole`: compiling or capturing."""
+    if whole:  # compiling (or capturing a CUDA graph, whose replays mark the manager themselves)
+        if not (mgr.compiled_steps and torch.compiler.is_compiling()):
+            mgr.dirty = True
+    else:
+        mgr.record((quantizers[0]._slot, quantizers[1]._slot, quantizers[2]._slot))
 
 
 def _capturing() -> bool:
@@ -270,9 +274,13 @@ class FP8Linear(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        """A plain nn.Linear checkpoint (no FP8 state) loads strictly: the FP8 state then starts fresh."""
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
+        """A plain nn.Linear checkpoint (no FP8 state) loads strictly: the FP8 state then starts fresh. A malformed
+        FP8 state raises naming its key."""
+        try:
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                          error_msgs)
+        except ValueError as e:
+            raise ValueError(f"{prefix}_extra_state: {e}") from None
         self._weight_cache = None
         key = prefix + "_extra_state"
         if key in missing_keys:
@@ -338,7 +346,7 @@ class FP8Linear(nn.Module):
                 x2 = input.detach().reshape(-1, self.in_features)
                 _C.amax(_to_dl(x2.contiguous()), _to_dl(views[0][2]), stream=stream_of(x2.device))
                 _C.amax(_to_dl(self.weight.detach()), _to_dl(views[1][2]), stream=stream_of(x2.device))
-                mgr.dirty = True
+                mark_recorded(mgr, self._fp8_views[recipe][3], torch.compiler.is_compiling() or _capturing())
             return self.returned(F.linear(input, self.weight, bias))
         plan = self.fp8_plan(recipe, input, is_first_microbatch)
         return self.returned(LinearFunction.apply(input, self.weight, bias, plan))
@@ -360,7 +368,7 @@ class FP8Linear(nn.Module):
         if isinstance(recipe, DelayedScaling):
             mgr, _ = self._manager_views(recipe)
             quantizers = self._fp8_views[recipe][3]
-            mark_recorded(mgr)
+            mark_recorded(mgr, quantizers, torch.compiler.is_compiling() or _capturing())
             if not torch.compiler.is_compiling():
                 lean = self._lean
                 if lean is None or lean[0] is not recipe or lean[1] is not quantizers:
@@ -461,9 +469,9 @@ class FP8Linear(nn.Module):
         bias = None if self.return_bias else self.bias
         fuse_bias = bias_epilogue(bias, out_dtype) and bias.is_contiguous()
         main_grad = self._main_grad() if self.fuse_wgrad_accumulation and torch.is_grad_enabled() else None
-        if mgr is not None:
-            mark_recorded(mgr)
         compiling = torch.compiler.is_compiling()
+        if mgr is not None:
+            mark_recorded(mgr, quantizers, compiling)
         # recast: bfloat16 and float32 inputs (see linear_autograd._recast_t); float16 keeps its FP8 copies
         recast = compiling and self.fp8_recast_in_backward and in_dtype != torch.float16
         return LinearPlan(ONE_CALL_OP if compiling else ONE_CALL, quantizers, w, bias, out_dtype=out_dtype,

@@ -118,7 +118,7 @@ def assert_close_fp8(actual: Any, reference: Any, fmt: Any = None, *, max_ulps: 
     worst_abs = int(bad[int(diff.argmax())])
     n = va.numel()
     lines = [f"Mismatched elements: {bad.numel()} / {n} ({100.0 * bad.numel() / n:.1f}%)",
-             f"Greatest ulp distance: {d[worst].item():.4g} at index {index_of(worst, ta.shape)} "
+             f"Greatest ulp distance: {_beyond(d[worst].item(), max_ulps)} at index {index_of(worst, ta.shape)} "
              f"(up to {max_ulps} allowed)",
              f"Greatest absolute difference: {diff.max().item():.6g} at index {index_of(worst_abs, ta.shape)} "
              "(of the mismatches)",
@@ -126,7 +126,17 @@ def assert_close_fp8(actual: Any, reference: Any, fmt: Any = None, *, max_ulps: 
     codes = codes_of(ta, fn, "actual") if ta.dtype in (*FP8_DTYPES, torch.uint8) else None
     for i in bad[:max_report].tolist():
         got = code_text(int(codes[i]), f) if codes is not None else repr(va[i].item())
-        lines.append(f"  {index_of(i, ta.shape)}: {got}, {vr[i].item()!r}, {d[i].item():.4g}")
+        lines.append(f"  {index_of(i, ta.shape)}: {got}, {vr[i].item()!r}, {_beyond(d[i].item(), max_ulps)}")
     if bad.numel() > max_report:
         lines.append(f"  ... and {bad.numel() - max_report} more")
     fail(fn, msg, f"actual is not within {max_ulps} {f.name} ulps of reference", lines)
+
+
+def _beyond(ulps: float, bound: float) -> str:
+    """`ulps` (over `bound`) with 4 significant digits, or as many more as show it is over: 0.5000000298 is not
+    printed as 0.5 next to "up to 0.5 allowed"."""
+    for digits in range(4, 18):
+        text = f"{ulps:.{digits}g}"
+        if float(text) > bound or text != f"{bound:.{digits}g}":
+            return text
+    return repr(ulps)

@@ -102,8 +102,8 @@ def test_a_saved_fp8_model_resumes_bit_for_bit_after_load_fp8_state(tmp_path, sh
         a, b = model.get_submodule(n).fp8_state(), loaded.get_submodule(n).fp8_state()
         for key in ("amax_history", "scale", "scale_inv"):
             assert torch.equal(a[key], b[key]), f"{n}: {key}"
-    # Equal recipes share one manager, whose every update moves all its slots' histories: the loaded model trains
-    # with a recipe that computes the same (reduce_amax matters across processes only) but has a manager of its own.
+    # The loaded model trains with a recipe that computes the same (reduce_amax matters across processes only) and has a
+    # manager of its own.
     more = batches(4)[2:]
     losses = hand_loop(loaded, fp8ext.DelayedScaling(amax_history_len=4, reduce_amax=False), more)
     assert losses == hand_loop(model, fp8ext.DelayedScaling(amax_history_len=4), more)
@@ -112,11 +112,12 @@ def test_a_saved_fp8_model_resumes_bit_for_bit_after_load_fp8_state(tmp_path, sh
 
 def test_load_fp8_state_names_the_layers_that_do_not_match(tmp_path):
     trained().save_pretrained(tmp_path)
+    kept = "model.layers.0.mlp.down_proj"
     other = fp8ext.convert_to_fp8(transformers.AutoModelForCausalLM.from_pretrained(tmp_path),
-                                  filter_fn=lambda layer, name: name != "lm_head")
-    with pytest.raises(ValueError, match=r"state of layers the model does not have: \['lm_head'\]"):
+                                  filter_fn=lambda layer, name: name != kept)
+    with pytest.raises(ValueError, match=rf"state of layers the model does not have: \['{kept}'\]"):
         fp8ext.load_fp8_state(other, str(tmp_path))
-    assert "lm_head" not in fp8ext.load_fp8_state(other, str(tmp_path), strict=False)
+    assert kept not in fp8ext.load_fp8_state(other, str(tmp_path), strict=False)
     with pytest.raises(FileNotFoundError, match="has neither model.safetensors"):
         fp8ext.load_fp8_state(other, str(tmp_path / "nowhere"))
 
@@ -248,3 +249,17 @@ def test_lightning_trains_like_the_hand_written_loop():
                       enable_progress_bar=False, enable_model_summary=False).fit(module, loader)
     assert module.losses == want_losses
     assert_same_parameters(module.model, want, "Lightning")
+
+
+def test_convert_to_fp8_keeps_the_output_head_in_high_precision_unless_asked():
+    model = tiny_llama()
+    assert type(model.lm_head) is torch.nn.Linear and model._fp8_kept_head == "lm_head"
+    assert isinstance(model.model.layers[0].mlp.down_proj, fp8ext.Linear)
+    head = tiny_llama(convert_head=True)
+    assert isinstance(head.lm_head, fp8ext.Linear) and head._fp8_kept_head is None
+    tied = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**CONFIG, "tie_word_embeddings": True}))
+    tied = fp8ext.convert_to_fp8(tied)
+    assert type(tied.lm_head) is torch.nn.Linear and tied.lm_head.weight is tied.model.embed_tokens.weight
+    # a model with no head: nothing kept back
+    seq = fp8ext.convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)))
+    assert seq._fp8_kept_head is None and all(isinstance(m, fp8ext.Linear) for m in seq)

@@ -397,3 +397,13 @@ def test_quantize_refuses_float64_inputs_since_rounding_through_float32_can_chan
     x = 1.0625 + 2.0 ** -40  # just above the tie between E4M3's 1.0 and 1.125: rounds to 1.125
     via_float32 = torch.tensor([x], dtype=torch.float64).float()  # lands on the tie itself
     assert fp8ext.dequantize(fp8ext.quantize(via_float32, fp8ext.E4M3)).item() == 1.0  # tie to even: 1.0
+
+
+def test_a_distance_just_over_the_bound_is_printed_as_over_it():
+    # 1.0 in E4M3 (ulp 0.125 there) against 1.0625 + 3.725e-9: 0.5000000298 ulps, just over the 0.5 allowed
+    actual = torch.tensor([1.0]).to(torch.float8_e4m3fn)
+    with pytest.raises(AssertionError) as info:
+        fp8ext.testing.assert_close_fp8(actual, torch.tensor([1.0625 + 3.725e-9], dtype=torch.float64))
+    text = str(info.value)
+    assert "Greatest ulp distance: 0.50000003 at index" in text, text
+    assert "(up to 0.5 allowed)" in text and "0.5 at index" not in text
