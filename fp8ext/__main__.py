@@ -82,12 +82,18 @@ def report() -> str:
 def parser():
     """The command line's parser: no arguments (tests/project/test_docs.py parses the documented commands with it)."""
     import argparse
-    return argparse.ArgumentParser(prog="python -m fp8ext", description=__doc__.split("\n\n")[0])
+    from ._cli import add_debug
+    p = argparse.ArgumentParser(prog="python -m fp8ext", description=__doc__.split("\n\n")[0])
+    add_debug(p)
+    return p
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser().parse_args(argv)
-    print(report())
+    from ._cli import one_line_errors
+    p = parser()
+    args = p.parse_args(argv)
+    with one_line_errors(p.prog, args.debug):
+        print(report())
     return 0
 
 

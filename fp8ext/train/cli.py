@@ -14,14 +14,46 @@ import pathlib
 import sys
 from typing import List, Optional
 
-from ..models.transformer import PRESETS
+from .._cli import (OneLineParser, add_debug, finite_float, nonnegative_float, nonnegative_int, one_line_errors,
+                    positive_int)
+from ..models.transformer import _SIZE_LIMITS, PRESETS
 
 __all__ = ["main", "parser"]
 
+_MAX_SEQ_LEN = _SIZE_LIMITS["max_seq_len"]  # the longest context a model config takes
+_MAX_AMAX_HISTORY = 16384  # DelayedScaling's limit
+
+
+def _int_in(low: int, high: int):
+    """argparse type: an integer in [low, high]."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not low <= v <= high:
+            raise argparse.ArgumentTypeError(f"expected an integer from {low} to {high}, got {text!r}")
+        return v
+    parse.__name__ = f"integer in [{low}, {high}]"
+    return parse
+
+
+seq_len_type = _int_in(1, _MAX_SEQ_LEN)
+amax_history_type = _int_in(1, _MAX_AMAX_HISTORY)
+seed_type = _int_in(-(1 << 63), (1 << 64) - 1)  # what torch.manual_seed takes
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    v = finite_float(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return v
+
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fp8ext-train", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = OneLineParser(prog="fp8ext-train", description=__doc__.split("\n\n")[0],
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--use_fp8", action="store_true",
                    help="run the blocks' linear layers in FP8 (E4M3 forward, E5M2 gradients); raises on a GPU "
                         "without FP8 tensor cores; emulated (exact casts, float32 products) on a CPU")
@@ -29,24 +61,27 @@ def parser() -> argparse.ArgumentParser:
                    help="delayed: scales from an amax history (HYBRID, 'max'); current: from each tensor's own amax; "
                         "block: Float8BlockScaling (1x128 activation and gradient tiles, 128x128 weight blocks, E4M3, "
                         "power-of-two scales); rowwise: Float8RowwiseScaling (one scale per row, E4M3)")
-    p.add_argument("--amax_history_len", type=int, default=16)
+    p.add_argument("--amax_history_len", type=amax_history_type, default=16,
+                   help=f"delayed scaling: steps of amax history (1 to {_MAX_AMAX_HISTORY})")
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--separate_qkv", action="store_true", help="three Q/K/V projections instead of one fused")
     p.add_argument("--no_fused_kernels", action="store_true",
                    help="on a GPU, run RMSNorm, RoPE and SwiGLU as torch's ops instead of fp8ext's fused kernels")
-    p.add_argument("--batch_size", type=int, default=8, help="sequences per micro-batch per device")
-    p.add_argument("--grad_accum_steps", type=int, default=1)
-    p.add_argument("--seq_len", type=int, default=64)
-    p.add_argument("--max_steps", type=int, default=300, help="optimizer steps")
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW; warm-up, then cosine)")
-    p.add_argument("--weight_decay", type=float, default=0.1)
+    p.add_argument("--batch_size", type=positive_int, default=8, help="sequences per micro-batch per device")
+    p.add_argument("--grad_accum_steps", type=positive_int, default=1)
+    p.add_argument("--seq_len", type=seq_len_type, default=64,
+                   help=f"tokens (bytes) per sequence, 1 to {_MAX_SEQ_LEN}, fewer than the validation text has")
+    p.add_argument("--max_steps", type=positive_int, default=300, help="optimizer steps")
+    p.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate (AdamW; warm-up, then cosine)")
+    p.add_argument("--weight_decay", type=nonnegative_float, default=0.1)
     p.add_argument("--data", default=None,
                    help="a text file or a directory of them; default: this Python's standard-library sources")
     p.add_argument("--out_dir", default="runs/latest", help="metrics.jsonl and checkpoint.pt go here")
     p.add_argument("--resume", default=None, help="a checkpoint file or a run directory to continue from")
-    p.add_argument("--save_every", type=int, default=0, help="also checkpoint every N steps (0: at the end only)")
+    p.add_argument("--save_every", type=nonnegative_int, default=0,
+                   help="also checkpoint every N steps (0: at the end only)")
     p.add_argument("--no_save", action="store_true", help="write no checkpoint (benchmark runs)")
-    p.add_argument("--stop_after", type=int, default=0,
+    p.add_argument("--stop_after", type=nonnegative_int, default=0,
                    help="stop after N steps of this invocation, with a checkpoint (the learning-rate schedule still "
                         "follows --max_steps): split a run into jobs and continue each with --resume")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
@@ -58,26 +93,67 @@ def parser() -> argparse.ArgumentParser:
                    help="recompute activations in the backward instead of keeping them, per transformer block "
                         "(torch.utils.checkpoint): full: the whole block; selective: all but the outputs of the matrix "
                         "products and attention (torch's selective activation checkpointing)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eval_every", type=int, default=100, help="validation loss every N steps (and at the end)")
-    p.add_argument("--eval_batches", type=int, default=8)
+    p.add_argument("--seed", type=seed_type, default=0)
+    p.add_argument("--eval_every", type=positive_int, default=100,
+                   help="validation loss every N steps (and at the end)")
+    p.add_argument("--eval_batches", type=positive_int, default=8)
     p.add_argument("--device", default=None, help="cuda, cuda:1 or cpu; default: cuda when there is one")
     p.add_argument("--compare", action="store_true",
                    help="train twice, high precision into OUT_DIR/bf16 (OUT_DIR/fp32 on a CPU) and FP8 into "
                         "OUT_DIR/fp8, then print the comparison")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    add_debug(p)
     return p
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Runs the command line; a checkpoint that cannot be loaded safely ends it with a one-line error (SystemExit,
-    as argparse does for a wrong argument) naming the file."""
-    args = parser().parse_args(argv)
-    from .checkpoint import CheckpointError  # torch and the model are imported only after the arguments parse
-    try:
+    """Runs the command line. A wrong argument ends it as argparse does (exit status 2); any other failure (a
+    checkpoint that cannot be loaded safely, a full disk, ...) with one line on stderr naming what was wrong
+    (exit status 1; --debug shows the traceback)."""
+    p = parser()
+    args = p.parse_args(argv)
+    with one_line_errors(p.prog, args.debug):
+        _check_paths(args)
+        _check_device(args.device)
         return _run(args)
-    except CheckpointError as e:
-        raise SystemExit(f"fp8ext-train: {e}") from e
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    """The paths the run reads and writes, checked before the corpus is read and the model is built."""
+    out = pathlib.Path(args.out_dir)
+    for existing in (out, *out.parents):  # the nearest part of --out_dir that exists must be a folder
+        if existing.exists():
+            if not existing.is_dir():
+                raise NotADirectoryError(f"--out_dir: {existing} exists and is not a folder"
+                                         + ("" if existing == out else f" (so {out} cannot be one)"))
+            break
+    if args.data is not None and not (pathlib.Path(args.data).is_file() or pathlib.Path(args.data).is_dir()):
+        raise FileNotFoundError(f"--data: {args.data} is neither a file nor a directory")
+    if args.resume is not None:
+        from .checkpoint import CHECKPOINT_NAME
+        r = pathlib.Path(args.resume)
+        if not (r.is_file() or (r / CHECKPOINT_NAME).is_file()):
+            raise FileNotFoundError(f"--resume: no checkpoint at {r / CHECKPOINT_NAME if r.is_dir() else r}")
+
+
+def _check_device(device: Optional[str]) -> None:
+    """--device: cpu, or a CUDA device that torch sees."""
+    if device is None:
+        return
+    import torch
+    try:
+        d = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(f"--device: {device!r} is not a device; expected cpu, cuda or cuda:N") from None
+    if d.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device: {device!r}: fp8ext.train runs on cpu or cuda, not {d.type}")
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is a CPU-only build" if not torch.version.cuda else "torch sees no CUDA device"
+            raise ValueError(f"--device {device}: {why}; train with --device cpu (or without --device)")
+        if d.index is not None and d.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: torch sees {torch.cuda.device_count()} CUDA device(s), "
+                             f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
 
 
 def _run(args: argparse.Namespace) -> int:

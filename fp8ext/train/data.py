@@ -52,6 +52,10 @@ def _split_files(files: List[pathlib.Path], what: str) -> ByteCorpus:
         whole = b"\n".join(chunks)
         cut = len(whole) - max(1, len(whole) // 20)
         train, val = whole[:cut], whole[cut:]
+    for part, data in (("training", train), ("validation", val)):
+        if not data:
+            raise ValueError(f"--data: {what} holds no {part} text ({sum(map(len, chunks))} bytes in "
+                             f"{len(files)} file{'s' if len(files) != 1 else ''}); give it more text")
     return ByteCorpus(torch.frombuffer(bytearray(train), dtype=torch.uint8),
                       torch.frombuffer(bytearray(val), dtype=torch.uint8),
                       f"{what}: {len(files)} files, {len(train) / 1e6:.1f} MB train, {len(val) / 1e6:.2f} MB val")

@@ -217,6 +217,12 @@ def _train_loop(args: Namespace, device: torch.device, rank: int, world: int) ->
 def _build(args: Namespace, device: torch.device, world: int):
     """(corpus, the model, the model as trained (DDP/FSDP2-wrapped), optimizer, FP8 recipe, first step)."""
     corpus = load_corpus(args.data)
+    shortest = min(corpus.train.numel(), corpus.val.numel())
+    if shortest <= args.seq_len + 1:
+        part = "validation" if corpus.val.numel() == shortest else "training"
+        raise ValueError(f"--seq_len {args.seq_len}: the {part} text of {corpus.description.split(': ')[0]} has "
+                         f"{shortest} bytes, too few for a sequence of seq_len + 1 bytes; use a shorter --seq_len "
+                         "or more --data")
     base = preset(args.preset, fused_qkv=not args.separate_qkv)
     cfg = preset(args.preset, fused_qkv=not args.separate_qkv, max_seq_len=max(base.max_seq_len, args.seq_len))
     torch.manual_seed(args.seed)
@@ -231,7 +237,9 @@ def _build(args: Namespace, device: torch.device, world: int):
     checkpoint_blocks(raw, args.activation_checkpointing)
     model = wrap(raw, args, device, world)
     opt = _optimizer(model, args, device)
-    start = checkpoint.load(args.resume, raw, opt)["step"] if args.resume else 0
+    start = 0
+    if args.resume:
+        start = checkpoint.load(args.resume, raw, opt, max_steps=args.max_steps, run_args=vars(args))["step"]
     precompute_fp8_scales(model, args, world)
     return corpus, raw, model, opt, recipe, start
 

@@ -36,9 +36,10 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["main", "validate", "parser", "SECTIONS", "TITLES"]
+__all__ = ["main", "validate", "parser", "SECTIONS", "TITLES", "titles"]
 
-from ._run import SECTIONS, TITLES, Run, environment  # noqa: E402
+from .._cli import OneLineParser, add_debug, one_line_errors  # noqa: E402
+from ._run import SECTIONS, TITLES, Run, environment, titles  # noqa: E402
 from ._report import speed_cells  # noqa: E402
 
 DEFAULT_REPORT = os.path.join("runs", "validate")
@@ -56,7 +57,7 @@ def parse_sections(text: str) -> List[str]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m fp8ext.validate",
+    p = OneLineParser(prog="python -m fp8ext.validate",
                                 description="Validate fp8ext on this machine: correctness checks on this device, "
                                             "then FP8 against bf16 benchmarks on a GPU; writes an HTML report.")
     p.add_argument("--quick", action="store_true", help="small shapes (under a minute on a CPU)")
@@ -66,6 +67,7 @@ def parser() -> argparse.ArgumentParser:
                    help=f"folder for report.html, metrics.json and the plots (default: {DEFAULT_REPORT})")
     p.add_argument("--only", metavar="SECTIONS", type=parse_sections, default=list(SECTIONS),
                    help=f"comma-separated sections to run (default: all): {','.join(SECTIONS)}")
+    add_debug(p)
     return p
 
 
@@ -153,9 +155,11 @@ def summary_text(payload: dict, out_dir: str) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
     if os.path.exists(args.report) and not os.path.isdir(args.report):
-        parser().error(f"--report: {args.report!r} exists and is not a folder")
-    payload = validate(args.report, quick=args.quick, profile=args.profile, sections=args.only)
-    print(summary_text(payload, os.path.abspath(args.report)))
+        p.error(f"--report: {args.report!r} exists and is not a folder")
+    with one_line_errors(p.prog, args.debug):
+        payload = validate(args.report, quick=args.quick, profile=args.profile, sections=args.only)
+        print(summary_text(payload, os.path.abspath(args.report)))
     return 0 if payload["summary"]["all_passed"] else 1

@@ -12,7 +12,7 @@ import os
 from collections import OrderedDict
 from typing import Dict, List, Optional, Tuple
 
-from ._run import NO_GPU, SECTIONS, TITLES, Run
+from ._run import NO_GPU, SECTIONS, Run
 
 PLOTS = OrderedDict([
     ("tflops.png", "GEMM throughput (TFLOP/s) by shape, FP8 against bf16"),
@@ -49,7 +49,7 @@ def section_status(run: Run, section: str) -> dict:
     skipped = [s for s in run.skipped if s["section"] == section]
     figures = [f for f in run.figures if f["section"] == section]
     status = "failed" if any(not c["passed"] for c in checks) else "passed" if checks else "no checks"
-    return {"title": TITLES[section], "correctness": status, "checks": len(checks), "figures": len(figures),
+    return {"title": run.title(section), "correctness": status, "checks": len(checks), "figures": len(figures),
             "speed": "skipped: " + "; ".join(sorted({s["reason"] for s in skipped})) if skipped
             else ("measured" if any(f["unit"] in ("ms", "us", "TFLOP/s", "TB/s", "tokens/s") for f in figures)
                   else "not measured")}
@@ -257,7 +257,7 @@ def _figures_table(figs: List[dict]) -> str:
 
 
 def _section_html(run: Run, section: str) -> str:
-    parts = [f'<h2 id="{section}">{_e(TITLES[section])}</h2>']
+    parts = [f'<h2 id="{section}">{_e(run.title(section))}</h2>']
     checks = [c for c in run.checks if c["section"] == section]
     figs = [f for f in run.figures if f["section"] == section]
     for s in (s for s in run.skipped if s["section"] == section):
@@ -305,7 +305,7 @@ def _summary_html(run: Run, payload: dict) -> str:
              f"Speed was not measured: {_e(env.get('no_gpu_reason', 'no GPU'))}. Only the correctness part ran, "
              "on fp8ext's CPU reference.")
     cells, reasons = speed_cells([st["speed"] for st in payload["sections"].values()])
-    rows = [[_td(f'<a href="#{sec}">{_e(TITLES[sec])}</a>'),
+    rows = [[_td(f'<a href="#{sec}">{_e(run.title(sec))}</a>'),
              _td(f'<span class="{"fail" if st["correctness"] == "failed" else "pass"}">{_e(st["correctness"])}'
                  "</span>"), _td(str(st["checks"]), "num"), _td(_e(cell))]
             for (sec, st), cell in zip(payload["sections"].items(), cells)]

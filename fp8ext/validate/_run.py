@@ -20,15 +20,29 @@ import fp8ext
 
 SECTIONS = ("casts", "gemm", "linear", "block", "train", "inference", "fp4")
 
-TITLES = {
+# {hp}: the high-precision baseline the section runs, bf16 on a GPU and float32 on a CPU (high_precision())
+_TITLE_TEMPLATES = {
     "casts": "Casts: quantize, dequantize, cast_transpose",
     "gemm": "GEMM: fp8ext.gemm against float64 and bf16 matmul",
     "linear": "Linear layer: fp8ext.Linear against nn.Linear",
-    "block": "Transformer block: FP8 against bf16",
-    "train": "Training steps: FP8 against bf16",
-    "inference": "Inference: per-channel FP8 weights against bf16",
+    "block": "Transformer block: FP8 against {hp}",
+    "train": "Training steps: FP8 against {hp}",
+    "inference": "Inference: per-channel FP8 weights against {hp}",
     "fp4": "FP4, FP6 and block-scaled formats",
 }
+
+
+def high_precision(on_gpu: bool) -> str:
+    """The dtype the model sections compare FP8 with: bf16 autocast on a GPU, float32 on a CPU (as fp8ext.train)."""
+    return "bf16" if on_gpu else "float32"
+
+
+def titles(on_gpu: bool) -> Dict[str, str]:
+    """Each section's title, naming the high-precision baseline that runs on this kind of device."""
+    return {s: t.format(hp=high_precision(on_gpu)) for s, t in _TITLE_TEMPLATES.items()}
+
+
+TITLES = titles(on_gpu=True)  # the titles of a run on a GPU; Run.title() gives those of the run at hand
 
 NO_GPU = "no GPU in use, so speed and GPU memory are not measured"
 
@@ -58,6 +72,9 @@ class Run:
     @property
     def on_gpu(self) -> bool:
         return self.device.type == "cuda"
+
+    def title(self, section: str) -> str:
+        return titles(self.on_gpu)[section]
 
     @property
     def device_name(self) -> str:

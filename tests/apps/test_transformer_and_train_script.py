@@ -175,15 +175,18 @@ def test_fp8_on_a_gpu_without_fp8_tensor_cores_raises(monkeypatch):
         trainer._check_fp8(torch.device("cuda", 0), 0)
 
 
-def test_resume_from_a_missing_checkpoint_names_it(tmp_path):
-    with pytest.raises(FileNotFoundError, match="--resume: no checkpoint"):
+def test_resume_from_a_missing_checkpoint_names_it(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
         cli.main(RUN + ["--max_steps", "2", "--out_dir", str(tmp_path / "x"), "--resume", str(tmp_path / "none")])
+    assert e.value.code == 1 and f"--resume: no checkpoint at {tmp_path / 'none'}" in capsys.readouterr().err
 
 
 def test_compare_prints_losses_and_speed_ratio_and_plots(tmp_path, capsys):
     cli.main(RUN + ["--max_steps", "6", "--eval_every", "3", "--out_dir", str(tmp_path), "--compare"])
     out = capsys.readouterr().out
-    assert "final validation loss" in out and "tokens/s of B / A" in out and "validation loss of B vs A" in out
+    fp8, fp32 = f"fp8 ({tmp_path / 'fp8'})", f"fp32 ({tmp_path / 'fp32'})"  # each run named: which is which
+    assert "final validation loss" in out and f"tokens/s of {fp8} / {fp32}" in out, out
+    assert f"validation loss of {fp8} vs {fp32}" in out, out
     assert (tmp_path / "compare.png").stat().st_size > 10_000
     r = compare(str(tmp_path / "fp32"), str(tmp_path / "fp8"))  # fp32: the high-precision run on a CPU
     assert r["step_a"] == r["step_b"] == 6 and r["val_loss_a"] > 0 and r["speed_ratio"] > 0

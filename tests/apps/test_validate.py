@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import fp8ext
-from fp8ext.validate import SECTIONS, TITLES, parser, validate
+from fp8ext.validate import SECTIONS, parser, titles, validate
 
 HEADLINE_KEYS = {"what", "date", "environment", "options", "summary", "sections", "checks", "figures", "skipped",
                  "notes", "traces", "errors", "plots"}
@@ -96,8 +96,10 @@ def test_a_skip_reason_shared_by_sections_is_printed_once(cpu_report):
 def test_report_html_is_self_contained_and_has_every_section(cpu_report):
     _, out = cpu_report
     page = (out / "report.html").read_text()
-    for section in SECTIONS:
-        assert f'<h2 id="{section}">' in page and TITLES[section] in page, section
+    for section in SECTIONS:  # the model sections' titles name float32, the baseline that ran on the CPU
+        assert f'<h2 id="{section}">' in page and titles(on_gpu=False)[section] in page, section
+    for section in ("block", "train", "inference"):  # not the GPU's "FP8 against bf16"
+        assert "float32" in titles(on_gpu=False)[section] and titles(on_gpu=True)[section] not in page, section
     for heading in ("Plots", "Environment"):
         assert f">{heading}</h2>" in page
     assert "<script" not in page.lower() and "<link" not in page.lower()
