@@ -271,25 +271,21 @@ class FP8ScalingManager:
                 self._whole = False
                 self._pending.clear()
                 return
-            live = len(self._index)
             if slots is not None:
                 slots = sorted(s for s in set(slots) if s < len(self._names) and self._names[s] is not None)
-                if len(slots) == live:
+                if len(slots) == len(self._index):
                     slots = None
-                elif not slots:
-                    return
-            idx = None if slots is None else torch.tensor(slots, dtype=torch.long, device=self.device)
             if group is not None and self.recipe.reduce_amax:
                 import torch.distributed as dist
                 if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-                    if idx is None:  # entry 0 of every row: one collective
-                        recent = self.amax_history[:, 0].contiguous()
-                        dist.all_reduce(recent, op=dist.ReduceOp.MAX, group=group)
-                        self.amax_history[:, 0].copy_(recent)
-                    else:
-                        recent = self.amax_history[:, 0].index_select(0, idx)
-                        dist.all_reduce(recent, op=dist.ReduceOp.MAX, group=group)
-                        self.amax_history[:, 0].index_copy_(0, idx, recent)
+                    # entry 0 of every row, whichever slots update: one collective of the same size on every rank
+                    # (which slots are live can differ between ranks for a while: a released layer's slot is freed
+                    # when its rank collects it). A max reduced early is reduced again, unchanged, later.
+                    recent = self.amax_history[:, 0].contiguous()
+                    dist.all_reduce(recent, op=dist.ReduceOp.MAX, group=group)
+                    self.amax_history[:, 0].copy_(recent)
+            if slots is not None and not slots:  # what was recorded has been released since
+                return
             self.steps += 1
             if slots is None:
                 self._whole = False
