@@ -20,8 +20,8 @@ import math
 import sys
 from typing import Iterator
 
-__all__ = ["OneLineParser", "positive_int", "nonnegative_int", "finite_float", "nonnegative_float", "add_debug",
-           "one_line_errors"]
+__all__ = ["OneLineParser", "positive_int", "nonnegative_int", "finite_float", "nonnegative_float", "device_type",
+           "usable_device", "add_debug", "one_line_errors"]
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -72,6 +72,39 @@ def nonnegative_float(text: str) -> float:
     if v < 0:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
     return v
+
+
+def device_type(text: str) -> str:
+    """argparse type: a device torch spells, cpu or cuda (cuda, cuda:N); whether it is there is checked when the
+    command runs (usable_device)."""
+    import torch
+    try:
+        d = torch.device(text)
+    except (RuntimeError, ValueError, TypeError):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}") from None
+    if d.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"fp8ext runs on cpu or cuda, got {text!r}")
+    return text
+
+
+def usable_device(text, default: str):
+    """The torch.device of --device `text` (`default` when not given), if this torch can use it; else a ValueError
+    saying why (a CPU-only build, no CUDA device, an index past the devices)."""
+    import torch
+    try:
+        d = torch.device(text or default)
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(f"--device: {text!r} is not a device; expected cpu, cuda or cuda:N") from None
+    if d.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device: {text!r}: fp8ext runs on cpu or cuda, not {d.type}")
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is a CPU-only build" if not torch.version.cuda else "torch sees no CUDA device"
+            raise ValueError(f"--device {text or default}: {why}; use --device cpu (or leave --device out)")
+        if d.index is not None and d.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {text}: torch sees {torch.cuda.device_count()} CUDA device(s), cuda:0 to "
+                             f"cuda:{torch.cuda.device_count() - 1}")
+    return d
 
 
 def add_debug(p: argparse.ArgumentParser) -> None:

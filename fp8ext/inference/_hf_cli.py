@@ -13,6 +13,8 @@ import torch.nn.functional as F
 
 from ..train.data import batch, load_corpus
 from . import calibrate, load_quantized, quantize_model, save_quantized
+from ._checks import read_json
+from .export import write_json
 from .hf import fp8_kv_cache, from_config
 
 __all__ = ["HF_SEQ_LEN", "HFModelError", "is_hf_dir", "quantize_hf", "eval_hf"]
@@ -30,7 +32,7 @@ def is_hf_dir(d: pathlib.Path) -> bool:
     cfg = d / "config.json"
     if not cfg.is_file():
         return False
-    config = json.loads(cfg.read_text())
+    config = read_json(cfg, who="--model")
     return "model_type" in config and "fp8ext_model_config" not in config
 
 
@@ -47,10 +49,24 @@ def _load_source(path: str, device: torch.device, option: str):
     """The high-precision causal LM of a local transformers directory (nothing is downloaded), in eval mode."""
     if not (pathlib.Path(path) / "config.json").is_file():
         raise HFModelError(f"{option}: {path!r} is not a transformers model directory (no config.json)")
+    transformers = _transformers()
+    # transformers' load report (a logged warning) lists an FP8 directory's k_scale / v_scale as UNEXPECTED where
+    # compressed-tensors has no place for them (fp8ext.inference.hf): the report is silenced, and what matters in
+    # it (weights the directory does not fill) is an error here
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
     try:
-        model = _transformers().AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
+                                                                        output_loading_info=True)
     except (OSError, ValueError, KeyError) as e:
         raise HFModelError(f"{option}: transformers cannot load {path}: {e}") from e
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    unfilled = sorted(info.get("missing_keys") or []) + sorted(str(k[0] if isinstance(k, tuple) else k)
+                                                                for k in info.get("mismatched_keys") or [])
+    if unfilled:
+        raise HFModelError(f"{option}: {path} does not fill {len(unfilled)} of {type(model).__name__}'s tensors "
+                           f"(missing or of another shape: {unfilled[:3]}{' ...' if len(unfilled) > 3 else ''})")
     return model.to(device).eval()
 
 
@@ -87,7 +103,7 @@ def _text(data: Optional[str], model, tokenizer, option: str, seq: Optional[int]
 
 def quantize_hf(args) -> None:
     """quantize --model DIR: calibrate on the text, quantize, write args.out (with the source's tokenizer)."""
-    device = torch.device(args.device or "cpu")
+    device = torch.device(args.device or "cpu")  # checked by the command line
     model = _load_source(args.model, device, "--model")
     tokenizer = _tokenizer(args.model)
     ids, seq, description = _text(args.data, model, tokenizer, "--model", args.seq_len)
@@ -101,7 +117,7 @@ def quantize_hf(args) -> None:
     info = json.loads((out / "config.json").read_text())
     info["fp8ext_source"] = {"model": str(pathlib.Path(args.model).resolve()), "calib_batches": args.calib_batches,
                              "seq_len": seq, "data": args.data, "tokens": "tokenizer" if tokenizer else "bytes"}
-    (out / "config.json").write_text(json.dumps(info, indent=2))
+    write_json(out / "config.json", info)  # one rename: a failed write leaves the config.json saved above
     q = model.fp8_quantization
     print(f"quantized {len(q['layers'])} linear layers of {type(model).__name__} (weights {args.weights}, "
           f"activations {args.activations}), calibrated on {args.calib_batches} x {args.batch_size} x {seq} "
@@ -175,10 +191,15 @@ def _decode_loss(model, x: torch.Tensor, y: torch.Tensor, cache) -> float:
 @torch.no_grad()
 def eval_hf(args, d: pathlib.Path, src: Dict, device: torch.device) -> None:
     """eval --model DIR for a transformers FP8 directory: its loss next to its source model's, same batches."""
+    reference = args.reference or src.get("model")
+    if not reference or not isinstance(reference, str):
+        raise HFModelError(f"--reference: {d / 'config.json'} names no source model to compare with "
+                           "(fp8ext_source.model, which `quantize --model` writes); pass --reference with the "
+                           "transformers model directory the model was quantized from")
     option = "--reference" if args.reference else f"{d / 'config.json'} (fp8ext_source.model)"
-    ref = _load_source(args.reference or src.get("model", ""), device, option)
+    ref = _load_source(reference, device, option)
     fp8 = load_quantized(d, from_config, device=device)
-    tokenizer = _tokenizer(str(d), args.reference or src.get("model", ""))
+    tokenizer = _tokenizer(str(d), reference)
     if (tokenizer is None) != (src.get("tokens") == "bytes"):
         print(f"note: {d} was calibrated on {src.get('tokens', 'unknown')} but is evaluated on "
               f"{'bytes' if tokenizer is None else 'tokenizer'} ids")

@@ -33,6 +33,9 @@ per tensor or dynamic per token / 128-group; `ignore`) and the tensors (each F8_
 fp8ext's shapes (a per-tensor KV scale repeated over the heads). Schemes fp8ext cannot compute (integer, E5M2 or
 group-wise weights, other block sizes, weight-only FP8, zero points) are refused naming the file and the key.
 
+A save writes every file into a hidden folder in the output folder first and renames them into place once all
+are complete, so that a save that fails never costs the previous checkpoint (`staged`, `write_json`).
+
 Loading builds the model on the meta device (no memory), swaps in the FP8 layers, and takes the tensors from
 the file straight to the target device (safetensors reads them into device memory without a CPU copy of the
 whole model).
@@ -40,14 +43,19 @@ whole model).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import pathlib
-from typing import Any, Callable, Dict, Optional, Union
+import shutil
+import tempfile
+from typing import Any, Callable, Dict, Iterator, Optional, Union
 
 import torch
 from torch import nn
 
 from .. import __version__
+from ..train.checkpoint import fsync
 from . import llama
 from ._checks import (FOREIGN, KV_SCALES, LAYER_SCALES, OUT_DTYPES, WEIGHT_LAYOUT, check_against_model,
                       check_checkpoint, kv_heads, read_header, read_json, read_sharded_header, tied_parameters)
@@ -101,7 +109,11 @@ def save_quantized(model: nn.Module, out_dir: Union[str, pathlib.Path], config: 
     Tensors beyond `max_shard_size` (bytes, or a string such as "5GB" or "500MiB") are split over files
     model-00001-of-0000N.safetensors with model.safetensors.index.json, as save_pretrained does.
     fp8ext's own Transformer is written as a Llama checkpoint (fp8ext.inference.llama), which transformers and vLLM
-    load as LlamaForCausalLM."""
+    load as LlamaForCausalLM.
+
+    The files are written into a hidden folder in out_dir and moved over the previous checkpoint's only once all
+    are complete (`staged`): a save that fails (a full disk, Ctrl-C) leaves out_dir as it was; files in out_dir
+    that are not a checkpoint's (weights, shards, index, config.json) are left alone."""
     if llama.is_fp8ext_transformer(model):
         return llama.save(model, out_dir, config, max_shard_size=max_shard_size)
     q = quantization_of(model)
@@ -121,16 +133,17 @@ def save_quantized(model: nn.Module, out_dir: Union[str, pathlib.Path], config: 
         seen[key] = k
         tensors[k] = v.detach().contiguous().cpu()
     layers = {n: layer_record(model, q, n) for n in q["layers"]}
-    out = write_tensors(tensors, out_dir, {"layers": layers, "tied": tied, "kv_cache": q.get("kv_amax") or {}},
-                        max_shard_size)
     hf_config = getattr(model, "config", None)
     if config is None and callable(getattr(hf_config, "to_diff_dict", None)):
         cfg = _transformers_config(model, hf_config, tensors)
     else:
         cfg = {"architectures": [type(model).__name__], "model_config": config or {}, "torch_dtype": "bfloat16"}
     cfg["quantization_config"] = quantization_config(q)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    return out
+    with staged(out_dir) as tmp:
+        write_tensors(tensors, tmp, {"layers": layers, "tied": tied, "kv_cache": q.get("kv_amax") or {}},
+                      max_shard_size)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    return pathlib.Path(out_dir)
 
 
 def quantization_of(model: nn.Module) -> Dict[str, Any]:
@@ -184,9 +197,9 @@ def _bytes(size: Union[int, str]) -> int:
 
 def write_tensors(tensors: Dict[str, torch.Tensor], out_dir: Union[str, pathlib.Path], record: Dict[str, Any],
                   max_shard_size: Union[int, str]) -> pathlib.Path:
-    """out_dir (made if missing) with model.safetensors, or shards of at most max_shard_size bytes (a larger tensor
-    alone in its shard) and the index; fp8ext's `record` in the header's metadata. Files of an earlier save in
-    out_dir that this one does not replace are removed, so no stale shard is read. Returns out_dir as a Path."""
+    """out_dir (made if missing; the folder `staged` gives, when saving) with model.safetensors, or shards of at
+    most max_shard_size bytes (a larger tensor alone in its shard) and the index; fp8ext's `record` in the
+    header's metadata. Returns out_dir as a Path."""
     st = _safetensors()
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -200,8 +213,6 @@ def write_tensors(tensors: Dict[str, torch.Tensor], out_dir: Union[str, pathlib.
             size = 0
         shards[-1].append(k)
         size += nbytes
-    for stale in [out / WEIGHTS_FILE, out / INDEX_FILE, *out.glob("model-*-of-*.safetensors")]:
-        stale.unlink(missing_ok=True)
     if len(shards) == 1:
         st.save_file(tensors, str(out / WEIGHTS_FILE), metadata=meta)
         return out
@@ -213,6 +224,91 @@ def write_tensors(tensors: Dict[str, torch.Tensor], out_dir: Union[str, pathlib.
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     return out
+
+
+def _checkpoint_files(d: pathlib.Path) -> list:
+    """The files of a checkpoint in `d` that a save replaces or removes: weights, shards, index, config.json."""
+    return [d / WEIGHTS_FILE, d / INDEX_FILE, d / "config.json", *sorted(d.glob("model-*-of-*.safetensors"))]
+
+
+@contextlib.contextmanager
+def staged(out_dir: Union[str, pathlib.Path]) -> Iterator[pathlib.Path]:
+    """A new, empty hidden folder in out_dir (made if missing), on out_dir's file system, to write a checkpoint's
+    files into. When the block ends, the files are flushed to the disk and moved into out_dir, each by one rename
+    (os.replace) over the file of that name, config.json last; then the checkpoint files of an earlier save that
+    the new one does not have (other shards, an index or model.safetensors) are removed. out_dir's other files are
+    left alone. If the block raises (a full disk, a quota, Ctrl-C), the folder is removed (and out_dir too, if
+    this made it); if a rename fails, the files already moved are put back (the previous ones were kept as hard
+    links until then): a failed save never costs the previous checkpoint."""
+    out = pathlib.Path(out_dir)
+    for existing in (out, *out.parents):  # the nearest part of out_dir that exists must be a folder
+        if existing.exists():
+            if not existing.is_dir():
+                raise NotADirectoryError(f"save_quantized: {existing} exists and is not a folder"
+                                         + ("" if existing == out else f" (so {out} cannot be one)"))
+            break
+    made = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=".fp8ext-partial-", dir=out))
+    done = False
+    try:
+        yield tmp
+        new = sorted(tmp.iterdir(), key=lambda f: (f.name == "config.json", f.name))  # config.json last
+        for f in new:
+            fsync(f)
+        _swap_in(new, out, tmp)
+        done = True
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if made and not done:
+            with contextlib.suppress(OSError):
+                out.rmdir()  # only if empty
+
+
+def _swap_in(new: list, out: pathlib.Path, tmp: pathlib.Path) -> None:
+    """staged's last step: the files `new` (in tmp) renamed into out, the previous checkpoint's other files removed;
+    on any failure the previous files are put back from links to them kept in tmp/.previous."""
+    previous = tmp / ".previous"
+    previous.mkdir()
+    old = [f for f in _checkpoint_files(out) if f.exists()]
+    for f in old:  # a second name for each previous file (no copy), to put back
+        try:
+            os.link(f, previous / f.name)
+        except OSError:  # a file system without hard links
+            shutil.copy2(f, previous / f.name)
+    stale = [f for f in old if not (tmp / f.name).exists()]
+    moved = []
+    try:
+        for f in new:
+            os.replace(f, out / f.name)
+            moved.append(f.name)
+        for f in stale:
+            f.unlink(missing_ok=True)
+        fsync(out)
+    except BaseException:
+        for name in [*moved, *(f.name for f in stale)]:  # best effort: the error that stopped the save is raised
+            with contextlib.suppress(OSError):
+                if (previous / name).exists():
+                    os.replace(previous / name, out / name)
+                else:
+                    (out / name).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Union[str, pathlib.Path], value: Any) -> None:
+    """path as indented JSON, written beside it first and renamed over it (os.replace) once complete and flushed
+    to the disk: a failed write leaves the file as it was."""
+    path = pathlib.Path(path)
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}-{os.urandom(4).hex()}")
+    try:
+        with open(tmp, "x") as f:
+            f.write(json.dumps(value, indent=2))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _transformers_config(model: nn.Module, hf_config, tensors: Dict[str, torch.Tensor]) -> Dict[str, Any]:
@@ -301,12 +397,22 @@ def load_state(model: nn.Module, state: Dict[str, torch.Tensor], path: pathlib.P
 
 
 def fp8_quantization_config(cfg: dict, d: pathlib.Path) -> dict:
-    """config.json's quantization_config, which must be an FP8 compressed-tensors one; ValueError otherwise."""
-    qc = cfg.get("quantization_config")
-    qc = qc if isinstance(qc, dict) else {}
-    if qc.get("quant_method") != "compressed-tensors" or qc.get("format") != "float-quantized":
-        raise ValueError(f"load_quantized: {d} is not an FP8 compressed-tensors checkpoint "
-                         f"(quant_method {qc.get('quant_method')!r}, format {qc.get('format')!r})")
+    """config.json's quantization_config, which must be an FP8 compressed-tensors one: a ValueError (TypeError for
+    a value of the wrong type) naming d/config.json and the key otherwise."""
+    path = d / "config.json"
+    if "quantization_config" not in cfg:
+        raise ValueError(f"load_quantized: {path}: has no quantization_config; fp8ext reads FP8 compressed-tensors "
+                         "checkpoints (quant_method 'compressed-tensors', format 'float-quantized')")
+    qc = cfg["quantization_config"]
+    if not isinstance(qc, dict):
+        raise TypeError(f"load_quantized: {path}: quantization_config must be a JSON object, got "
+                        f"{type(qc).__name__} {qc!r:.60}")
+    for key, want in (("quant_method", "compressed-tensors"), ("format", "float-quantized")):
+        v = qc.get(key)
+        if v != want:
+            raise (TypeError if v is not None and not isinstance(v, str) else ValueError)(
+                f"load_quantized: {path}: quantization_config.{key} is {v!r:.60}; fp8ext reads FP8 "
+                f"compressed-tensors checkpoints ({key} {want!r})")
     return qc
 
 

@@ -237,21 +237,26 @@ def save(model: Transformer, out_dir: Union[str, pathlib.Path], config: Optional
     kv = {mods[n][0]: a for n, a in (q.get("kv_amax") or {}).items()}
     record = {"layers": layers, "tied": {"lm_head.weight": "model.embed_tokens.weight"} if tied else {},
               "kv_cache": kv}
-    out = export.write_tensors(tensors, out_dir, record, max_shard_size)
     config_json = llama_config(cfg, tied=tied, dtype=export.high_precision_dtype(tensors))
     ignored = _llama_names(cfg, q["ignored_modules"], "the modules kept in high precision")
     config_json["quantization_config"] = export.quantization_config({**q, "ignored_modules": ignored})
-    (out / "config.json").write_text(json.dumps(config_json, indent=2))
-    return out
+    with export.staged(out_dir) as tmp:  # moved into out_dir only once every file is written
+        export.write_tensors(tensors, tmp, record, max_shard_size)
+        (tmp / "config.json").write_text(json.dumps(config_json, indent=2))
+    return pathlib.Path(out_dir)
 
 
 # ---- load --------------------------------------------------------------------------------------------------------
 
 def _fp8ext_config(config_path: pathlib.Path, config: Dict[str, Any], tensors) -> TransformerConfig:
-    """config.json's fp8ext_model_config, checked (types, ranges, n_layers against the layers in the file)."""
+    """config.json's fp8ext_model_config, checked (every field present, types, ranges, n_layers against the layers
+    in the file)."""
     mc = config[CONFIG_KEY]
     if not isinstance(mc, dict):
         raise TypeError(f"load_quantized: {config_path}: {CONFIG_KEY} must be a JSON object, got {type(mc).__name__}")
+    missing = [f.name for f in dataclasses.fields(TransformerConfig) if f.name not in mc]
+    if missing:  # save() writes every field: a default would build another model than the file's
+        raise ValueError(f"load_quantized: {config_path}: {CONFIG_KEY} has no {', '.join(missing)}")
     try:
         cfg = TransformerConfig(**mc)
     except (TypeError, ValueError) as e:

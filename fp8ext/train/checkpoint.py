@@ -12,6 +12,7 @@ unpickled) is refused, not loaded.
 
 from __future__ import annotations
 
+import errno
 import os
 import pathlib
 import pickle
@@ -38,11 +39,12 @@ def _state_dicts(model, optimizer):
     return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def _fsync_dir(directory: pathlib.Path) -> None:
-    """Makes a rename in `directory` durable. POSIX only: Windows cannot open a directory, and some file
-    systems refuse fsync on one (EINVAL); the rename itself has happened either way."""
+def fsync(path: pathlib.Path) -> None:
+    """Flushes a file, or a folder's entries (which makes a rename in it durable), to the disk. A file system that
+    cannot (Windows cannot open a folder; some file systems refuse fsync on one: EINVAL) is left as it is: the
+    write or rename itself has happened either way."""
     try:
-        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if os.path.isdir(path) else 0))
     except OSError:
         return
     try:
@@ -77,7 +79,7 @@ def save(out_dir: str, model, optimizer, step: int, args: Dict[str, Any], extra:
             raise OSError(f"could not write the checkpoint {path} (is the disk full?): writing {tmp} failed: "
                           f"{' '.join(str(e).split()) or type(e).__name__}; {kept}") from e
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync(path.parent)
     if dist.is_initialized():
         dist.barrier()
     return str(path)
@@ -171,8 +173,11 @@ def read(path: str, option: str = "--resume") -> Tuple[pathlib.Path, Dict[str, A
             f"{option}: {p} is not a checkpoint fp8ext can load safely: torch's weights-only loader refused it "
             f"({_refusal(str(e))}). fp8ext.train writes only tensors, numbers, strings and containers of them; "
             "anything else could run code while the file is read, so it was not read") from e
-    except OSError:
-        raise
+    except OSError as e:
+        if e.errno != errno.EINVAL:  # the file could not be read (permissions, I/O): said as it is
+            raise
+        raise CheckpointError(f"{option}: {p} cannot be read as a checkpoint: it is truncated or damaged (torch's zip "
+                              f"reader: {e.strerror or e})") from e
     except Exception as e:  # noqa: BLE001 - torch.load on a damaged file raises EOFError, RuntimeError, KeyError...
         said = " ".join(str(e).split()).split(". ")[0]
         raise CheckpointError(f"{option}: {p} cannot be read as a checkpoint: it is truncated, damaged or not a file "

@@ -14,8 +14,8 @@ import pathlib
 import sys
 from typing import List, Optional
 
-from .._cli import (OneLineParser, add_debug, finite_float, nonnegative_float, nonnegative_int, one_line_errors,
-                    positive_int)
+from .._cli import (OneLineParser, add_debug, finite_float, nonnegative_float, nonnegative_int,
+                    one_line_errors, positive_int, usable_device)
 from ..models.transformer import _SIZE_LIMITS, PRESETS
 
 __all__ = ["main", "parser"]
@@ -138,22 +138,8 @@ def _check_paths(args: argparse.Namespace) -> None:
 
 def _check_device(device: Optional[str]) -> None:
     """--device: cpu, or a CUDA device that torch sees."""
-    if device is None:
-        return
-    import torch
-    try:
-        d = torch.device(device)
-    except (RuntimeError, ValueError, TypeError):
-        raise ValueError(f"--device: {device!r} is not a device; expected cpu, cuda or cuda:N") from None
-    if d.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device: {device!r}: fp8ext.train runs on cpu or cuda, not {d.type}")
-    if d.type == "cuda":
-        if not torch.cuda.is_available():
-            why = "this torch is a CPU-only build" if not torch.version.cuda else "torch sees no CUDA device"
-            raise ValueError(f"--device {device}: {why}; train with --device cpu (or without --device)")
-        if d.index is not None and d.index >= torch.cuda.device_count():
-            raise ValueError(f"--device {device}: torch sees {torch.cuda.device_count()} CUDA device(s), "
-                             f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    if device is not None:
+        usable_device(device, "cpu")
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -11,6 +11,12 @@ process (this file as a script) whose address space is limited to what it holds 
 op that copies a huge zero-stride view, or allocates an output of its shape, fails at once instead of taking the
 machine. The child prints each call before making it; the parent lists the violations, one line each with an
 example, and the crashes with the call that crashed (then runs the ops not yet done in a new child).
+
+This checks which exception a single call raises. The bounded property suite in tests/properties/ (same CI budget:
+no GPU, 2 cores, fixed seeds) checks the rest: files built malformed on purpose (safetensors headers, config.json,
+shard indexes, training checkpoints: test_malformed_files.py), FP8Linear state dicts (test_state_dicts.py), numeric
+results against torch and float64 (test_numerics.py), memory over repeated calls (test_repeated_calls.py), threads
+(test_threads.py) and interrupted saves (test_interrupted_saves.py).
 """
 
 import functools, math, os, random, re, signal, subprocess, sys, time, warnings, zlib  # noqa: E401

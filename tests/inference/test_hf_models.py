@@ -4,6 +4,8 @@ directory loads in transformers with fp8ext's logits, transformers' generate run
 evaluates a model directory. Tiny random-init models built here; nothing is downloaded."""
 
 import json
+import logging
+import re
 
 import pytest
 import torch
@@ -189,20 +191,63 @@ def test_cli_quantizes_and_evaluates_a_model_directory(tmp_path, capsys):
     assert "FP8 KV cache (calibrated scales)" in text
 
 
-def test_cli_needs_a_model_or_a_checkpoint_not_both(tmp_path):
+def test_cli_needs_a_model_or_a_checkpoint_not_both(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["quantize", "--out", str(tmp_path / "o")])
     with pytest.raises(SystemExit):
         main(["quantize", "--model", "a", "--checkpoint", "b", "--out", str(tmp_path / "o")])
-    with pytest.raises(SystemExit, match="is not a transformers model directory"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
         main(["quantize", "--model", str(tmp_path), "--out", str(tmp_path / "o")])
+    assert exit_.value.code == 1 and "is not a transformers model directory" in capsys.readouterr().err
 
 
-def test_cli_refuses_bytes_for_a_vocabulary_under_256(tmp_path):
+def test_cli_refuses_bytes_for_a_vocabulary_under_256(tmp_path, capsys):
     src = tmp_path / "small"
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**SIZES, "vocab_size": 128})).save_pretrained(src)
     data = tmp_path / "text.txt"
     data.write_bytes(b"hello world " * 200)
-    with pytest.raises(SystemExit, match=r"no tokenizer .* \(128 ids\)"):
+    with pytest.raises(SystemExit) as exit_:
         main(["quantize", "--model", str(src), "--out", str(tmp_path / "o"), "--data", str(data)])
+    assert exit_.value.code == 1 and re.search(r"no tokenizer .* \(128 ids\)", capsys.readouterr().err)
+
+
+def test_cli_generate_loads_a_quantized_directory_without_transformers_load_report(tmp_path, capfd):
+    """transformers 5.24 reports the checkpoint's k_scale / v_scale (which vLLM reads; compressed-tensors places them
+    only in transformers 5.17's attention) as UNEXPECTED keys in a logged warning: generate loads quietly."""
+    model, _ = calibrated("llama")
+    inference.quantize_model(model, "channel", "static", progress=False)
+    out = inference.save_quantized(model, tmp_path / "fp8")
+    logged = []  # what transformers logs, wherever its handler writes
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            logged.append(record.getMessage())
+    keep = Keep()
+    logging.getLogger("transformers").addHandler(keep)
+    capfd.readouterr()
+    try:
+        assert main(["generate", "--model", str(out), "--prompt", "ab", "--max_new_tokens", "2", "--device",
+                     "cpu"]) == 0
+    finally:
+        logging.getLogger("transformers").removeHandler(keep)
+    captured = capfd.readouterr()
+    shown = captured.out + captured.err + "".join(logged)
+    assert "UNEXPECTED" not in shown and "LOAD REPORT" not in shown, shown
+    assert "KV cache fp8" in captured.out
+
+
+def test_cli_eval_of_a_directory_that_names_no_source_asks_for_reference(tmp_path, capsys, monkeypatch):
+    """A transformers model saved from Python has no fp8ext_source.model: eval does not look in the working
+    directory (a config.json there is not the reference), it asks for --reference."""
+    model, _ = calibrated("llama")
+    inference.quantize_model(model, "channel", "static", progress=False)
+    out = inference.save_quantized(model, tmp_path / "fp8")
+    tiny("llama").save_pretrained(tmp_path / "unrelated")
+    monkeypatch.chdir(tmp_path / "unrelated")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        main(["eval", "--model", str(out), "--eval_batches", "1", "--device", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 1 and len(err) == 1 and "pass --reference" in err[0], err

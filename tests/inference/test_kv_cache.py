@@ -100,8 +100,9 @@ def test_generate_command_line(tmp_path, capsys):
     main(["generate", "--model", str(tmp_path), "--prompt", "def f", "--max_new_tokens", "8", "--device", "cpu"])
     out = capsys.readouterr().out
     assert out.startswith("def f") and "decode" in out and "KV cache fp8" in out
-    with pytest.raises(SystemExit, match="--cuda_graph on needs --kv_cache fp8 on a GPU"):
+    with pytest.raises(SystemExit) as exit_:
         main(["generate", "--model", str(tmp_path), "--prompt", "x", "--device", "cpu", "--cuda_graph", "on"])
+    assert exit_.value.code == 1 and "error: --cuda_graph on needs --kv_cache fp8 on a GPU" in capsys.readouterr().err
 
 
 # ---- decode steps as a CUDA graph: the position in device memory ----------------------------------------------

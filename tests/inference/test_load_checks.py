@@ -151,8 +151,9 @@ def test_a_record_without_layers_is_refused(ckpt):
     ("weights", "row", ValueError, "weights must be one of"),
     ("activations", "sometimes", ValueError, "activations must be one of"),
     ("format", "E5M2", ValueError, "['format'] must be one of"),
-    ("input_amax", -1.0, ValueError, "['input_amax'] must be finite and >= 0, got -1.0"),
-    ("input_amax", float("inf"), ValueError, "['input_amax'] must be finite and >= 0, got inf"),
+    ("input_amax", -1.0, ValueError, "['input_amax'] must be finite, >= 0 and at most 3.40282e+38 (float32's "
+                                     "largest), got -1.0"),
+    ("input_amax", float("inf"), ValueError, "['input_amax'] must be finite, >= 0 and at most 3.40282e+38"),
     ("input_amax", "3", TypeError, "['input_amax'] must be a number")])
 def test_a_layer_record_with_a_missing_or_unknown_field_is_refused(ckpt, field, value, exc, says):
     name = "model.layers.1.self_attn.q_proj"
@@ -168,6 +169,62 @@ def test_malformed_metadata_json_is_refused(ckpt):
         meta = f.metadata()
     save_file(load_file(path), path, metadata={**meta, "fp8ext": meta["fp8ext"][:-7]})
     with pytest.raises(ValueError, match=names(ckpt / "model.safetensors", "metadata 'fp8ext' is not well-formed")):
+        inference.load_quantized(ckpt, factory, device="cpu")
+
+
+def rewrite_record_text(d, change):
+    """The metadata record's JSON text changed by change(text) (for what json.dumps does not write)."""
+    path = str(d / "model.safetensors")
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata()
+    save_file(load_file(path), path, metadata={**meta, "fp8ext": change(meta["fp8ext"])})
+
+
+@pytest.mark.parametrize("text, says", [
+    ("1e400", "must be finite, >= 0 and at most 3.40282e+38 (float32's largest), got inf"),  # parsed as inf
+    ("1e39", "must be finite, >= 0 and at most 3.40282e+38 (float32's largest), got 1e+39"),
+    ("1" + "0" * 400, "is an integer of 401 digits, beyond any float")])  # overflowed converting to a float
+def test_an_amax_no_float32_tensor_can_have_is_refused_naming_the_layer(ckpt, text, says):
+    name = "model.layers.1.self_attn.q_proj"
+    rewrite_record(ckpt, lambda r: r["layers"][name].update(input_amax=12345.5))
+    rewrite_record_text(ckpt, lambda t: t.replace("12345.5", text))
+    with pytest.raises(ValueError, match=names(ckpt / "model.safetensors", name) + ".*input_amax.*" + re.escape(says)):
+        inference.load_quantized(ckpt, factory, device="cpu")
+
+
+def test_a_kv_amax_beyond_float_is_refused_naming_it(ckpt):
+    rewrite_record(ckpt, lambda r: r["kv_cache"]["model.layers.0.self_attn"].update(k_amax=[7777.5, 1.0]))
+    rewrite_record_text(ckpt, lambda t: t.replace("7777.5", "9" * 400))
+    with pytest.raises(ValueError, match=names(ckpt / "model.safetensors", "k_amax") + ".*integer of 400 digits"):
+        inference.load_quantized(ckpt, factory, device="cpu")
+
+
+@pytest.mark.parametrize("where", ["config.json", "metadata"])
+def test_json_nested_too_deeply_is_refused_before_it_is_parsed(ckpt, where):
+    """100,000 nested arrays: json.loads would exhaust the recursion limit (RecursionError); refused unparsed."""
+    deep = "[" * 100_000 + "]" * 100_000
+    if where == "config.json":
+        (ckpt / "config.json").write_text((ckpt / "config.json").read_text().rstrip()[:-1] + f', "extra": {deep}}}')
+        path = ckpt / "config.json"
+    else:
+        rewrite_record_text(ckpt, lambda t: t[:-1] + f', "extra": {deep}}}')
+        path = ckpt / "model.safetensors"
+    with pytest.raises(ValueError, match=names(path, "nests arrays and objects 100001 deep; fp8ext reads at most 64")):
+        inference.load_quantized(ckpt, factory, device="cpu")
+
+
+def test_brackets_inside_json_strings_are_not_nesting(ckpt):
+    rewrite_config(ckpt, lambda c: c.update(note="[" * 200 + '\\"{' + "]" * 3))
+    inference.load_quantized(ckpt, factory, device="cpu")
+
+
+def test_an_integer_beyond_any_float_in_config_json_is_refused_naming_the_key(ckpt):
+    text = (ckpt / "config.json").read_text()
+    cfg = json.loads(text)
+    cfg["fp8ext_model_config"]["rope_theta"] = 31415.5
+    (ckpt / "config.json").write_text(json.dumps(cfg).replace("31415.5", "1" + "0" * 400))
+    with pytest.raises(ValueError, match=names(ckpt / "config.json", "fp8ext_model_config.rope_theta is an integer "
+                                                                      "of 401 digits")):
         inference.load_quantized(ckpt, factory, device="cpu")
 
 
