@@ -128,21 +128,23 @@ def _update_pending(recipe: Recipe, group) -> None:
 _compiled_managers = [0]  # how many managers have compiled_steps set (prepare_fp8): their exit marking is needed
 
 
-def mark_compiled_steps(mgr) -> None:
-    """Lets compiled steps leave `mgr.dirty` to the exit of the step's outermost fp8_autocast (set by prepare_fp8):
-    a flag set inside a checkpointed region breaks torch.compile's graph there."""
+def mark_compiled_steps(mgr, names) -> None:
+    """Lets compiled steps leave the record of the slots `names` (a layer's, set by prepare_fp8) to the exit of the
+    step's outermost fp8_autocast: a flag set inside a checkpointed region breaks torch.compile's graph there."""
     if not mgr.compiled_steps:
         mgr.compiled_steps = True
         _compiled_managers[0] += 1
+    mgr.compiled_names.update(names)
 
 
 def _mark_compiled_steps(recipes) -> None:
-    """A step ended: its compiled layers recorded amaxes in the managers that prepare_fp8 prepared."""
+    """A step ended: its compiled layers recorded amaxes in the slots that prepare_fp8 prepared; they are recorded
+    for this thread's next boundary (the slots of layers garbage-collected since are dropped)."""
     for recipe in recipes:
         if isinstance(recipe, DelayedScaling):
             for mgr in _managers_of(recipe):
                 if mgr.compiled_steps:
-                    mgr.dirty = True
+                    mgr.record_names(mgr.compiled_names)
 
 
 def _discard_step(recipes) -> None:

@@ -41,19 +41,24 @@ from .recipe import DelayedScaling
 __all__ = ["FP8ScalingManager", "pack_slots_state", "unpack_slots_state"]
 
 _to_dl = torch._C._to_dlpack
-
-
-class _ThreadRecords(threading.local):
-    def __init__(self):
-        self.by_manager: Dict["FP8ScalingManager", set] = {}  # the slots this thread's current step recorded
-
-
-_records = _ThreadRecords()
+_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
 
 
 def take_records(mgr: "FP8ScalingManager") -> Optional[set]:
     """The slots of `mgr` that this thread recorded since its last step boundary (forgotten here), or None."""
-    return _records.by_manager.pop(mgr, None)
+    return mgr._by_thread.pop(threading.get_ident(), None)
+
+
+def _runs(slots: List[int], key=lambda s: None):
+    """(first, end, key) of each run of consecutive slots (sorted) with the same key."""
+    runs = []
+    for s in slots:
+        k = key(s)
+        if runs and runs[-1][1] == s and runs[-1][2] == k:
+            runs[-1][1] = s + 1
+        else:
+            runs.append([s, s + 1, k])
+    return [tuple(r) for r in runs]
 
 
 def _state_mode():
@@ -97,11 +102,12 @@ class FP8ScalingManager:
         self.generation = 0  # bumped when the buffers are reallocated (views taken before are stale)
         self.steps = 0  # updates run so far
         self._whole = False  # `dirty = True`: recorded, slots not named: the next update takes every slot
-        self._pending: set = set()  # slots recorded (record) and not updated since, by any thread
+        self._by_thread: Dict[int, set] = {}  # thread id -> the slots its current step recorded (record)
         self._lag: List[int] = []  # by slot: updates that skipped it (a slot's own count: steps - lag)
         self._lagged = False  # some lag is not 0
         # prepare_fp8 sets it: compiled steps leave `dirty` to the exit of the step's fp8_autocast (core/context.py)
         self.compiled_steps = False
+        self.compiled_names: set = set()  # the slots prepare_fp8 prepared, recorded at that exit (by name)
         self._lock = threading.RLock()
         self._views: Dict[int, tuple] = {}
 
@@ -109,7 +115,7 @@ class FP8ScalingManager:
     @property
     def dirty(self) -> bool:
         """Whether something recorded an amax since the last update (the next step boundary updates)."""
-        return self._whole or bool(self._pending)
+        return self._whole or any(self._by_thread.values())
 
     @dirty.setter
     def dirty(self, value: bool) -> None:  # True: the next update takes every slot; False: nothing is pending
@@ -117,16 +123,29 @@ class FP8ScalingManager:
             self._whole = True
         else:
             self._whole = False
-            self._pending.clear()
+            self._by_thread.clear()
 
     def record(self, slots) -> None:
         """Marks `slots` (indices) as recorded in this thread's current step: this thread's next step boundary
-        updates them (fp8_autocast's entry). The per-forward call of FP8Linear: a few set operations."""
-        mine = _records.by_manager.get(self)
+        updates them (fp8_autocast's entry). FP8Linear calls it on every forward: kept to a dictionary lookup and
+        a set update. A forward that activation checkpointing reruns in the backward records nothing (its step
+        recorded it already)."""
+        if _graph_task_id() != -1:
+            return
+        tid = threading.get_ident()
+        mine = self._by_thread.get(tid)
         if mine is None:
-            mine = _records.by_manager[self] = set()
+            mine = self._by_thread[tid] = set()
         mine.update(slots)
-        self._pending.update(slots)
+
+    def record_names(self, names: set) -> None:
+        """record() of the slots named `names` (names no longer registered are forgotten)."""
+        with self._lock:
+            self._apply_releases()
+            index = self._index
+            gone = [n for n in names if n not in index]
+            names.difference_update(gone)
+            self.record([index[n] for n in names])
 
     def slot_steps(self, slot: int) -> int:
         """How many updates slot `slot` has had (the manager's `steps`, less those that skipped it)."""
@@ -177,7 +196,8 @@ class FP8ScalingManager:
                     self.scale_inv[slot] = 1.0
                     self._names[slot], self._formats[slot] = name, f
                     self._lag[slot] = self.steps  # a new tensor's own update count starts at 0
-                    self._pending.discard(slot)
+                    for mine in self._by_thread.values():
+                        mine.discard(slot)
                 else:
                     if len(self._names) == self.capacity:
                         self._grow(max(64, 2 * len(self._names)))  # capacity doubles: growth is rare
@@ -268,8 +288,7 @@ class FP8ScalingManager:
         with self._lock:
             self._apply_releases()
             if not self._index:
-                self._whole = False
-                self._pending.clear()
+                self.dirty = False
                 return
             if slots is not None:
                 slots = sorted(s for s in set(slots) if s < len(self._names) and self._names[s] is not None)
@@ -288,8 +307,7 @@ class FP8ScalingManager:
                 return
             self.steps += 1
             if slots is None:
-                self._whole = False
-                self._pending.clear()
+                self.dirty = False
                 if not self._lagged or self.recipe.interval == 1:
                     self._scale_update(self.amax_history, self.scale, self.scale_inv, self._fmt_max, self.steps,
                                        self._own_capsules())
@@ -301,24 +319,19 @@ class FP8ScalingManager:
                 for s in skipped:
                     self._lag[s] += 1
                 self._lagged = True
-                self._pending.difference_update(slots)
+                for mine in self._by_thread.values():  # updated: pending for no thread (update(slots=...) called
+                    mine.difference_update(slots)        # directly, or another thread recorded them too)
             self._update_rows(taken)
 
     def _update_rows(self, slots: List[int]) -> None:
-        """The scale update of some rows: gathered, updated (a kernel per `interval` phase: one or two), written
-        back."""
+        """The scale update of some rows, in place: a kernel per run of consecutive slots with the same `interval`
+        phase (a model's layers register together, so its slots are one run or a few). Slices, no index tensors:
+        nothing is copied from the host, so a CUDA graph can capture it."""
         interval = self.recipe.interval
-        phases: Dict[bool, List[int]] = {}
-        for s in slots:
-            phases.setdefault((self.steps - self._lag[s]) % interval == 0, []).append(s)
+        bufs = (self.amax_history, self.scale, self.scale_inv, self._fmt_max)
         with _state_mode():
-            for due, rows in phases.items():
-                idx = torch.tensor(rows, dtype=torch.long, device=self.device)
-                bufs = [t.index_select(0, idx) for t in (self.amax_history, self.scale, self.scale_inv,
-                                                          self._fmt_max)]
-                self._scale_update(*bufs, interval if due else interval + 1)
-                for t, b in zip((self.amax_history, self.scale, self.scale_inv), bufs[:3]):
-                    t.index_copy_(0, idx, b)
+            for a, b, due in _runs(slots, lambda s: (self.steps - self._lag[s]) % interval == 0):
+                self._scale_update(*(t[a:b] for t in bufs), interval if due else interval + 1)
 
     def gated_update(self, flag: torch.Tensor, group=None) -> None:
         """update(group), kept only where the 0-d bool `flag` (on the manager's device) is set: what a CUDA graph
@@ -362,11 +375,8 @@ class FP8ScalingManager:
                 self.amax_history[:, 0].zero_()
                 self.dirty = False
                 return
-            rows = sorted(s for s in set(slots) if s < self.capacity)
-            if rows:
-                idx = torch.tensor(rows, dtype=torch.long, device=self.device)
-                self.amax_history[:, 0].index_fill_(0, idx, 0.0)
-            self._pending.difference_update(rows)
+            for a, b, _ in _runs(sorted(s for s in set(slots) if s < self.capacity)):
+                self.amax_history[a:b, 0].zero_()
 
     def _own_capsules(self):
         """DLPack capsules of the manager's four buffers, made again only when a buffer was replaced (the update
@@ -431,7 +441,7 @@ class FP8ScalingManager:
                                                (self.amax_history, self.scale, self.scale_inv, self._fmt_max))
             slots = [self.slot(n) for n in names]
             steps = self.slot_steps(slots[0]) if slots else self.steps
-            if self._whole or not self._pending.isdisjoint(slots):
+            if self._whole or any(not mine.isdisjoint(slots) for mine in self._by_thread.values()):
                 steps += 1
                 self._scale_update(hist, scale, scale_inv, fmt_max, steps)
         return {"names": list(names), "amax_history": hist, "scale": scale, "scale_inv": scale_inv, "steps": steps}

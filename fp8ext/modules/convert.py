@@ -175,7 +175,8 @@ def prepare_fp8(module: nn.Module, fp8_recipe=None, *, recast_in_backward: bool 
             m.init_fp8(recipe)
             mgr = m.scaling_manager(recipe)
             if mgr is not None:
-                mark_compiled_steps(mgr)
+                mark_compiled_steps(mgr, m._slot_names())
+                m._fp8_compiled_manager = mgr
         # Registering may grow the manager's buffers, which makes the views the earlier layers took stale (a
         # compiled forward would re-register them: a graph break); a second pass takes them from the final buffers.
         for m in layers:

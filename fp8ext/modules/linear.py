@@ -59,14 +59,15 @@ def _cast(t2d: torch.Tensor, quantizer: Quantizer, keep_scale: bool = False) -> 
     return quantizer.quantize(t2d, keep_scale)
 
 
-def mark_recorded(mgr, quantizers, whole: bool) -> None:
+def mark_recorded(mgr, quantizers, whole: bool, prepared: bool = False) -> None:
     """Marks the quantizers' slots for their update at this thread's next step boundary (this step records amaxes
     in them). Under torch.compile the whole manager is marked (a compiled graph keeps no per-slot bookkeeping), and
     a manager that prepare_fp8 prepared is marked by fp8_autocast's exit instead (FP8ScalingManager.compiled_steps):
     the flag is a side effect that compiled code cannot keep inside a checkpointed region (torch.compile's
-    activation checkpointing), where it would break the graph. `whole`: compiling or capturing."""
+    activation checkpointing), where it would break the graph. `whole`: compiling or capturing; `prepared`: the
+    layer's slots are prepare_fp8's (FP8Linear._fp8_compiled_manager)."""
     if whole:  # compiling (or capturing a CUDA graph, whose replays mark the manager themselves)
-        if not (mgr.compiled_steps and torch.compiler.is_compiling()):
+        if not (prepared and torch.compiler.is_compiling()):
             mgr.dirty = True
     else:
         mgr.record((quantizers[0]._slot, quantizers[1]._slot, quantizers[2]._slot))
@@ -133,6 +134,7 @@ class FP8Linear(nn.Module):
     """
 
     fp8_recast_in_backward = False  # compiled: keep x and W, recast them in backward (prepare_fp8 sets it)
+    _fp8_compiled_manager = None  # prepare_fp8's manager: compiled steps record its slots at fp8_autocast's exit
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
                  params_dtype: Optional[torch.dtype] = None, *, dtype: Optional[torch.dtype] = None,
@@ -183,7 +185,8 @@ class FP8Linear(nn.Module):
     # ---- copies: a copy (deepcopy, pickle) is a new layer with its own slots and the same FP8 state ----------
     def __getstate__(self):
         state = self.__dict__.copy()
-        for key in ("_weight_cache", "_fp8_views", "_leases", "_manager", "_fp8_id", "_lean", "_fp8_forward"):
+        for key in ("_weight_cache", "_fp8_views", "_leases", "_manager", "_fp8_id", "_lean", "_fp8_forward",
+                    "_fp8_compiled_manager"):  # a copy has new slots: prepare_fp8 it again to compile it
             state.pop(key, None)
         state["_pending_fp8_state"] = self.fp8_state() or None
         return state
@@ -346,7 +349,8 @@ class FP8Linear(nn.Module):
                 x2 = input.detach().reshape(-1, self.in_features)
                 _C.amax(_to_dl(x2.contiguous()), _to_dl(views[0][2]), stream=stream_of(x2.device))
                 _C.amax(_to_dl(self.weight.detach()), _to_dl(views[1][2]), stream=stream_of(x2.device))
-                mark_recorded(mgr, self._fp8_views[recipe][3], torch.compiler.is_compiling() or _capturing())
+                mark_recorded(mgr, self._fp8_views[recipe][3], torch.compiler.is_compiling() or _capturing(),
+                              self._fp8_compiled_manager is mgr)
             return self.returned(F.linear(input, self.weight, bias))
         plan = self.fp8_plan(recipe, input, is_first_microbatch)
         return self.returned(LinearFunction.apply(input, self.weight, bias, plan))
@@ -368,7 +372,7 @@ class FP8Linear(nn.Module):
         if isinstance(recipe, DelayedScaling):
             mgr, _ = self._manager_views(recipe)
             quantizers = self._fp8_views[recipe][3]
-            mark_recorded(mgr, quantizers, torch.compiler.is_compiling() or _capturing())
+            mark_recorded(mgr, quantizers, torch.compiler.is_compiling() or _capturing(), self._fp8_compiled_manager is mgr)
             if not torch.compiler.is_compiling():
                 lean = self._lean
                 if lean is None or lean[0] is not recipe or lean[1] is not quantizers:
@@ -471,7 +475,7 @@ class FP8Linear(nn.Module):
         main_grad = self._main_grad() if self.fuse_wgrad_accumulation and torch.is_grad_enabled() else None
         compiling = torch.compiler.is_compiling()
         if mgr is not None:
-            mark_recorded(mgr, quantizers, compiling)
+            mark_recorded(mgr, quantizers, compiling, self._fp8_compiled_manager is mgr)
         # recast: bfloat16 and float32 inputs (see linear_autograd._recast_t); float16 keeps its FP8 copies
         recast = compiling and self.fp8_recast_in_backward and in_dtype != torch.float16
         return LinearPlan(ONE_CALL_OP if compiling else ONE_CALL, quantizers, w, bias, out_dtype=out_dtype,

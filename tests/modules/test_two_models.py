@@ -172,3 +172,18 @@ def test_the_update_touches_only_the_recorded_slots():
     assert torch.equal(mgr.scale[others], before[1][others])
     assert mgr.amax_history[b].tolist() == [0.0, 8.0] and mgr.scale[b].item() == 448.0 / 8.0
     assert (mgr.slot_steps(b), mgr.slot_steps(mgr.slot("a"))) == (2, 1)
+
+
+def test_a_model_prepared_for_compile_beside_them_changes_nothing():
+    """prepare_fp8 (for torch.compile) of a third model with an equal recipe: its slots are recorded at every step's
+    exit, not the whole manager, so the two eager models still train as each alone."""
+    r = fp8ext.DelayedScaling(amax_history_len=3)
+    third = model(3)
+    fp8ext.prepare_fp8(third, fp8ext.DelayedScaling(amax_history_len=3))
+    want = alone(1, r)
+    a, b = Trainer(model(1), r, 1, STEPS), Trainer(model(2), r, 2, STEPS)
+    for i in range(STEPS):
+        a.step(i)
+        b.step(i)
+    assert_same(a.result(), want, "model 1 beside a prepared model")
+    del third

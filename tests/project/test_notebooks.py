@@ -3,6 +3,7 @@ on a GPU), and the committed files carry the outputs of a clean run on a Hopper 
 import hashlib
 import json
 import pathlib
+import tempfile
 
 import pytest
 
@@ -17,20 +18,38 @@ def test_both_teaching_notebooks_are_there():
     assert [p.name for p in NOTEBOOKS if p.name in NAMES] == sorted(NAMES)
 
 
+_EXECUTED = {}  # path -> the executed notebook, or the error its run raised: one run per notebook and session
+
+
+def executed_notebook(path, progress=lambda text: None):
+    """The notebook at `path` run top to bottom on this machine, once per test session: this file's test and
+    test_notebook_claims.py read the same run (a failed run raises the same error in both)."""
+    if path not in _EXECUTED:
+        nb = nbformat.read(path, as_version=4)
+        cells = sum(c.cell_type == "code" for c in nb.cells)
+        done = []
+
+        def executed(cell, cell_index, **_):  # a line every few cells: these tests take minutes on a CPU
+            done.append(cell_index)
+            if len(done) % 5 == 0 or len(done) == cells:
+                progress(f"{len(done)}/{cells} code cells ran")
+
+        with tempfile.TemporaryDirectory() as work:
+            client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": work}},
+                                    on_cell_executed=executed)
+            try:
+                client.execute()  # raises CellExecutionError, with the cell and its traceback, on any error
+                _EXECUTED[path] = nb
+            except Exception as e:  # kept, and raised again for the other test that reads this run
+                _EXECUTED[path] = e
+    if isinstance(_EXECUTED[path], Exception):
+        raise _EXECUTED[path]
+    return _EXECUTED[path]
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_runs_headless_without_errors(path, tmp_path, progress):
-    nb = nbformat.read(path, as_version=4)
-    cells = sum(c.cell_type == "code" for c in nb.cells)
-    done = []
-
-    def executed(cell, cell_index, **_):  # a line every few cells: these tests take minutes on a CPU
-        done.append(cell_index)
-        if len(done) % 5 == 0 or len(done) == cells:
-            progress(f"{len(done)}/{cells} code cells ran")
-
-    client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}},
-                            on_cell_executed=executed)
-    client.execute()  # raises CellExecutionError, with the cell and its traceback, on any error
+def test_notebook_runs_headless_without_errors(path, progress):
+    nb = executed_notebook(path, progress)
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert code and all(c.execution_count is not None for c in code), "every code cell ran"
     errors = [o for c in code for o in c.outputs if o.output_type == "error"]
