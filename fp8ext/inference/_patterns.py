@@ -33,6 +33,7 @@ __all__ = ["MAX_PATTERN_CHARS", "MAX_STATES", "compile_pattern"]
 
 MAX_PATTERN_CHARS = 1000  # patterns real checkpoints carry are tens of characters
 MAX_STATES = 2000  # states of the automaton (a character test, a branch or an anchor each)
+_CACHE_STEPS = 4096  # steps (state set, character, anchor context) kept per pattern
 
 _CHAR, _SPLIT, _AT, _ACCEPT = range(4)
 _REFUSED = {  # constructs a finite automaton cannot run, and what to call them
@@ -65,6 +66,7 @@ class _Automaton:
         flags = tree.state.flags & ~_FLAGS_TAKEN
         if flags:
             raise ValueError("it sets flags ((?i), (?s), (?m), ...), which compressed-tensors patterns do not use")
+        self._cache: dict = {}  # match's steps (see there)
         self.accept = self._add((_ACCEPT,))
         self.start = self._seq(list(tree), self.accept)
 
@@ -129,12 +131,25 @@ class _Automaton:
         return out
 
     def match(self, s: str) -> bool:
-        current = self._closure({self.start}, s, 0)
+        """Whether the automaton matches a prefix of s (re.match). The sets of states it steps through are cached
+        per (set, character, what the anchors can see there), as a lazily built DFA (RE2's way): a pattern whose
+        state sets are large costs that once per distinct step, not once per character of every name."""
+        n, cache = len(s), self._cache
+        current = frozenset(self._closure({self.start}, s, 0))
         for pos, ch in enumerate(s):
             if self.accept in current:
                 return True
-            current = self._closure({self.states[i][2] for i in current
-                                     if self.states[i][0] == _CHAR and self.states[i][1](ch)}, s, pos + 1)
+            nxt_pos = pos + 1
+            key = (current, ch, nxt_pos == n, nxt_pos == n - 1 and s[-1] == "\n",
+                   nxt_pos < n and _is_word(s[nxt_pos]))
+            nxt = cache.get(key)
+            if nxt is None:
+                nxt = frozenset(self._closure({self.states[i][2] for i in current
+                                               if self.states[i][0] == _CHAR and self.states[i][1](ch)}, s, nxt_pos))
+                if len(cache) >= _CACHE_STEPS:
+                    cache.clear()
+                cache[key] = nxt
+            current = nxt
             if not current:
                 return False
         return self.accept in current

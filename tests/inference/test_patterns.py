@@ -112,3 +112,20 @@ def test_a_pattern_it_cannot_match_safely_is_refused_naming_the_file_the_key_and
                            targets=["Linear"] if in_ignore else [pattern])
     with pytest.raises(ValueError, match=re.escape(f"{d / 'config.json'}: {key} {pattern!r}: it uses a")):
         inference.load_quantized(d, device="cpu")
+
+
+def test_many_names_cost_each_distinct_step_once(monkeypatch):
+    """A pattern with large state sets ("(.*a){160}") against many long names: the steps are cached as a lazy DFA, so
+    the automaton's closures are computed once per distinct (state set, character, anchor context), not once per
+    character of every name (1,000 names x 200 characters would be 200,000)."""
+    from fp8ext.inference import _patterns
+    calls = []
+    real = _patterns._Automaton._closure
+    monkeypatch.setattr(_patterns._Automaton, "_closure", lambda self, *a: calls.append(1) or real(self, *a))
+    _patterns.compile_pattern.cache_clear()
+    match = _patterns.compile_pattern("(.*a){160}")
+    names = [f"model.layers.{i}.mlp.gate_proj" + "ab" * (70 + i % 100) for i in range(1000)]
+    got = [match(n) for n in names]
+    # (.*a){160}: at least 160 a's (re.match itself backtracks for minutes on these names)
+    assert got == [n.count("a") >= 160 for n in names] and any(got) and not all(got)
+    assert len(calls) < 20000, f"{len(calls)} closures for 1,000 names"
