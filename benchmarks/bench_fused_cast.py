@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 import fp8ext
-from fp8ext.modules import _fused_linear as FL
+from fp8ext.modules import fused_linear as FL
 from fp8ext.tensor import Quantizer
 from fp8ext import fused
 from _harness import copy_tbps, device_header, rounds, save, table

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import fp8ext
 from fp8ext import _C
-from fp8ext.ops._gemm import pass_stream
+from fp8ext.ops.matmul import pass_stream
 
 _to_dl = torch._C._to_dlpack
 
@@ -71,12 +71,12 @@ def main() -> None:
     small_a, small_b, small_c = (torch.ones(16, device=dev) for _ in range(3))
 
     def fwd():  # a fresh capsule per use: DLPack capsules are single-use in general
-        _C.linear_fwd(_to_dl(x), _to_dl(w), _to_dl(saved), _to_dl(scratch), _to_dl(y), _to_dl(xs), _to_dl(xa),
-                      _to_dl(wsc), _to_dl(wa), e4, None, ws, stream)
+        _C.linear_fwd(_to_dl(x), _to_dl(w), _to_dl(saved), _to_dl(scratch), _to_dl(y), e4, x_scale=_to_dl(xs),
+                      x_amax=_to_dl(xa), w_scale=_to_dl(wsc), w_amax=_to_dl(wa), workspace=ws, stream=stream)
 
     def bwd():
-        _C.linear_bwd(_to_dl(dy), _to_dl(saved), _to_dl(bscratch), m, k, n, e4, _to_dl(gs), _to_dl(ga), e5, _to_dl(dx),
-                      _to_dl(dw), False, ws, stream, None)
+        _C.linear_bwd(_to_dl(dy), _to_dl(saved), _to_dl(bscratch), m, k, n, e4, e5, g_scale=_to_dl(gs),
+                      g_amax=_to_dl(ga), dx=_to_dl(dx), dw=_to_dl(dw), workspace=ws, stream=stream)
 
     fwd(), bwd()
     calls = {

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "fp8_numerics.h"
+#include "fp8ext.h"
 #include "third_party/dlpack/dlpack.h"
 
 #ifndef FP8EXT_CUDA_ARCHS
@@ -172,6 +173,30 @@ static PyMethodDef module_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+/* The codes Python passes to the bindings, defined in C once and read by fp8ext from the module (fp8ext.core.casts and
+ * the other modules that pass them): the formats, the cast prologues (cast.h), the row kernel's ops and outputs
+ * (norm.h, fp8ext.ops.fused) and the scale layouts the GEMM reports (fp8_tensor.h, fp8ext.ops._gemm). */
+static const struct {
+    const char *name;
+    int value;
+} int_constants[] = {
+    {"E4M3", FP8EXT_E4M3},
+    {"E5M2", FP8EXT_E5M2},
+    {"PROLOGUE_NONE", FP8EXT_PROLOGUE_NONE},
+    {"PROLOGUE_RMSNORM", FP8EXT_PROLOGUE_RMSNORM},
+    {"PROLOGUE_SWIGLU", FP8EXT_PROLOGUE_SWIGLU},
+    {"PROLOGUE_DSWIGLU", FP8EXT_PROLOGUE_DSWIGLU},
+    {"FUSED_RMSNORM", FP8EXT_FUSED_RMSNORM},
+    {"FUSED_SWIGLU", FP8EXT_FUSED_SWIGLU},
+    {"FUSED_OUT_HP", FP8EXT_FUSED_OUT_HP},
+    {"FUSED_OUT_FP8", FP8EXT_FUSED_OUT_FP8},
+    {"FUSED_OUT_FP8_ROWS", FP8EXT_FUSED_OUT_FP8_ROWS},
+    {"SCALE_TENSOR", FP8EXT_SCALE_TENSOR},
+    {"SCALE_ROW", FP8EXT_SCALE_ROW},
+    {"SCALE_BLOCK_1x128", FP8EXT_SCALE_BLOCK_1x128},
+    {"SCALE_BLOCK_128x128", FP8EXT_SCALE_BLOCK_128x128},
+};
+
 static int module_exec(PyObject *module) {
     if (PyModule_AddFunctions(module, module_methods) < 0) return -1;
     if (PyModule_AddFunctions(module, fp8ext_op_methods) < 0) return -1;
@@ -183,8 +208,8 @@ static int module_exec(PyObject *module) {
     if (PyModule_AddFunctions(module, fp8ext_linear_methods) < 0) return -1;
     if (fp8ext_linear_add_layout(module) < 0) return -1;
     if (PyModule_AddFunctions(module, fp8ext_mx_methods) < 0) return -1;
-    if (PyModule_AddIntConstant(module, "E4M3", FP8EXT_E4M3) < 0) return -1;
-    if (PyModule_AddIntConstant(module, "E5M2", FP8EXT_E5M2) < 0) return -1;
+    for (size_t i = 0; i < sizeof int_constants / sizeof int_constants[0]; ++i)
+        if (PyModule_AddIntConstant(module, int_constants[i].name, int_constants[i].value) < 0) return -1;
 #ifdef FP8EXT_WITH_CUDA
     if (PyModule_AddIntConstant(module, "WITH_CUDA", 1) < 0) return -1;
     const int e = fp8ext_gemm_state_init(&fp8ext_get_state(module)->cuda.gemm);

@@ -34,10 +34,14 @@ static int get_scale(PyObject *o, const fp8ext_view *ref, const char *ref_name, 
     return 0;
 }
 
-int fp8ext_get_f32_cell(PyObject *o, const fp8ext_view *ref, const char *ref_name, Py_ssize_t stream, const char *fn,
-                    const char *arg, fp8ext_view *t, float **ptr) {
+int fp8ext_get_f32_cell(PyObject *o, int required, const fp8ext_view *ref, const char *ref_name, Py_ssize_t stream,
+                        const char *fn, const char *arg, fp8ext_view *t, float **ptr) {
     *ptr = NULL;
-    if (!o || o == Py_None) return 0;
+    if (!o || o == Py_None) {
+        if (!required) return 0;
+        PyErr_Format(PyExc_TypeError, "%s(): %s must be a float32 tensor, got None", fn, arg);
+        return -1;
+    }
     if (fp8ext_view_get(o, stream, fn, arg, t) < 0 || fp8ext_check_scalar_f32(t, fn, arg) < 0 ||
         (ref && fp8ext_check_same_device(t, ref, fn, arg, ref_name) < 0) || fp8ext_check_writable(t, fn, arg) < 0)
         return -1;
@@ -64,13 +68,15 @@ int fp8ext_get_fp8_tensor(const fp8ext_fp8_args *a, const fp8ext_view *ref, cons
                           const char *fn, fp8ext_fp8_views *v, fp8ext_fp8_tensor *t) {
     *t = (fp8ext_fp8_tensor){.fmt = a->fmt, .scale_layout = FP8EXT_SCALE_TENSOR, .scale_value = 1.0f,
                              .scale_inv_value = 1.0f};
-    if (get_codes(a->data, a, ref, ref_name, stream, fn, a->data_name, &v->data) < 0) return -1;
-    const int two_d = v->data.ndim == 2;
-    t->data = v->data.data;
-    t->rows = two_d ? v->data.shape[0] : 1;
-    t->cols = two_d ? v->data.shape[1] : v->data.numel;
-    /* the other parts live where data does when no reference is given */
-    if (!ref) ref = &v->data, ref_name = a->data_name;
+    if (a->data) {
+        if (get_codes(a->data, a, ref, ref_name, stream, fn, a->data_name, &v->data) < 0) return -1;
+        const int two_d = v->data.ndim == 2;
+        t->data = v->data.data;
+        t->rows = two_d ? v->data.shape[0] : 1;
+        t->cols = two_d ? v->data.shape[1] : v->data.numel;
+        /* the other parts live where data does when no reference is given */
+        if (!ref) ref = &v->data, ref_name = a->data_name;
+    }
     if (a->data_t) {
         if (get_codes(a->data_t, a, ref, ref_name, stream, fn, a->data_t_name, &v->data_t) < 0) return -1;
         t->data_t = v->data_t.data;
@@ -80,10 +86,10 @@ int fp8ext_get_fp8_tensor(const fp8ext_fp8_args *a, const fp8ext_view *ref, cons
                               &t->scale_value) < 0)
         return -1;
     t->scale = scale;
-    if (a->amax && fp8ext_get_f32_cell(a->amax, ref, ref_name, stream, fn, a->amax_name, &v->amax, &t->amax) < 0)
+    if (a->amax && fp8ext_get_f32_cell(a->amax, 0, ref, ref_name, stream, fn, a->amax_name, &v->amax, &t->amax) < 0)
         return -1;
-    if (a->scale_inv && (a->written ? fp8ext_get_f32_cell(a->scale_inv, ref, ref_name, stream, fn, a->scale_inv_name,
-                                               &v->scale_inv, &t->scale_inv)
+    if (a->scale_inv && (a->written ? fp8ext_get_f32_cell(a->scale_inv, 0, ref, ref_name, stream, fn,
+                                                          a->scale_inv_name, &v->scale_inv, &t->scale_inv)
                                     : get_scale(a->scale_inv, ref, ref_name, stream, fn, a->scale_inv_name,
                                                 &v->scale_inv, &t->scale_inv, &t->scale_inv_value)) < 0)
         return -1;

@@ -16,7 +16,9 @@
 #include "fp8_tensor.h"
 #include "tensor_view.h"
 
-/* The Python objects of one FP8 tensor. NULL: the call has no such argument; Py_None: not given (optional). */
+/* The Python objects of one FP8 tensor. NULL: the call has no such argument; Py_None: not given (optional). data NULL:
+ * the call carves the codes out of a byte buffer of its own (the linear layer's one-call passes, py_linear.c) and
+ * fills data, data_t, rows, cols and scale_inv itself; the descriptor then takes the scale and the amax only. */
 typedef struct {
     PyObject *data, *data_t, *scale, *amax, *scale_inv;
     const char *data_name, *data_t_name, *scale_name, *amax_name, *scale_inv_name; /* for messages */
@@ -37,9 +39,9 @@ int fp8ext_get_fp8_tensor(const fp8ext_fp8_args *a, const fp8ext_view *ref, cons
                           const char *fn, fp8ext_fp8_views *v, fp8ext_fp8_tensor *t);
 void fp8ext_fp8_views_release(fp8ext_fp8_views *v);
 
-/* An optional float32 cell a call writes (a running amax, a scale_inv): None leaves *ptr NULL; otherwise one float32
- * element on ref's device (ref NULL: any), writable. */
-int fp8ext_get_f32_cell(PyObject *o, const fp8ext_view *ref, const char *ref_name, Py_ssize_t stream, const char *fn,
-                        const char *arg, fp8ext_view *t, float **ptr);
+/* A float32 cell a call writes (a running amax, a scale_inv): one float32 element on ref's device (ref NULL: any),
+ * writable. None (or NULL) leaves *ptr NULL where the cell is optional, and raises a TypeError where `required`. */
+int fp8ext_get_f32_cell(PyObject *o, int required, const fp8ext_view *ref, const char *ref_name, Py_ssize_t stream,
+                        const char *fn, const char *arg, fp8ext_view *t, float **ptr);
 
 #endif /* FP8EXT_PY_FP8_TENSOR_H */

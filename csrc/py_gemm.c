@@ -203,10 +203,7 @@ static PyObject *py_gemm(PyObject *module, PyObject *args, PyObject *kwargs) {
                             fp8ext_check_same_device(&os, a, FN, "out_scale", "a") < 0 ||
                             fp8ext_check_scale_values(&os, FN, "out_scale") < 0))
         goto done;
-    if (amax_o != Py_None &&
-        (fp8ext_view_get(amax_o, stream, FN, "amax_out", &amax) < 0 || fp8ext_check_scalar_f32(&amax, FN, "amax_out") < 0 ||
-         fp8ext_check_same_device(&amax, a, FN, "amax_out", "a") < 0 || fp8ext_check_writable(&amax, FN, "amax_out") < 0))
-        goto done;
+    if (fp8ext_get_f32_cell(amax_o, 0, a, "a", stream, FN, "amax_out", &amax, &g.amax_out) < 0) goto done;
     /* bias */
     if (bias_o != Py_None) {
         if (fp8ext_view_get(bias_o, stream, FN, "bias", &bias) < 0 ||
@@ -243,7 +240,6 @@ static PyObject *py_gemm(PyObject *module, PyObject *args, PyObject *kwargs) {
         goto done;
     g.out = out.data;
     g.out_scale = os.capsule ? os.data : NULL;
-    g.amax_out = amax.capsule ? amax.data : NULL;
     g.accumulate = accumulate, g.fast_accum = fast_accum;
     if (a->device_type == kDLCUDA) {
         size_t scratch_bytes = 0;

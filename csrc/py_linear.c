@@ -18,7 +18,10 @@
  * and the wgrad GEMM contracts over M). Scales are per tensor, one float32 each, on the tensors' device.
  * Delayed scaling passes each tensor's scale and amax cell; current scaling passes None for them and the margin:
  * each tensor's amax and scale are then computed from the tensor by the call itself (fp8ext_current_scale: three
- * small launches per tensor, nothing read back), into the saved buffer's slots above.
+ * small launches per tensor, nothing read back), into the saved buffer's slots above. The bindings take the required
+ * arguments by position and the options as keywords, and each FP8 tensor's scale, amax and (backward) recast
+ * operand as every binding takes an FP8 tensor's parts (fp8ext_get_fp8_tensor, py_fp8_tensor.h); the codes
+ * themselves live in the two buffers.
  * On the CPU the casts run (the bit-exact reference) and the call returns False: fp8ext.linear emulates the
  * GEMMs. On a GPU everything is enqueued on `stream` and the call returns True.
  */
@@ -29,6 +32,7 @@
 #include "fp8ext.h"
 #include "gemm.h"
 #include "module_state.h"
+#include "py_fp8_tensor.h"
 #include "third_party/dlpack/dlpack.h"
 
 /* The saved buffer's layout, here only: fp8ext.linear reads these numbers from the module
@@ -37,8 +41,10 @@
 #define SINV_STRIDE 256                      /* bytes between two scale_invs of the saved buffer */
 #define SINV_BYTES (3 * SINV_STRIDE)         /* the scale_invs of x, W and dy, then x8^T */
 #define SINV(buf, i) ((float *)((buf) + SINV_STRIDE * (i))) /* scale_inv i of a saved buffer: 0 x, 1 W, 2 dy */
-#define CUR_AMAX(buf, i) (SINV(buf, i) + 1)                   /* current scaling: tensor i's amax, then its scale */
-#define CUR_SCALE(buf, i) (SINV(buf, i) + 2)
+#define CUR_AMAX_AT 1                        /* current scaling: tensor i's amax, then its scale, after its scale_inv */
+#define CUR_SCALE_AT 2                       /* (float32 indices within the slot) */
+#define CUR_AMAX(buf, i) (SINV(buf, i) + CUR_AMAX_AT)
+#define CUR_SCALE(buf, i) (SINV(buf, i) + CUR_SCALE_AT)
 
 static int64_t round_up(int64_t n) { return (n + LIN_ALIGN - 1) / LIN_ALIGN * LIN_ALIGN; }
 
@@ -59,15 +65,9 @@ static int get_matrix(PyObject *o, const fp8ext_view *ref, int64_t rows, int64_t
     return 0;
 }
 
-/* A uint8 byte buffer on ref's device (named ref_name in errors), contiguous, starting on a 16-byte boundary
- * (cuBLASLt's rule for FP8 operands; the sub-buffers lie at multiples of 256 bytes from the start), of at least
- * `bytes` (exactly `bytes` with exact), writable where asked. */
-static int get_buffer(PyObject *o, const fp8ext_view *ref, const char *ref_name, int64_t bytes, int exact,
-                      int writable, Py_ssize_t stream, const char *fn, const char *arg, fp8ext_view *v) {
-    if (fp8ext_view_get(o, stream, fn, arg, v) < 0 || fp8ext_check_kind(v, FP8EXT_KIND_U8, fn, arg) < 0 ||
-        fp8ext_check_contiguous(v, fn, arg) < 0 || (writable && fp8ext_check_writable(v, fn, arg) < 0) ||
-        fp8ext_check_same_device(v, ref, fn, arg, ref_name) < 0)
-        return -1;
+/* v holds `bytes` bytes (at least, or exactly where exact) and starts on a 16-byte boundary (cuBLASLt's rule for FP8
+ * operands; the sub-buffers lie at multiples of 256 bytes from the start). */
+static int check_bytes(const fp8ext_view *v, int64_t bytes, int exact, const char *fn, const char *arg) {
     if (exact ? v->numel != bytes : v->numel < bytes) {
         PyErr_Format(PyExc_ValueError, "%s(): %s holds %lld bytes, needs %lld", fn, arg, (long long)v->numel,
                      (long long)bytes);
@@ -80,33 +80,15 @@ static int get_buffer(PyObject *o, const fp8ext_view *ref, const char *ref_name,
     return 0;
 }
 
-/* A writable buffer of the call (saved, scratch, workspace). */
-static int get_bytes(PyObject *o, const fp8ext_view *ref, int64_t bytes, Py_ssize_t stream, const char *fn,
-                     const char *arg, fp8ext_view *v) {
-    return get_buffer(o, ref, "x", bytes, 0, 1, stream, fn, arg, v);
-}
-
-/* An FP8 operand given as its own uint8 tensor of exactly `bytes` bytes (read only). */
-static int get_operand(PyObject *o, const fp8ext_view *ref, int64_t bytes, Py_ssize_t stream, const char *fn,
-                       const char *arg, fp8ext_view *v) {
-    return get_buffer(o, ref, "dy", bytes, 1, 0, stream, fn, arg, v);
-}
-
-/* A one-element float32 tensor on ref's device (a scale or an amax slot). */
-static int get_scalar(PyObject *o, const fp8ext_view *ref, Py_ssize_t stream, const char *fn, const char *arg,
-                      fp8ext_view *v) {
-    if (fp8ext_view_get(o, stream, fn, arg, v) < 0 || fp8ext_check_scalar_f32(v, fn, arg) < 0 ||
-        fp8ext_check_same_device(v, ref, fn, arg, "x") < 0)
+/* A writable buffer of the call (saved, scratch, workspace): uint8, contiguous, on ref's device (named ref_name in
+ * errors), of at least `bytes` (check_bytes). */
+static int get_bytes(PyObject *o, const fp8ext_view *ref, const char *ref_name, int64_t bytes, Py_ssize_t stream,
+                     const char *fn, const char *arg, fp8ext_view *v) {
+    if (fp8ext_view_get(o, stream, fn, arg, v) < 0 || fp8ext_check_kind(v, FP8EXT_KIND_U8, fn, arg) < 0 ||
+        fp8ext_check_contiguous(v, fn, arg) < 0 || fp8ext_check_writable(v, fn, arg) < 0 ||
+        fp8ext_check_same_device(v, ref, fn, arg, ref_name) < 0)
         return -1;
-    return 0;
-}
-
-/* A scale: get_scalar, and finite and positive when it lives in host memory (one on a GPU is read by the kernel
- * where it lives; checking it here would synchronise the host with the device on every step). */
-static int get_scale(PyObject *o, const fp8ext_view *ref, Py_ssize_t stream, const char *fn, const char *arg,
-                     fp8ext_view *v) {
-    if (get_scalar(o, ref, stream, fn, arg, v) < 0 || fp8ext_check_scale_values(v, fn, arg) < 0) return -1;
-    return 0;
+    return check_bytes(v, bytes, 0, fn, arg);
 }
 
 static int check_dims(int64_t m, int64_t k, int64_t n, const char *fn) {
@@ -132,16 +114,6 @@ static int check_fmt(long long fmt, const char *fn, const char *arg) {
     return -1;
 }
 
-static int get_int(PyObject *o, const char *fn, const char *arg, long long *out) {
-    *out = PyLong_AsLongLong(o);
-    if (*out == -1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "%s(): %s must be an int, got %.100s", fn, arg, Py_TYPE(o)->tp_name);
-        return -1;
-    }
-    return 0;
-}
-
 /* A per-tensor FP8 GEMM of the layer: out[M, N] = a [M, K] @ b [N, K]^T, each dequantized by its scale_inv. */
 static void gemm_args(fp8ext_gemm_args *g, const fp8ext_fp8_tensor *a, const fp8ext_fp8_tensor *b,
                       const fp8ext_view *out) {
@@ -150,14 +122,34 @@ static void gemm_args(fp8ext_gemm_args *g, const fp8ext_fp8_tensor *a, const fp8
     g->out = out->data, g->out_type = out->kind; /* FP8EXT_KIND_F32/BF16/F16 == FP8EXT_OUT_F32/BF16/F16 */
 }
 
-/* The layer's FP8 tensor i (0 x, 1 W, 2 dy) of rows x cols: its data at `data`, the transposed copy at `data_t`, its
- * scale_inv in the saved buffer's slot i and, with current scaling, its amax and scale there too (else the caller's
- * scale and amax cells). */
-static fp8ext_fp8_tensor layer_fp8(uint8_t *saved, int i, uint8_t *data, uint8_t *data_t, int64_t rows, int64_t cols,
-                                   long long fmt, int current, const fp8ext_view *scale, const fp8ext_view *amax) {
-    return (fp8ext_fp8_tensor){.data = data, .data_t = data_t, .rows = rows, .cols = cols, .fmt = (int)fmt,
-                               .scale_inv = SINV(saved, i), .scale = current ? CUR_SCALE(saved, i) : scale->data,
-                               .amax = current ? CUR_AMAX(saved, i) : amax->data};
+/* The layer's FP8 tensor i (0 x, 1 W, 2 dy) of rows x cols, whose scale and amax the binding took into *t
+ * (fp8ext_get_fp8_tensor): its data at `data`, the transposed copy at `data_t`, its scale_inv in the saved buffer's
+ * slot i and, with current scaling, its amax and scale there too (else the caller's scale and amax cells). */
+static void layer_fp8(fp8ext_fp8_tensor *t, uint8_t *saved, int i, uint8_t *data, uint8_t *data_t, int64_t rows,
+                      int64_t cols, int current) {
+    t->data = data, t->data_t = data_t, t->rows = rows, t->cols = cols, t->scale_inv = SINV(saved, i);
+    if (current) t->scale = CUR_SCALE(saved, i), t->amax = CUR_AMAX(saved, i);
+}
+
+/* The scale and amax arguments of one of the layer's FP8 tensors (x, W or the gradient) as any binding takes an FP8
+ * tensor's parts (py_fp8_tensor.h); with current scaling both are None and not read (the call computes them into the
+ * saved buffer). */
+static fp8ext_fp8_args layer_scale_args(PyObject *scale, PyObject *amax, const char *scale_name, const char *amax_name,
+                                        long long fmt, int current) {
+    return (fp8ext_fp8_args){.scale = current ? NULL : scale, .amax = amax, .scale_name = scale_name,
+                             .amax_name = amax_name, .fmt = (int)fmt, .written = 1};
+}
+
+/* x8^T or W8^T given as a tensor of its own (cast again in backward; read only): FP8 codes of fmt on dy's device,
+ * exactly rows * cols bytes (check_bytes), its scale_inv the saved buffer's slot i. */
+static int get_operand(PyObject *o, const fp8ext_view *dy, int64_t rows, int64_t cols, long long fmt, uint8_t *saved,
+                       int i, Py_ssize_t stream, const char *fn, const char *arg, fp8ext_fp8_views *v,
+                       fp8ext_fp8_tensor *t) {
+    const fp8ext_fp8_args a = {.data = o, .data_name = arg, .fmt = (int)fmt};
+    if (fp8ext_get_fp8_tensor(&a, dy, "dy", stream, fn, v, t) < 0 || check_bytes(&v->data, rows * cols, 1, fn, arg) < 0)
+        return -1;
+    t->rows = rows, t->cols = cols, t->scale_inv = SINV(saved, i);
+    return 0;
 }
 
 #ifdef FP8EXT_WITH_CUDA
@@ -197,7 +189,9 @@ static int get_margin(PyObject *o, const char *fn, int *current, double *margin)
         return -1;
     }
     if (!(*margin >= 0.0 && *margin < 64.0)) {
-        PyErr_Format(PyExc_ValueError, "%s(): margin must be in [0, 64), got %g", fn, *margin);
+        char got[32]; /* PyErr_Format has no %g (Python 3.12 raises SystemError on it) */
+        snprintf(got, sizeof got, "%g", *margin);
+        PyErr_Format(PyExc_ValueError, "%s(): margin must be in [0, 64), got %s", fn, got);
         return -1;
     }
     return 0;
@@ -282,36 +276,40 @@ static int run(PyObject *module, const char *fn, const fp8ext_view *where, Py_ss
 #endif
 }
 
-static int get_workspace(PyObject *o, const fp8ext_view *x, Py_ssize_t stream, const char *fn, fp8ext_view *ws) {
+static int get_workspace(PyObject *o, const fp8ext_view *x, const char *x_name, Py_ssize_t stream, const char *fn,
+                         fp8ext_view *ws) {
     if (o == Py_None || x->device_type == kDLCPU) return 0;
-    return get_bytes(o, x, 1, stream, fn, "workspace", ws);
+    return get_bytes(o, x, x_name, 1, stream, fn, "workspace", ws);
 }
 
-/* linear_fwd(x, w, saved, scratch, y, x_scale, x_amax, w_scale, w_amax, fmt, bias, workspace, stream[, margin[,
- *            keep[, prologue]]]) -> bool. keep False: nothing is kept for backward (it casts x8^T and W8^T again):
- * `saved` is only the header (SINV_BYTES, the scale_invs; with current scaling the amaxes and scales), x and W are cast
- * without their transposed copies. prologue FP8EXT_PROLOGUE_SWIGLU (cast.h; GPU, delayed scaling, keep): x is
- * [M, 2K], gate then up in each row, and the layer's input is SwiGLU(x) [M, K], computed inside x's cast (x8, x8^T and
- * the recorded amax are those of SwiGLU(x) rounded to x's dtype). */
-static PyObject *py_linear_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+/* linear_fwd(x, w, saved, scratch, y, fmt, *, x_scale=None, x_amax=None, w_scale=None, w_amax=None, bias=None,
+ *            workspace=None, stream=0, margin=None, keep=True, prologue=PROLOGUE_NONE) -> bool. x_scale and x_amax,
+ * w_scale and w_amax: the input's and the weight's scale (a number or a one-element float32 tensor) and running amax
+ * (a float32 cell the cast raises), given with delayed scaling (margin None), None with current scaling. keep False:
+ * nothing is kept for backward (it casts x8^T and W8^T again): `saved` is only the header (SINV_BYTES, the scale_invs;
+ * with current scaling the amaxes and scales), x and W are cast without their transposed copies. prologue
+ * FP8EXT_PROLOGUE_SWIGLU (cast.h; GPU, delayed scaling, keep): x is [M, 2K], gate then up in each row, and the layer's
+ * input is SwiGLU(x) [M, K], computed inside x's cast (x8, x8^T and the recorded amax are those of SwiGLU(x) rounded to
+ * x's dtype). */
+static PyObject *py_linear_fwd(PyObject *module, PyObject *args, PyObject *kwargs) {
     static const char *fn = "linear_fwd";
-    if (nargs < 13 || nargs > 16) {
-        PyErr_Format(PyExc_TypeError, "%s() takes 13 arguments (14 with a margin, 15 with keep, 16 with a prologue), "
-                     "got %zd", fn, nargs);
-        return NULL;
-    }
-    long long fmt, stream_ll, prologue = FP8EXT_PROLOGUE_NONE;
-    int current;
+    static char *kwlist[] = {"x", "w", "saved", "scratch", "y", "fmt", "x_scale", "x_amax", "w_scale", "w_amax",
+                             "bias", "workspace", "stream", "margin", "keep", "prologue", NULL};
+    PyObject *x_o, *w_o, *saved_o, *scratch_o, *y_o, *xs_o = Py_None, *xa_o = Py_None, *wsc_o = Py_None;
+    PyObject *wa_o = Py_None, *bias_o = Py_None, *ws_o = Py_None, *margin_o = Py_None;
+    long long fmt;
+    int keep = 1, prologue = FP8EXT_PROLOGUE_NONE, current;
+    Py_ssize_t stream = 0;
     double margin = 0.0;
-    const int keep = nargs >= 15 ? PyObject_IsTrue(args[14]) : 1;
-    if (keep < 0) return NULL;
-    if (get_int(args[9], fn, "fmt", &fmt) < 0 || get_int(args[12], fn, "stream", &stream_ll) < 0 ||
-        (nargs == 16 && get_int(args[15], fn, "prologue", &prologue) < 0) ||
-        get_margin(nargs >= 14 ? args[13] : Py_None, fn, &current, &margin) < 0 ||
-        check_scale_args(args + 5, 4, current, fn, (const char *const[]){"x_scale", "x_amax", "w_scale", "w_amax"}) < 0)
+    if (!fp8ext_parse_args(args, kwargs, "OOOOOL|$OOOOOOnOpi:linear_fwd", kwlist, &x_o, &w_o, &saved_o, &scratch_o,
+                           &y_o, &fmt, &xs_o, &xa_o, &wsc_o, &wa_o, &bias_o, &ws_o, &stream, &margin_o, &keep,
+                           &prologue) ||
+        get_margin(margin_o, fn, &current, &margin) < 0 ||
+        check_scale_args((PyObject *const[]){xs_o, xa_o, wsc_o, wa_o}, 4, current, fn,
+                         (const char *const[]){"x_scale", "x_amax", "w_scale", "w_amax"}) < 0)
         return NULL;
     if (prologue != FP8EXT_PROLOGUE_NONE && prologue != FP8EXT_PROLOGUE_SWIGLU) {
-        PyErr_Format(PyExc_ValueError, "%s(): prologue must be %d (none) or %d (SwiGLU), got %lld", fn,
+        PyErr_Format(PyExc_ValueError, "%s(): prologue must be %d (none) or %d (SwiGLU), got %d", fn,
                      FP8EXT_PROLOGUE_NONE, FP8EXT_PROLOGUE_SWIGLU, prologue);
         return NULL;
     }
@@ -321,11 +319,11 @@ static PyObject *py_linear_fwd(PyObject *module, PyObject *const *args, Py_ssize
                      "current scaling needs SwiGLU's output before its cast", fn);
         return NULL;
     }
-    const Py_ssize_t stream = (Py_ssize_t)stream_ll;
-    fp8ext_view x = {0}, w = {0}, saved = {0}, scratch = {0}, y = {0}, xs = {0}, xa = {0}, wsc = {0}, wa = {0};
-    fp8ext_view bias = {0}, ws = {0};
+    fp8ext_view x = {0}, w = {0}, saved = {0}, scratch = {0}, y = {0}, bias = {0}, ws = {0};
+    fp8ext_fp8_views xq = {0}, wq = {0};
+    fp8ext_fp8_tensor x8, w8;
     PyObject *ret = NULL;
-    if (check_fmt(fmt, fn, "fmt") < 0 || get_matrix(args[0], NULL, -1, -1, stream, fn, "x", &x) < 0) goto done;
+    if (check_fmt(fmt, fn, "fmt") < 0 || get_matrix(x_o, NULL, -1, -1, stream, fn, "x", &x) < 0) goto done;
     if (swiglu && x.device_type == kDLCPU) {
         PyErr_Format(PyExc_ValueError, "%s(): the SwiGLU prologue runs on a GPU (on a CPU, compute SwiGLU, then call "
                      "without it)", fn);
@@ -337,7 +335,7 @@ static PyObject *py_linear_fwd(PyObject *module, PyObject *const *args, Py_ssize
         goto done;
     }
     const int64_t m = x.shape[0], k = swiglu ? x.shape[1] / 2 : x.shape[1];
-    if (fp8ext_view_get(args[1], stream, fn, "w", &w) < 0 || fp8ext_check_float(&w, fn, "w") < 0 ||
+    if (fp8ext_view_get(w_o, stream, fn, "w", &w) < 0 || fp8ext_check_float(&w, fn, "w") < 0 ||
         fp8ext_check_contiguous(&w, fn, "w") < 0 || fp8ext_check_same_device(&w, &x, fn, "w", "x") < 0)
         goto done;
     if (w.ndim != 2 || w.shape[1] != k) {
@@ -348,18 +346,17 @@ static PyObject *py_linear_fwd(PyObject *module, PyObject *const *args, Py_ssize
     const int64_t n = w.shape[0];
     if (check_dims(m, k, n, fn) < 0) goto done;
     const int64_t rmk = round_up(m * k);
-    if (get_bytes(args[2], &x, keep ? SINV_BYTES + rmk + n * k : SINV_BYTES, stream, fn, "saved", &saved) < 0 ||
-        get_bytes(args[3], &x, rmk + n * k, stream, fn, "scratch", &scratch) < 0 ||
-        get_matrix(args[4], &x, m, n, stream, fn, "y", &y) < 0 || fp8ext_check_writable(&y, fn, "y") < 0 ||
-        get_workspace(args[11], &x, stream, fn, &ws) < 0)
+    const fp8ext_fp8_args xa = layer_scale_args(xs_o, xa_o, "x_scale", "x_amax", fmt, current);
+    const fp8ext_fp8_args wa = layer_scale_args(wsc_o, wa_o, "w_scale", "w_amax", fmt, current);
+    if (get_bytes(saved_o, &x, "x", keep ? SINV_BYTES + rmk + n * k : SINV_BYTES, stream, fn, "saved", &saved) < 0 ||
+        get_bytes(scratch_o, &x, "x", rmk + n * k, stream, fn, "scratch", &scratch) < 0 ||
+        get_matrix(y_o, &x, m, n, stream, fn, "y", &y) < 0 || fp8ext_check_writable(&y, fn, "y") < 0 ||
+        get_workspace(ws_o, &x, "x", stream, fn, &ws) < 0 ||
+        fp8ext_get_fp8_tensor(&xa, &x, "x", stream, fn, &xq, &x8) < 0 ||
+        fp8ext_get_fp8_tensor(&wa, &x, "x", stream, fn, &wq, &w8) < 0)
         goto done;
-    if (!current &&
-        (get_scale(args[5], &x, stream, fn, "x_scale", &xs) < 0 || get_scalar(args[6], &x, stream, fn, "x_amax", &xa) < 0 ||
-         get_scale(args[7], &x, stream, fn, "w_scale", &wsc) < 0 || get_scalar(args[8], &x, stream, fn, "w_amax", &wa) < 0 ||
-         fp8ext_check_writable(&xa, fn, "x_amax") < 0 || fp8ext_check_writable(&wa, fn, "w_amax") < 0))
-        goto done;
-    if (args[10] != Py_None) {
-        if (fp8ext_view_get(args[10], stream, fn, "bias", &bias) < 0 || fp8ext_check_contiguous(&bias, fn, "bias") < 0 ||
+    if (bias_o != Py_None) {
+        if (fp8ext_view_get(bias_o, stream, fn, "bias", &bias) < 0 || fp8ext_check_contiguous(&bias, fn, "bias") < 0 ||
             fp8ext_check_same_device(&bias, &x, fn, "bias", "x") < 0)
             goto done;
         const int want = y.kind == FP8EXT_KIND_F16 ? FP8EXT_KIND_F16 : FP8EXT_KIND_BF16;
@@ -369,19 +366,18 @@ static PyObject *py_linear_fwd(PyObject *module, PyObject *const *args, Py_ssize
             goto done;
         }
     }
-    if (fp8ext_check_disjoint(fn, 6, 11, (const fp8ext_view *const[]){&saved, &scratch, &y, &xa, &wa, &ws, &x, &w, &xs,
-                                                                       &wsc, &bias},
+    if (fp8ext_check_disjoint(fn, 6, 11, (const fp8ext_view *const[]){&saved, &scratch, &y, &xq.amax, &wq.amax, &ws, &x,
+                                                                       &w, &xq.scale, &wq.scale, &bias},
                               (const char *const[]){"saved", "scratch", "y", "x_amax", "w_amax", "workspace", "x", "w",
                                                     "x_scale", "w_scale", "bias"}) < 0)
         goto done;
     uint8_t *sv = saved.data, *sc = scratch.data;
     fp8ext_current_scale_args cur[2];
     if (current) current_args(&cur[0], &x, sv, 0, fmt, margin), current_args(&cur[1], &w, sv, 1, fmt, margin);
-    const fp8ext_fp8_tensor x8 = layer_fp8(sv, 0, sc, keep ? sv + SINV_BYTES : NULL, m, k, fmt, current, &xs, &xa);
-    const fp8ext_fp8_tensor w8 = layer_fp8(sv, 1, sc + rmk, keep ? sv + SINV_BYTES + rmk : NULL, n, k, fmt, current,
-                                           &wsc, &wa);
+    layer_fp8(&x8, sv, 0, sc, keep ? sv + SINV_BYTES : NULL, m, k, current);
+    layer_fp8(&w8, sv, 1, sc + rmk, keep ? sv + SINV_BYTES + rmk : NULL, n, k, current);
     const fp8ext_cast_transpose_args casts[2] = {
-        {.x = x.data, .x_dtype = fp8ext_view_dtype(&x), .q = x8, .saturate = 1, .prologue = (int)prologue},
+        {.x = x.data, .x_dtype = fp8ext_view_dtype(&x), .q = x8, .saturate = 1, .prologue = prologue},
         {.x = w.data, .x_dtype = fp8ext_view_dtype(&w), .q = w8, .saturate = 1},
     };
     fp8ext_gemm_args g;
@@ -392,48 +388,50 @@ static PyObject *py_linear_fwd(PyObject *module, PyObject *const *args, Py_ssize
     const int r = run(module, fn, &x, stream, &ws, current ? 2 : 0, cur, 2, casts, NULL, 1, &g, names);
     if (r >= 0) ret = Py_NewRef(r ? Py_True : Py_False);
 done:
-    FP8EXT_RELEASE_ALL(&x, &w, &saved, &scratch, &y, &xs, &xa, &wsc, &wa, &bias, &ws);
+    FP8EXT_RELEASE_ALL(&x, &w, &saved, &scratch, &y, &bias, &ws);
+    fp8ext_fp8_views_release(&xq), fp8ext_fp8_views_release(&wq);
     return ret;
 }
 
-/* linear_bwd(dy, saved, scratch, m, k, n, fwd_fmt, g_scale, g_amax, bwd_fmt, dx, dw, accumulate, workspace, stream,
- *            db[, margin[, x_t, w_t]]) -> bool. dx [M, K] or None; dw [N, K] or None (accumulate: dw += the weight
- * gradient, e.g. a float32 main_grad); db: None, or [N] in float32 or dy's dtype, set to the bias gradient (the column
- * sums of dy in float32, rounded once to db's dtype) by the cast itself (cast_transpose_dbias; its per-tile sums go in
- * the scratch buffer after dy8^T, R(M*N) + R(4 * ceil(M/64) * N)). x_t, w_t: x8^T [K, M] and W8^T [K, N] as uint8
- * tensors of their own (cast again in backward, not saved), in place of the saved buffer's; `saved` is then only
- * its header (SINV_BYTES: the scale_invs of x and W, and dy's slot, written here). With 20 arguments x_t and w_t may
- * be None (the saved buffer's), and the last, d_a (GPU, delayed scaling, no db), makes the cast SwiGLU's gradient
- * (cast.h's FP8EXT_PROLOGUE_DSWIGLU): dy is then h [M, N] (gate, then up: the input of a SwiGLU whose output's
- * gradient is d_a [M, N / 2], dy's dtype) and the layer's output gradient is dh, computed inside its cast. */
-static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+/* linear_bwd(dy, saved, scratch, m, k, n, fwd_fmt, bwd_fmt, *, g_scale=None, g_amax=None, dx=None, dw=None, db=None,
+ *            accumulate=False, workspace=None, stream=0, margin=None, x_t=None, w_t=None, d_a=None) -> bool.
+ * g_scale, g_amax: the gradient's scale and amax (as linear_fwd's), None with a margin. dx [M, K] or None; dw [N, K]
+ * or None (accumulate: dw += the weight gradient, e.g. a float32 main_grad); db: None, or [N] in float32 or dy's
+ * dtype, set to the bias gradient (the column sums of dy in float32, rounded once to db's dtype) by the cast itself
+ * (cast_transpose_dbias; its per-tile sums go in the scratch buffer after dy8^T, R(M*N) + R(4 * ceil(M/64) * N)).
+ * x_t, w_t: x8^T [K, M] and W8^T [K, N] as tensors of their own (cast again in backward, not saved), in place of the
+ * saved buffer's, each needed where its GEMM runs (x_t for dw, w_t for dx); `saved` is then only its header
+ * (SINV_BYTES: the scale_invs of x and W, and dy's slot, written here), as it may be when neither GEMM runs. d_a (GPU,
+ * delayed scaling, no db) makes the cast SwiGLU's gradient (cast.h's FP8EXT_PROLOGUE_DSWIGLU): dy is then h [M, N]
+ * (gate, then up: the input of a SwiGLU whose output's gradient is d_a [M, N / 2], dy's dtype) and the layer's output
+ * gradient is dh, computed inside its cast. */
+static PyObject *py_linear_bwd(PyObject *module, PyObject *args, PyObject *kwargs) {
     static const char *fn = "linear_bwd";
-    if (nargs != 16 && nargs != 17 && nargs != 19 && nargs != 20) {
-        PyErr_Format(PyExc_TypeError, "%s() takes 16 arguments (17 with a margin, 19 with x_t and w_t, 20 with SwiGLU's "
-                     "output gradient), got %zd", fn, nargs);
-        return NULL;
-    }
-    const int dswiglu = nargs == 20 && args[19] != Py_None;
-    /* 19 arguments: x_t and w_t are the operands (the one not needed may be None), `saved` only the header; 20: the
-     * same when either is given, else the saved buffer's (callers with only a header pass the needed ones) */
-    const int separate = nargs == 19 || (nargs == 20 && (args[17] != Py_None || args[18] != Py_None));
-    long long m, k, n, ffmt, bfmt, stream_ll;
-    int current;
+    static char *kwlist[] = {"dy", "saved", "scratch", "m", "k", "n", "fwd_fmt", "bwd_fmt", "g_scale", "g_amax", "dx",
+                             "dw", "db", "accumulate", "workspace", "stream", "margin", "x_t", "w_t", "d_a", NULL};
+    PyObject *dy_o, *saved_o, *scratch_o, *gs_o = Py_None, *ga_o = Py_None, *dx_o = Py_None, *dw_o = Py_None;
+    PyObject *db_o = Py_None, *ws_o = Py_None, *margin_o = Py_None, *xt_o = Py_None, *wt_o = Py_None, *da_o = Py_None;
+    long long m, k, n, ffmt, bfmt;
+    int accumulate = 0, current;
+    Py_ssize_t stream = 0;
     double margin = 0.0;
-    if (get_int(args[3], fn, "m", &m) < 0 || get_int(args[4], fn, "k", &k) < 0 || get_int(args[5], fn, "n", &n) < 0 ||
-        get_int(args[6], fn, "fwd_fmt", &ffmt) < 0 || get_int(args[9], fn, "bwd_fmt", &bfmt) < 0 ||
-        get_int(args[14], fn, "stream", &stream_ll) < 0 || get_margin(nargs >= 17 ? args[16] : Py_None, fn, &current, &margin) < 0 ||
-        check_scale_args(args + 7, 2, current, fn, (const char *const[]){"g_scale", "g_amax"}) < 0)
+    if (!fp8ext_parse_args(args, kwargs, "OOOLLLLL|$OOOOOpOnOOOO:linear_bwd", kwlist, &dy_o, &saved_o, &scratch_o, &m,
+                           &k, &n, &ffmt, &bfmt, &gs_o, &ga_o, &dx_o, &dw_o, &db_o, &accumulate, &ws_o, &stream,
+                           &margin_o, &xt_o, &wt_o, &da_o) ||
+        get_margin(margin_o, fn, &current, &margin) < 0 ||
+        check_scale_args((PyObject *const[]){gs_o, ga_o}, 2, current, fn,
+                         (const char *const[]){"g_scale", "g_amax"}) < 0)
         return NULL;
-    const int accumulate = PyObject_IsTrue(args[12]);
-    if (accumulate < 0) return NULL;
-    const Py_ssize_t stream = (Py_ssize_t)stream_ll;
-    fp8ext_view dy = {0}, saved = {0}, scratch = {0}, gs = {0}, ga = {0}, dx = {0}, dw = {0}, ws = {0}, db = {0};
-    fp8ext_view xt = {0}, wt = {0}, da = {0};
+    const int dswiglu = da_o != Py_None, want_db = db_o != Py_None;
+    /* the operands are x_t and w_t when either is given (or when no GEMM reads them), `saved` only the header */
+    const int separate = xt_o != Py_None || wt_o != Py_None || (dx_o == Py_None && dw_o == Py_None);
+    fp8ext_view dy = {0}, saved = {0}, scratch = {0}, dx = {0}, dw = {0}, ws = {0}, db = {0}, da = {0};
+    fp8ext_fp8_views gq = {0}, xq = {0}, wq = {0};
+    fp8ext_fp8_tensor dy8, x8t = {0}, w8t = {0};
     PyObject *ret = NULL;
     if (check_dims(m, k, n, fn) < 0 || check_fmt(ffmt, fn, "fwd_fmt") < 0 || check_fmt(bfmt, fn, "bwd_fmt") < 0)
         goto done;
-    if (dswiglu && (current || args[15] != Py_None)) {
+    if (dswiglu && (current || want_db)) {
         PyErr_Format(PyExc_ValueError, "%s(): SwiGLU's gradient in the cast takes delayed scaling (no margin) and no db "
                      "(the bias gradient and the amax are dh's, known only after it)", fn);
         goto done;
@@ -443,21 +441,27 @@ static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize
         goto done;
     }
     const int64_t rmk = round_up(m * k), rmn = round_up(m * n);
-    const int want_db = args[15] != Py_None;
     const int64_t scratch_bytes = want_db ? 2 * rmn + 4 * fp8ext_dbias_workspace_rows(m) * n : rmn + m * n;
-    if (get_matrix(args[0], NULL, m, n, stream, fn, dswiglu ? "dy (h, with SwiGLU's gradient)" : "dy", &dy) < 0 ||
-        get_bytes(args[1], &dy, separate ? SINV_BYTES : SINV_BYTES + rmk + n * k, stream, fn, "saved", &saved) < 0 ||
-        get_bytes(args[2], &dy, scratch_bytes, stream, fn, "scratch", &scratch) < 0 ||
-        get_workspace(args[13], &dy, stream, fn, &ws) < 0)
+    if (get_matrix(dy_o, NULL, m, n, stream, fn, dswiglu ? "dy (h, with SwiGLU's gradient)" : "dy", &dy) < 0 ||
+        get_bytes(saved_o, &dy, "dy", separate ? SINV_BYTES : SINV_BYTES + rmk + n * k, stream, fn, "saved",
+                  &saved) < 0 ||
+        get_bytes(scratch_o, &dy, "dy", scratch_bytes, stream, fn, "scratch", &scratch) < 0 ||
+        get_workspace(ws_o, &dy, "dy", stream, fn, &ws) < 0)
         goto done;
-    /* each given where its GEMM runs: x8^T for the weight gradient, W8^T for the input gradient (else None) */
-    if (separate && ((args[11] != Py_None && get_operand(args[17], &dy, k * m, stream, fn, "x_t", &xt) < 0) ||
-                     (args[10] != Py_None && get_operand(args[18], &dy, k * n, stream, fn, "w_t", &wt) < 0)))
+    uint8_t *sv = saved.data, *sc = scratch.data;
+    /* x8^T [K, M] and W8^T [K, N]: saved by the forward, or each given where its GEMM runs (x8^T for the weight
+     * gradient, W8^T for the input gradient) */
+    if (!separate) {
+        x8t = (fp8ext_fp8_tensor){.data = sv + SINV_BYTES, .rows = k, .cols = m, .fmt = (int)ffmt,
+                                  .scale_inv = SINV(sv, 0)};
+        w8t = (fp8ext_fp8_tensor){.data = sv + SINV_BYTES + rmk, .rows = k, .cols = n, .fmt = (int)ffmt,
+                                  .scale_inv = SINV(sv, 1)};
+    } else if ((dw_o != Py_None && get_operand(xt_o, &dy, k, m, ffmt, sv, 0, stream, fn, "x_t", &xq, &x8t) < 0) ||
+               (dx_o != Py_None && get_operand(wt_o, &dy, k, n, ffmt, sv, 1, stream, fn, "w_t", &wq, &w8t) < 0)) {
         goto done;
-    if (!current &&
-        (get_scale(args[7], &dy, stream, fn, "g_scale", &gs) < 0 || get_scalar(args[8], &dy, stream, fn, "g_amax", &ga) < 0 ||
-         fp8ext_check_writable(&ga, fn, "g_amax") < 0))
-        goto done;
+    }
+    const fp8ext_fp8_args ga = layer_scale_args(gs_o, ga_o, "g_scale", "g_amax", bfmt, current);
+    if (fp8ext_get_fp8_tensor(&ga, &dy, "dy", stream, fn, &gq, &dy8) < 0) goto done;
     if (dswiglu) {
         if (dy.device_type == kDLCPU) {
             PyErr_Format(PyExc_ValueError, "%s(): SwiGLU's gradient in the cast runs on a GPU (on a CPU, compute dh, then "
@@ -468,16 +472,16 @@ static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize
             PyErr_Format(PyExc_ValueError, "%s(): with SwiGLU's gradient n must be even (gate, then up), got %lld", fn, n);
             goto done;
         }
-        if (get_matrix(args[19], &dy, m, n / 2, stream, fn, "d_a", &da) < 0 || fp8ext_check_kind(&da, dy.kind, fn, "d_a") < 0)
+        if (get_matrix(da_o, &dy, m, n / 2, stream, fn, "d_a", &da) < 0 || fp8ext_check_kind(&da, dy.kind, fn, "d_a") < 0)
             goto done;
     }
-    if (args[10] != Py_None &&
-        (get_matrix(args[10], &dy, m, k, stream, fn, "dx", &dx) < 0 || fp8ext_check_writable(&dx, fn, "dx") < 0))
+    if (dx_o != Py_None &&
+        (get_matrix(dx_o, &dy, m, k, stream, fn, "dx", &dx) < 0 || fp8ext_check_writable(&dx, fn, "dx") < 0))
         goto done;
-    if (args[11] != Py_None &&
-        (get_matrix(args[11], &dy, n, k, stream, fn, "dw", &dw) < 0 || fp8ext_check_writable(&dw, fn, "dw") < 0))
+    if (dw_o != Py_None &&
+        (get_matrix(dw_o, &dy, n, k, stream, fn, "dw", &dw) < 0 || fp8ext_check_writable(&dw, fn, "dw") < 0))
         goto done;
-    if (want_db && (fp8ext_view_get(args[15], stream, fn, "db", &db) < 0 || fp8ext_check_contiguous(&db, fn, "db") < 0 ||
+    if (want_db && (fp8ext_view_get(db_o, stream, fn, "db", &db) < 0 || fp8ext_check_contiguous(&db, fn, "db") < 0 ||
                     fp8ext_check_writable(&db, fn, "db") < 0 || fp8ext_check_same_device(&db, &dy, fn, "db", "dy") < 0))
         goto done;
     if (want_db && (db.kind != FP8EXT_KIND_F32 && db.kind != dy.kind)) {
@@ -492,20 +496,15 @@ static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize
         PyErr_Format(PyExc_ValueError, "%s(): accumulate=True adds into dw: pass dw", fn);
         goto done;
     }
-    if (fp8ext_check_disjoint(fn, 7, 12, (const fp8ext_view *const[]){&saved, &scratch, &ga, &dx, &dw, &db, &ws, &dy, &gs,
-                                                                        &xt, &wt, &da},
+    if (fp8ext_check_disjoint(fn, 7, 12, (const fp8ext_view *const[]){&saved, &scratch, &gq.amax, &dx, &dw, &db, &ws,
+                                                                        &dy, &gq.scale, &xq.data, &wq.data, &da},
                               (const char *const[]){"saved", "scratch", "g_amax", "dx", "dw", "db", "workspace", "dy",
                                                     "g_scale", "x_t", "w_t", "d_a"}) < 0)
         goto done;
-    uint8_t *sv = saved.data, *sc = scratch.data;
     fp8ext_current_scale_args cur;
     if (current) current_args(&cur, &dy, sv, 2, bfmt, margin);
-    /* dy8 [M, N] with dy8^T in the scratch buffer; x8^T [K, M] and W8^T [K, N] saved by the forward */
-    const fp8ext_fp8_tensor dy8 = layer_fp8(sv, 2, sc, sc + rmn, m, n, bfmt, current, &gs, &ga);
-    const fp8ext_fp8_tensor x8t = {.data = separate ? xt.data : sv + SINV_BYTES, .rows = k, .cols = m,
-                                   .fmt = (int)ffmt, .scale_inv = SINV(sv, 0)};
-    const fp8ext_fp8_tensor w8t = {.data = separate ? wt.data : sv + SINV_BYTES + rmk, .rows = k, .cols = n,
-                                   .fmt = (int)ffmt, .scale_inv = SINV(sv, 1)};
+    /* dy8 [M, N] with dy8^T in the scratch buffer */
+    layer_fp8(&dy8, sv, 2, sc, sc + rmn, m, n, current);
     const fp8ext_cast_transpose_args cast = {.x = dy.data, .x_dtype = fp8ext_view_dtype(&dy), .q = dy8, .saturate = 1,
                                              .prologue = dswiglu ? FP8EXT_PROLOGUE_DSWIGLU : FP8EXT_PROLOGUE_NONE,
                                              .dy = da.data};
@@ -530,32 +529,36 @@ static PyObject *py_linear_bwd(PyObject *module, PyObject *const *args, Py_ssize
                         : run(module, fn, &dy, stream, &ws, nc, &cur, 1, &cast, NULL, ng, g, names);
     if (r >= 0) ret = Py_NewRef(r ? Py_True : Py_False);
 done:
-    FP8EXT_RELEASE_ALL(&dy, &saved, &scratch, &gs, &ga, &dx, &dw, &ws, &db, &xt, &wt, &da);
+    FP8EXT_RELEASE_ALL(&dy, &saved, &scratch, &dx, &dw, &ws, &db, &da);
+    fp8ext_fp8_views_release(&gq), fp8ext_fp8_views_release(&xq), fp8ext_fp8_views_release(&wq);
     return ret;
 }
 
 int fp8ext_linear_add_layout(PyObject *module) {
     if (PyModule_AddIntConstant(module, "LINEAR_ALIGN", LIN_ALIGN) < 0 ||
         PyModule_AddIntConstant(module, "LINEAR_SINV_STRIDE", SINV_STRIDE) < 0 ||
-        PyModule_AddIntConstant(module, "LINEAR_SINV_BYTES", SINV_BYTES) < 0)
+        PyModule_AddIntConstant(module, "LINEAR_SINV_BYTES", SINV_BYTES) < 0 ||
+        PyModule_AddIntConstant(module, "LINEAR_CUR_AMAX", CUR_AMAX_AT) < 0 ||
+        PyModule_AddIntConstant(module, "LINEAR_CUR_SCALE", CUR_SCALE_AT) < 0)
         return -1;
     return 0;
 }
 
 PyMethodDef fp8ext_linear_methods[] = {
-    {"linear_fwd", (PyCFunction)(void (*)(void))py_linear_fwd, METH_FASTCALL,
-     "linear_fwd(x, w, saved, scratch, y, x_scale, x_amax, w_scale, w_amax, fmt, bias, workspace, stream[,\n"
-     "           margin[, keep[, prologue]]]) -> bool\n"
+    {"linear_fwd", (PyCFunction)(void (*)(void))py_linear_fwd, METH_VARARGS | METH_KEYWORDS,
+     "linear_fwd(x, w, saved, scratch, y, fmt, *, x_scale=None, x_amax=None, w_scale=None, w_amax=None, bias=None,\n"
+     "           workspace=None, stream=0, margin=None, keep=True, prologue=PROLOGUE_NONE) -> bool\n"
      "An FP8 linear layer's forward pass in one call: cast_transpose of x and w into the saved and scratch byte\n"
      "buffers (layout in py_linear.c), then y = x8 @ w8^T (+ bias) on a GPU. False on the CPU: the GEMM is left\n"
      "to the caller. margin None: the scales and amax cells are given (delayed scaling); a number: they are None\n"
      "and each tensor's amax and scale are computed from it first (current scaling). keep False: saved is only\n"
      "the header of scale_invs, and x and w are cast without their transposed copies (backward casts again).\n"
-     "prologue 2 (SwiGLU; GPU, delayed scaling, keep True): x is [M, 2K] and the layer's input is SwiGLU(x),\n"
+     "prologue PROLOGUE_SWIGLU (GPU, delayed scaling, keep True): x is [M, 2K] and the layer's input is SwiGLU(x),\n"
      "computed inside x's cast. workspace None on a GPU: torch's cuBLASLt workspace (bind_torch_workspace)."},
-    {"linear_bwd", (PyCFunction)(void (*)(void))py_linear_bwd, METH_FASTCALL,
-     "linear_bwd(dy, saved, scratch, m, k, n, fwd_fmt, g_scale, g_amax, bwd_fmt, dx, dw, accumulate, workspace,\n"
-     "           stream, db[, margin[, x_t, w_t[, d_a]]]) -> bool\n"
+    {"linear_bwd", (PyCFunction)(void (*)(void))py_linear_bwd, METH_VARARGS | METH_KEYWORDS,
+     "linear_bwd(dy, saved, scratch, m, k, n, fwd_fmt, bwd_fmt, *, g_scale=None, g_amax=None, dx=None, dw=None,\n"
+     "           db=None, accumulate=False, workspace=None, stream=0, margin=None, x_t=None, w_t=None, d_a=None)\n"
+     "           -> bool\n"
      "An FP8 linear layer's backward pass in one call: cast_transpose (with the bias gradient into db) of dy, then\n"
      "the dgrad and wgrad GEMMs on a GPU. False on the CPU: the GEMMs are left to the caller. x_t, w_t: x8^T and\n"
      "W8^T as uint8 tensors of their own; `saved` is then only the header of scale_invs. d_a (GPU, delayed\n"

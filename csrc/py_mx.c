@@ -4,6 +4,7 @@
  */
 #include "fp8ext.h"
 #include "module_state.h"
+#include "py_fp8_tensor.h"
 
 FP8EXT_CUDA_LAUNCHER(quantize_mx)
 FP8EXT_CUDA_LAUNCHER(quantize_nvfp4)
@@ -86,15 +87,6 @@ done:
     return ret;
 }
 
-/* One float32 on x's device, written by the operation. */
-static int get_f32_cell(PyObject *o, const fp8ext_view *x, Py_ssize_t stream, const char *fn, const char *arg,
-                        fp8ext_view *v) {
-    if (fp8ext_view_get(o, stream, fn, arg, v) < 0 || fp8ext_check_scalar_f32(v, fn, arg) < 0 ||
-        fp8ext_check_same_device(v, x, fn, arg, "x") < 0 || fp8ext_check_writable(v, fn, arg) < 0)
-        return -1;
-    return 0;
-}
-
 /* quantize_nvfp4(x, out, block_scales, tensor_scale, amax, stream=0) */
 static PyObject *py_quantize_nvfp4(PyObject *module, PyObject *args, PyObject *kwargs) {
     static const char *fn = "quantize_nvfp4";
@@ -114,13 +106,12 @@ static PyObject *py_quantize_nvfp4(PyObject *module, PyObject *args, PyObject *k
     }
     if (get_out(out_o, FP8EXT_KIND_U8, -1, &x, 1, stream, fn, "out", &out) < 0 ||
         get_out(bs_o, FP8EXT_KIND_U8, FP8EXT_E4M3, &x, FP8EXT_NVFP4_BLOCK, stream, fn, "block_scales", &bs) < 0 ||
-        get_f32_cell(ts_o, &x, stream, fn, "tensor_scale", &ts) < 0 ||
-        get_f32_cell(amax_o, &x, stream, fn, "amax", &amax) < 0 ||
+        fp8ext_get_f32_cell(ts_o, 1, &x, "x", stream, fn, "tensor_scale", &ts, &a.tensor_scale) < 0 ||
+        fp8ext_get_f32_cell(amax_o, 1, &x, "x", stream, fn, "amax", &amax, &a.amax) < 0 ||
         fp8ext_check_disjoint(fn, 4, 5, (const fp8ext_view *const[]){&out, &bs, &ts, &amax, &x},
                               (const char *const[]){"out", "block_scales", "tensor_scale", "amax", "x"}) < 0)
         goto done;
     a.x = x.data, a.x_dtype = fp8ext_view_dtype(&x), a.n = x.numel, a.q = out.data, a.block_scales = bs.data;
-    a.tensor_scale = ts.data, a.amax = amax.data;
     if (fp8ext_run_op(module, &x, stream, fn, fp8ext_no_cpu, cuda_quantize_nvfp4, &a) < 0) goto done;
     ret = Py_NewRef(Py_None);
 done:

@@ -133,13 +133,9 @@ static PyObject *py_amax(PyObject *module, PyObject *args, PyObject *kwargs) {
     fp8ext_view x = {0}, out = {0};
     PyObject *ret = NULL;
     fp8ext_amax_args a = {0};
-    if (get_input(x_o, stream, fn, "x", &x) < 0 || fp8ext_get_f32_cell(out_o, &x, "x", stream, fn, "out", &out,
-                                                                      &a.amax_out) < 0)
+    if (get_input(x_o, stream, fn, "x", &x) < 0 ||
+        fp8ext_get_f32_cell(out_o, 1, &x, "x", stream, fn, "out", &out, &a.amax_out) < 0)
         goto done;
-    if (!a.amax_out) {
-        PyErr_Format(PyExc_TypeError, "%s(): out must be a float32 tensor, got None", fn);
-        goto done;
-    }
     if (fp8ext_check_no_overlap(&out, &x, fn, "out", "x") < 0) goto done;
     a.x = x.data;
     a.x_dtype = fp8ext_view_dtype(&x);
@@ -226,23 +222,15 @@ done:
     return ret;
 }
 
-/* A float32 vector of n values on ref's device, read by a kernel (rstd, gamma of cast_transpose_fused). */
-static int get_f32_vector(PyObject *o, int64_t n, const fp8ext_view *ref, Py_ssize_t stream, const char *fn,
-                          const char *arg, fp8ext_view *v) {
+/* rstd or gamma of a prologue (cast_transpose_fused, quantize_blocks): a float32 vector [n] on x's device. */
+static int get_prologue_vector(PyObject *o, int64_t n, const fp8ext_view *x, Py_ssize_t stream, const char *fn,
+                               const char *arg, fp8ext_view *v) {
     if (o == Py_None) {
         PyErr_Format(PyExc_ValueError, "%s(): %s is required for this prologue", fn, arg);
         return -1;
     }
-    if (fp8ext_view_get(o, stream, fn, arg, v) < 0 || fp8ext_check_kind(v, FP8EXT_KIND_F32, fn, arg) < 0 ||
-        fp8ext_check_contiguous(v, fn, arg) < 0 || fp8ext_check_same_device(v, ref, fn, arg, "x") < 0)
-        return -1;
-    if (v->ndim != 1 || v->shape[0] != n) {
-        PyErr_Format(PyExc_ValueError, "%s(): %s must have shape [%lld]", fn, arg, (long long)n);
-        return -1;
-    }
-    return 0;
+    return fp8ext_get_f32_vector(o, n, 1, 0, x, "x", stream, fn, arg, v);
 }
-
 
 /* cast_transpose_fused(x, out, out_t, fmt, scale, prologue, rstd=None, gamma=None, amax_out=None, stream=0,
  *                      scale_inv_out=None, dy=None): cast_transpose of an elementwise step's output, computed on the
@@ -292,8 +280,8 @@ static PyObject *py_cast_transpose_fused(PyObject *module, PyObject *args, PyObj
         goto done;
     }
     if (prologue == FP8EXT_PROLOGUE_RMSNORM &&
-        (get_f32_vector(rstd_o, rows, &v.x, stream, fn, "rstd", &rstd) < 0 ||
-         get_f32_vector(g_o, cols, &v.x, stream, fn, "gamma", &g) < 0))
+        (get_prologue_vector(rstd_o, rows, &v.x, stream, fn, "rstd", &rstd) < 0 ||
+         get_prologue_vector(g_o, cols, &v.x, stream, fn, "gamma", &g) < 0))
         goto done;
     if (prologue == FP8EXT_PROLOGUE_DSWIGLU) {
         if (dy_o == Py_None) {
@@ -463,8 +451,8 @@ static int get_blocks_prologue(int prologue, PyObject *rstd_o, PyObject *g_o, co
     }
     a->prologue = prologue;
     if (prologue != FP8EXT_PROLOGUE_RMSNORM) return 0;
-    if (get_f32_vector(rstd_o, a->q.rows, x, stream, fn, "rstd", rstd) < 0 ||
-        get_f32_vector(g_o, a->q.cols, x, stream, fn, "gamma", g) < 0)
+    if (get_prologue_vector(rstd_o, a->q.rows, x, stream, fn, "rstd", rstd) < 0 ||
+        get_prologue_vector(g_o, a->q.cols, x, stream, fn, "gamma", g) < 0)
         return -1;
     if ((uintptr_t)g->data % 16) {
         PyErr_Format(PyExc_ValueError, "%s(): gamma must start on a 16-byte boundary", fn);
@@ -495,7 +483,9 @@ static PyObject *py_quantize_blocks(PyObject *module, PyObject *args, PyObject *
                            &g_o))
         return NULL;
     if (!(eps >= 0.0 && eps <= 3.40282347e38)) {
-        PyErr_Format(PyExc_ValueError, "%s(): amax_epsilon must be a finite float32 >= 0, got %g", fn, eps);
+        char got[32]; /* PyErr_Format has no %g (Python 3.12 raises SystemError on it) */
+        snprintf(got, sizeof got, "%g", eps);
+        PyErr_Format(PyExc_ValueError, "%s(): amax_epsilon must be a finite float32 >= 0, got %s", fn, got);
         return NULL;
     }
     if ((qt_o == Py_None) != (st_o == Py_None)) {

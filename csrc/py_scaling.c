@@ -12,21 +12,6 @@ static void cpu_scale_from_amax(const void *a) { fp8ext_cpu_scale_from_amax(a); 
 FP8EXT_CUDA_LAUNCHER(scale_update)
 FP8EXT_CUDA_LAUNCHER(scale_from_amax)
 
-/* A float32 vector of n elements on ref's device (for the scaling state). */
-static int get_f32_vector(PyObject *o, int64_t n, const fp8ext_view *ref, Py_ssize_t stream, const char *fn,
-                          const char *arg, int writable, fp8ext_view *v) {
-    if (fp8ext_view_get(o, stream, fn, arg, v) < 0 || fp8ext_check_kind(v, FP8EXT_KIND_F32, fn, arg) < 0 ||
-        fp8ext_check_contiguous(v, fn, arg) < 0 || fp8ext_check_same_device(v, ref, fn, arg, "history") < 0 ||
-        (writable && fp8ext_check_writable(v, fn, arg) < 0))
-        return -1;
-    if (v->numel != n) {
-        PyErr_Format(PyExc_ValueError, "%s(): %s must hold %lld float32 values (one per tensor), got %lld", fn, arg,
-                     (long long)n, (long long)v->numel);
-        return -1;
-    }
-    return 0;
-}
-
 /* scale_update(history, scale, scale_inv, fmt_max, algo, margin, update, backoff, stream=0): see fp8ext.h. */
 static PyObject *py_scale_update(PyObject *module, PyObject *args, PyObject *kwargs) {
     static const char *fn = "scale_update";
@@ -63,9 +48,9 @@ static PyObject *py_scale_update(PyObject *module, PyObject *args, PyObject *kwa
         goto done;
     }
     a.n = h.shape[0], a.len = h.shape[1];
-    if (get_f32_vector(s_o, a.n, &h, stream, fn, "scale", 1, &sc) < 0 ||
-        get_f32_vector(si_o, a.n, &h, stream, fn, "scale_inv", 1, &si) < 0 ||
-        get_f32_vector(m_o, a.n, &h, stream, fn, "fmt_max", 0, &fm) < 0 ||
+    if (fp8ext_get_f32_vector(s_o, a.n, 0, 1, &h, "history", stream, fn, "scale", &sc) < 0 ||
+        fp8ext_get_f32_vector(si_o, a.n, 0, 1, &h, "history", stream, fn, "scale_inv", &si) < 0 ||
+        fp8ext_get_f32_vector(m_o, a.n, 0, 0, &h, "history", stream, fn, "fmt_max", &fm) < 0 ||
         fp8ext_check_scale_values(&fm, fn, "fmt_max") < 0 ||
         fp8ext_check_disjoint(fn, 3, 4, (const fp8ext_view *const[]){&h, &sc, &si, &fm},
                               (const char *const[]){"history", "scale", "scale_inv", "fmt_max"}) < 0)
@@ -95,8 +80,9 @@ static PyObject *py_scale_from_amax(PyObject *module, PyObject *args, PyObject *
     PyObject *ret = NULL;
     fp8ext_scale_from_amax_args a = {0};
     if (fp8ext_check_fmt(fmt, fn) < 0 || fp8ext_view_get(a_o, stream, fn, "amax", &am) < 0 ||
-        fp8ext_check_scalar_f32(&am, fn, "amax") < 0 || get_f32_vector(s_o, 1, &am, stream, fn, "scale", 1, &sc) < 0 ||
-        get_f32_vector(si_o, 1, &am, stream, fn, "scale_inv", 1, &si) < 0 ||
+        fp8ext_check_scalar_f32(&am, fn, "amax") < 0 ||
+        fp8ext_get_f32_vector(s_o, 1, 0, 1, &am, "amax", stream, fn, "scale", &sc) < 0 ||
+        fp8ext_get_f32_vector(si_o, 1, 0, 1, &am, "amax", stream, fn, "scale_inv", &si) < 0 ||
         fp8ext_check_disjoint(fn, 2, 3, (const fp8ext_view *const[]){&sc, &si, &am},
                               (const char *const[]){"scale", "scale_inv", "amax"}) < 0)
         goto done;

@@ -406,6 +406,23 @@ int fp8ext_get_view(PyObject *o, int kind, const fp8ext_view *ref, const char *r
     return ref ? fp8ext_check_same_device(v, ref, fn, arg, ref_arg) : 0;
 }
 
+int fp8ext_get_f32_vector(PyObject *o, int64_t n, int one_d, int writable, const fp8ext_view *ref, const char *ref_arg,
+                          Py_ssize_t stream, const char *fn, const char *arg, fp8ext_view *v) {
+    if (fp8ext_get_view(o, FP8EXT_KIND_F32, ref, ref_arg, stream, fn, arg, v) < 0 ||
+        (writable && fp8ext_check_writable(v, fn, arg) < 0))
+        return -1;
+    if (one_d && (v->ndim != 1 || v->shape[0] != n)) {
+        PyErr_Format(PyExc_ValueError, "%s(): %s must have shape [%lld]", fn, arg, (long long)n);
+        return -1;
+    }
+    if (!one_d && v->numel != n) {
+        PyErr_Format(PyExc_ValueError, "%s(): %s must hold %lld float32 values (one per tensor), got %lld", fn, arg,
+                     (long long)n, (long long)v->numel);
+        return -1;
+    }
+    return 0;
+}
+
 int fp8ext_get_i64_dev(PyObject *o, const fp8ext_view *ref, const char *ref_arg, Py_ssize_t stream, const char *fn,
                        const char *arg, fp8ext_view *v, const int64_t **ptr) {
     *ptr = NULL;

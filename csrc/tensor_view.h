@@ -93,6 +93,10 @@ int fp8ext_check_on_gpu(const fp8ext_view *v, const char *fn, const char *arg);
 /* *v from o: contiguous, of `kind` (any float kind when kind < 0), on ref's device when ref is given. */
 int fp8ext_get_view(PyObject *o, int kind, const fp8ext_view *ref, const char *ref_arg, Py_ssize_t stream,
                     const char *fn, const char *arg, fp8ext_view *v);
+/* *v from o: a contiguous float32 vector of n values on ref's device, writable where asked; of shape [n] where one_d
+ * ("must have shape [n]"), else of any shape holding n values (a scaling state, one value per tensor). */
+int fp8ext_get_f32_vector(PyObject *o, int64_t n, int one_d, int writable, const fp8ext_view *ref, const char *ref_arg,
+                          Py_ssize_t stream, const char *fn, const char *arg, fp8ext_view *v);
 /* An optional int64 scalar in device memory (a position or length the kernel reads, for CUDA graphs): None leaves
  * *ptr NULL; otherwise one contiguous int64 element on ref's device. */
 int fp8ext_get_i64_dev(PyObject *o, const fp8ext_view *ref, const char *ref_arg, Py_ssize_t stream, const char *fn,

@@ -19,7 +19,7 @@ import torch  # noqa: F401  (loads torch's CUDA libraries before the extension's
 from . import _C
 from .ops import _library  # noqa: F401  (registers torch.ops.fp8ext.*)
 from .core import recipe  # noqa: F401  (fp8ext.recipe, as transformer_engine.common.recipe)
-from .ops._gemm import gemm, gemm_cache_info, gemm_workspace_info, set_gemm_autotune
+from .ops.matmul import gemm, gemm_cache_info, gemm_workspace_info, set_gemm_autotune
 from .core.context import autocast, fp8_autocast, get_fp8_recipe, get_scaling_manager, is_fp8_enabled
 from .core.debug import debug_checks_enabled, set_debug_checks
 from .core.profiling import profiling_enabled, set_profiling
@@ -30,10 +30,11 @@ from .lowp.weight_only import WEIGHT_ONLY_FORMATS, WeightOnlyLinear
 from .ops.packing import pack_fp4, pack_fp6, unpack_fp4, unpack_fp6
 from .ops import (amax, cast_transpose, cast_transpose_dbias, dequantize, quantize, quantize_blockwise,
                   quantize_rowwise, scale_from_amax)
-from .core.recipe import CurrentScaling, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Float8RowwiseScaling
+from .core.recipe import (CurrentScaling, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Float8RowwiseScaling,
+                          Recipe)
 from .core.scaling import FP8ScalingManager
+from .core.build import VERSION as __version__, build_info, cuda_available
 
-__version__ = "0.1.0"
 
 # Imported on first use (PEP 562): the FP8 linear modules and what builds on them import torch._dynamo (through
 # torch.compiler.disable), about a second, which `import fp8ext.testing` and the ops alone do not need.
@@ -135,6 +136,7 @@ __all__ = [
     "set_gemm_autotune",
     "gemm_cache_info",
     "gemm_workspace_info",
+    "Recipe",
     "DelayedScaling",
     "CurrentScaling",
     "Float8CurrentScaling",
@@ -187,13 +189,3 @@ def _warn_if_cpu_only_build() -> None:
 
 
 _warn_if_cpu_only_build()
-
-
-def cuda_available() -> bool:
-    """True when this build of fp8ext has its CUDA kernels and a CUDA device is visible."""
-    return bool(_C.WITH_CUDA) and _C.cuda_device_count() > 0
-
-
-def build_info() -> dict:
-    """How fp8ext._C was built: {'cuda': bool, 'cuda_archs': '90a', versions, 'no_cuda_reason': ...}."""
-    return dict(_C.build_info())

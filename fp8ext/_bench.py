@@ -135,7 +135,8 @@ def saved_bytes(fn: Callable[[], object], weight_numel: int) -> Tuple[int, int]:
 def fp8_gemm_operands(m: int, k: int, n: int, device: str = "cuda"):
     """Random operands of out = x[M, K] @ w[N, K]^T: (x bf16, w bf16, x E4M3, w E4M3, x scale_inv, w scale_inv),
     the FP8 ones scaled so that their largest value is E4M3's 448."""
-    from . import E4M3, quantize
+    from .core.formats import E4M3
+    from .ops import quantize
 
     x = torch.randn(m, k, device=device)
     w = torch.randn(n, k, device=device) * 0.05

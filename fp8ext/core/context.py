@@ -35,14 +35,19 @@ from typing import Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
 
-from .recipe import RECIPES, CurrentScaling, DelayedScaling, Float8BlockScaling, Float8RowwiseScaling
+from .recipe import DelayedScaling, Recipe, check_recipe
 from .scaling import FP8ScalingManager, take_records
 
 __all__ = ["fp8_autocast", "autocast", "activation_dtype", "is_fp8_enabled", "get_fp8_recipe", "get_scaling_manager",
-           "in_backward"]
+           "in_backward", "resolve_recipe"]
 
-Recipe = Union[DelayedScaling, CurrentScaling, Float8BlockScaling, Float8RowwiseScaling]
 _DEFAULT_RECIPE = DelayedScaling()
+
+
+def resolve_recipe(fp8_recipe: Optional[Recipe], where: str) -> Recipe:
+    """fp8_recipe, or the default recipe (DelayedScaling(), as Transformer Engine's) for None; a TypeError naming
+    `where` for anything that is not a Recipe."""
+    return _DEFAULT_RECIPE if fp8_recipe is None else check_recipe(fp8_recipe, where)
 
 
 class _Context(NamedTuple):  # a NamedTuple: made on every entry, and cheaper to make than a frozen dataclass
@@ -58,14 +63,14 @@ class _ThreadState(threading.local):
         self.step_recipes = []  # recipes whose scales were brought up to date in this thread's current step
 
 
-_state = _ThreadState()
+thread_state = _ThreadState()  # read directly by FP8Linear's steady-state forward (fp8ext.modules.linear)
 _managers: Dict[Tuple[Recipe, str], FP8ScalingManager] = {}
 _managers_lock = threading.Lock()
 
 
 def current_context() -> Optional[_Context]:
     """The innermost fp8_autocast of this thread, or None outside any."""
-    stack = _state.stack
+    stack = thread_state.stack
     return stack[-1] if stack else None
 
 
@@ -115,7 +120,7 @@ def _update_pending(recipe: Recipe, group) -> None:
     """A step boundary of this thread: the managers of `recipe` update the slots that this thread's previous step
     recorded (every slot after a record that names none: a compiled or graphed step). Slots another thread or
     another model recorded wait for that step's own boundary (core/scaling.py)."""
-    if not isinstance(recipe, DelayedScaling):
+    if not recipe.stateful:
         return
     for mgr in _managers_of(recipe):
         mine = take_records(mgr)
@@ -141,7 +146,7 @@ def _mark_compiled_steps(recipes) -> None:
     """A step ended: its compiled layers recorded amaxes in the slots that prepare_fp8 prepared; they are recorded
     for this thread's next boundary (the slots of layers garbage-collected since are dropped)."""
     for recipe in recipes:
-        if isinstance(recipe, DelayedScaling):
+        if recipe.stateful:
             for mgr in _managers_of(recipe):
                 if mgr.compiled_steps:
                     mgr.record_names(mgr.compiled_names)
@@ -151,7 +156,7 @@ def _discard_step(recipes) -> None:
     """A step raised: the managers of `recipes` (each updated at the step's start, so nothing was pending then)
     forget what the step recorded."""
     for recipe in recipes:
-        if isinstance(recipe, DelayedScaling):
+        if recipe.stateful:
             for mgr in _managers_of(recipe):
                 mine = take_records(mgr)
                 if mgr._whole:
@@ -171,15 +176,12 @@ class fp8_autocast(contextlib.ContextDecorator):  # noqa: N801 - Transformer Eng
 
     def __init__(self, enabled: bool = True, calibrating: bool = False, fp8_recipe: Optional[Recipe] = None,
                  fp8_group=None, _graph: bool = False):
-        recipe = fp8_recipe if fp8_recipe is not None else _DEFAULT_RECIPE
-        if not isinstance(recipe, RECIPES):
-            raise TypeError(f"fp8_autocast(): fp8_recipe must be DelayedScaling or CurrentScaling (per tensor), "
-                            f"Float8BlockScaling or Float8RowwiseScaling, got {type(recipe).__name__}")
+        recipe = resolve_recipe(fp8_recipe, "fp8_autocast()")
         self._ctx = _Context(bool(enabled), recipe, bool(calibrating), fp8_group)
         self._update = (enabled or calibrating) and not _graph
 
     def __enter__(self):
-        state = _state
+        state = thread_state
         stack = state.stack
         if not stack:
             state.step_recipes = []
@@ -191,7 +193,7 @@ class fp8_autocast(contextlib.ContextDecorator):  # noqa: N801 - Transformer Eng
         stack.append(self._ctx)
 
     def __exit__(self, exc_type, exc, tb):
-        state = _state
+        state = thread_state
         state.stack.pop()
         if not state.stack:
             if exc_type is not None:

@@ -18,22 +18,22 @@ import torch
 
 __all__ = ["set_debug_checks", "debug_checks_enabled"]
 
-_enabled = os.environ.get("FP8EXT_DEBUG", "0") not in ("", "0")
+checks_on = os.environ.get("FP8EXT_DEBUG", "0") not in ("", "0")
 
 
 def set_debug_checks(enabled: bool) -> None:
     """Turns the debug checks (see this module's docstring) on or off for the whole process."""
-    global _enabled
-    _enabled = bool(enabled)
+    global checks_on
+    checks_on = bool(enabled)
 
 
 def debug_checks_enabled() -> bool:
-    return _enabled
+    return checks_on
 
 
 def enabled() -> bool:
     """True when the checks are on and can run (not while torch.compile traces or a CUDA graph captures)."""
-    if not _enabled or torch.compiler.is_compiling():
+    if not checks_on or torch.compiler.is_compiling():
         return False
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 

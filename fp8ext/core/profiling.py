@@ -18,18 +18,18 @@ import torch
 
 __all__ = ["set_profiling", "profiling_enabled", "profiled"]
 
-_enabled = os.environ.get("FP8EXT_PROFILE", "0") not in ("", "0")
+ranges_on = os.environ.get("FP8EXT_PROFILE", "0") not in ("", "0")
 F = TypeVar("F", bound=Callable)
 
 
 def set_profiling(enabled: bool) -> None:
     """Turns fp8ext's profiler and NVTX ranges on or off for the whole process."""
-    global _enabled
-    _enabled = bool(enabled)
+    global ranges_on
+    ranges_on = bool(enabled)
 
 
 def profiling_enabled() -> bool:
-    return _enabled
+    return ranges_on
 
 
 def profiled(name: str) -> Callable[[F], F]:
@@ -37,7 +37,7 @@ def profiled(name: str) -> Callable[[F], F]:
     def wrap(fn: F) -> F:
         @functools.wraps(fn)
         def inner(*args, **kwargs):
-            if not _enabled or torch.compiler.is_compiling():
+            if not ranges_on or torch.compiler.is_compiling():
                 return fn(*args, **kwargs)
             nvtx = torch.cuda.is_available()
             with torch.profiler.record_function(name):

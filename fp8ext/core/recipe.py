@@ -8,8 +8,12 @@ changing an import. A recipe is a frozen value: two equal recipes share one FP8S
     Float8BlockScaling    one scale per 1 x 128 tile of activations and gradients and per 128 x 128 block of weights
                           (DeepSeek-V3's recipe, TE's Float8BlockScaling)
     Float8RowwiseScaling  one scale per row of each GEMM operand (torchao's "rowwise" recipe)
-The last three need no state across steps: each cast scales by what it is casting. For each recipe,
-fp8ext.tensor.role_quantizers gives the casts of a layer's input, weight and output gradient.
+The last three need no state across steps: each cast scales by what it is casting.
+
+Every recipe is a Recipe: a frozen dataclass that says, in one place, how each tensor role of a linear layer is
+scaled, by making the layer's three Quantizers (fp8ext.core.tensor: a subclass per kind of scaling). Layers, the
+fused paths, the graphs, the FSDP all-gather and the training script ask a recipe's quantizers and its `stateful`
+flag, never its class, so a new recipe is one new class (docs/contributing.md, "How to add a recipe").
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from .formats import Format
+from .tensor import (BLOCK_1x128, BLOCK_128x128, Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer,
+                     Float8RowwiseQuantizer)
 
-__all__ = ["Format", "DelayedScaling", "CurrentScaling", "Float8CurrentScaling", "Float8BlockScaling",
+__all__ = ["Format", "Recipe", "DelayedScaling", "CurrentScaling", "Float8CurrentScaling", "Float8BlockScaling",
            "Float8RowwiseScaling", "QParams", "MMParams"]
 
 
@@ -32,8 +38,47 @@ def _refuse_fp8_attention(recipe) -> None:
                                       f"fp8ext; leave it False (attention then runs in high precision)")
 
 
+class Recipe:
+    """The base of fp8ext's recipes. A subclass is a frozen dataclass (equal recipes share their scaling state) with
+    an `fp8_format` field, and says how an FP8 linear layer scales its input, its weight and its output gradient:
+
+        make_quantizers(manager=None, slots=None) -> (input, weight, grad_output) Quantizers
+        stateful   False: each cast scales by what it casts, and one set of quantizers serves every layer
+                   (make_quantizers() is called once per recipe); True: scales kept across steps in the recipe's
+                   FP8ScalingManager (delayed scaling): each layer registers three slots, with role_formats(), and
+                   make_quantizers(manager, slots) makes the quantizers over them
+
+        per_tensor True: one scale per tensor in every role (prepare_fp8's recast_in_backward and FSDP's FP8
+                   all-gather take only such recipes)
+
+    The fp8_dpa / fp8_mha fields of Transformer Engine's recipes (FP8 attention) are refused as True."""
+
+    stateful = False
+    per_tensor = False  # one scale per tensor in every role (recast in backward and FSDP's FP8 all-gather need it)
+
+    def role_formats(self):
+        """The FP8 formats of (input, weight, grad_output): the forward's format for the first two."""
+        return self.fp8_format.fwd, self.fp8_format.fwd, self.fp8_format.bwd
+
+    def make_quantizers(self, manager=None, slots=None):
+        raise NotImplementedError(f"{type(self).__name__}.make_quantizers: a recipe says how each tensor role is "
+                                  f"scaled by making the layer's (input, weight, grad_output) Quantizers")
+
+
+def check_recipe(recipe, where: str, none_ok: bool = False):
+    """`recipe` if it is a Recipe (or None with none_ok), else the TypeError that names `where`."""
+    if isinstance(recipe, Recipe) or (none_ok and recipe is None):
+        return recipe
+    if none_ok:
+        raise TypeError(f"{where}: fp8_recipe must be None or a recipe (DelayedScaling, Float8CurrentScaling, "
+                        f"Float8BlockScaling, Float8RowwiseScaling or another fp8ext.Recipe), got "
+                        f"{type(recipe).__name__}")
+    raise TypeError(f"{where}: fp8_recipe must be DelayedScaling or CurrentScaling (per tensor), Float8BlockScaling "
+                    f"or Float8RowwiseScaling (or another fp8ext.Recipe), got {type(recipe).__name__}")
+
+
 @dataclass(frozen=True)
-class DelayedScaling:
+class DelayedScaling(Recipe):
     """Delayed scaling: each tensor's scale comes from the amax of earlier steps.
 
     scale = fmt.max / amax / 2**margin, with amax the largest value in the tensor's history of the last
@@ -58,6 +103,11 @@ class DelayedScaling:
     backoff_factor: float = 0.5
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    stateful = per_tensor = True  # class attributes (not annotated: not fields)
+
+    def make_quantizers(self, manager=None, slots=None):
+        """Per tensor, by the scales in the layer's three slots of `manager` (a Float8Quantizer each)."""
+        return tuple(Float8Quantizer(f, self.margin, manager, s) for f, s in zip(self.role_formats(), slots))
 
     def __post_init__(self):
         _refuse_fp8_attention(self)
@@ -85,7 +135,7 @@ class DelayedScaling:
 
 
 @dataclass(frozen=True)
-class CurrentScaling:
+class CurrentScaling(Recipe):
     """Current (just-in-time) scaling: each tensor's scale comes from its own amax, computed on the device
     right before it is cast (one extra pass over the tensor): scale = fmt.max / amax / 2**margin."""
 
@@ -93,6 +143,12 @@ class CurrentScaling:
     margin: int = 0
     fp8_dpa: bool = False
     fp8_mha: bool = False
+
+    per_tensor = True
+
+    def make_quantizers(self, manager=None, slots=None):
+        """Per tensor, each by its own amax (a Float8CurrentScalingQuantizer each)."""
+        return tuple(Float8CurrentScalingQuantizer(f, self.margin) for f in self.role_formats())
 
     def __post_init__(self):
         _refuse_fp8_attention(self)
@@ -138,7 +194,7 @@ _BLOCK_POW2 = os.getenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "0") != "1"
 
 
 @dataclass(frozen=True)
-class Float8BlockScaling:
+class Float8BlockScaling(Recipe):
     """Block scaling (DeepSeek-V3's recipe; Transformer Engine's Float8BlockScaling with its names and defaults):
     every FP8 cast scales each block of the tensor by that block's own amax, scale = fmt.max / amax (a power of two
     by default), computed as the tensor is cast; nothing is kept across steps.
@@ -171,6 +227,15 @@ class Float8BlockScaling:
     fp8_dpa: bool = False
     fp8_mha: bool = False
 
+    def make_quantizers(self, manager=None, slots=None):
+        """Per 1 x 128 tile or 128 x 128 block of each role, as its *_block_scaling_dim says (Float8BlockQuantizer)."""
+        roles = ((self.x_block_scaling_dim, self.fp8_quant_fwd_inp),
+                 (self.w_block_scaling_dim, self.fp8_quant_fwd_weight),
+                 (self.grad_block_scaling_dim, self.fp8_quant_bwd_grad))
+        return tuple(Float8BlockQuantizer(f, 0, granularity=BLOCK_1x128 if dim == 1 else BLOCK_128x128,
+                                          power_2_scale=qp.power_2_scale, amax_epsilon=qp.amax_epsilon)
+                     for f, (dim, qp) in zip(self.role_formats(), roles))
+
     def __post_init__(self):
         name = "Float8BlockScaling"
         _refuse_fp8_attention(self)
@@ -194,7 +259,7 @@ class Float8BlockScaling:
 
 
 @dataclass(frozen=True)
-class Float8RowwiseScaling:
+class Float8RowwiseScaling(Recipe):
     """Row-wise scaling (torchao's "rowwise" recipe): every GEMM operand is cast with one scale per row along the
     dimension the GEMM contracts, scale = fmt.max / max|row| (a power of two with power_2_scale, torchao's
     round_scales_to_power_of_2, the default), computed as the tensor is cast; nothing is kept across steps. A
@@ -210,6 +275,11 @@ class Float8RowwiseScaling:
     amax_epsilon: float = 0.0
     fp8_dpa: bool = False
     fp8_mha: bool = False
+
+    def make_quantizers(self, manager=None, slots=None):
+        """Per row of each role (Float8RowwiseQuantizer)."""
+        return tuple(Float8RowwiseQuantizer(f, 0, granularity="row", power_2_scale=self.power_2_scale,
+                                            amax_epsilon=self.amax_epsilon) for f in self.role_formats())
 
     def __post_init__(self):
         _refuse_fp8_attention(self)

@@ -34,7 +34,7 @@ from typing import Deque, Dict, List, Optional, Union
 import torch
 
 from .. import _C
-from ._boundary import stream_of
+from .boundary import stream_of
 from .formats import E4M3, FP8Format, format_of_code, resolve_format
 from .recipe import DelayedScaling
 
@@ -335,7 +335,7 @@ class FP8ScalingManager:
 
     def gated_update(self, flag: torch.Tensor, group=None) -> None:
         """update(group), kept only where the 0-d bool `flag` (on the manager's device) is set: what a CUDA graph
-        captures, so that each replay updates or not as the host sets the flag (fp8ext/core/_graph_state.py)."""
+        captures, so that each replay updates or not as the host sets the flag (fp8ext/core/graph_state.py)."""
         bufs = (self.amax_history, self.scale, self.scale_inv)
         with torch.no_grad():
             previous = [b.clone() for b in bufs]

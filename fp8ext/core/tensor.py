@@ -18,12 +18,15 @@ A plain class with __slots__, not a torch.Tensor subclass: building one costs a 
 dispatch, which matters on a layer's host path.
 
 A Quantizer is the cast of one tensor role (a layer's input, weight or output gradient): its format, its margin,
-its granularity (the scale layout it makes) and, per tensor, its scaling slot. With delayed scaling the slot is a
-(scale, amax) pair of views into an FP8ScalingManager's buffers (the cast reads the scale and records the tensor's
-amax there); without a manager the cast scales by the tensor's own amax (current scaling), or each row or block by
-its own (fp8ext.recipe's Float8RowwiseScaling and Float8BlockScaling). role_quantizers(recipe) gives the three
-Quantizers of a layer for a recipe that keeps no state. This file holds no linear-layer logic
-(fp8ext/modules/linear.py) and no kernels (fp8ext/ops/ and csrc/).
+its scale layout and, per tensor, its scaling slot. One subclass per kind of scaling (Transformer Engine's names):
+    Float8Quantizer                per tensor, by a scale held in a slot: an FP8ScalingManager's (delayed scaling: the
+                                   cast reads the scale and records the tensor's amax there) or tensors of its own
+    Float8CurrentScalingQuantizer  per tensor, by the tensor's own amax (current scaling)
+    Float8BlockQuantizer           per 1 x 128 tile or 128 x 128 block, by each one's own amax (block scaling)
+    Float8RowwiseQuantizer         per row, by each row's own amax (row-wise scaling)
+Recipes make them (fp8ext.core.recipe: Recipe.make_quantizers); Quantizer(...) with the old arguments picks the
+subclass. role_quantizers(recipe) gives, shared by all layers, the three Quantizers of a recipe that keeps no state.
+This file holds no linear-layer logic (fp8ext/modules/linear.py) and no kernels (fp8ext/core/casts.py, csrc/).
 """
 
 from __future__ import annotations
@@ -33,11 +36,11 @@ from typing import Optional
 import torch
 
 from .formats import FP8Format
-from ..ops import amax as _amax
-from ..ops import cast_transpose, cast_transpose_dbias, quantize_blocks_t, scale_from_amax
-from .recipe import CurrentScaling, Float8BlockScaling, Float8RowwiseScaling
+from .casts import amax as _amax
+from .casts import cast_transpose, cast_transpose_dbias, quantize_blocks_t, scale_from_amax
 
-__all__ = ["FP8Tensor", "Quantizer", "TENSOR", "ROW", "BLOCK_1x128", "BLOCK_128x128", "role_quantizers"]
+__all__ = ["FP8Tensor", "Quantizer", "Float8Quantizer", "Float8CurrentScalingQuantizer", "Float8BlockQuantizer",
+           "Float8RowwiseQuantizer", "TENSOR", "ROW", "BLOCK_1x128", "BLOCK_128x128", "role_quantizers"]
 
 TENSOR, ROW, BLOCK_1x128, BLOCK_128x128 = "tensor", "row", "1x128", "128x128"
 _to_dl = torch._C._to_dlpack
@@ -74,17 +77,30 @@ class FP8Tensor:
 
 
 class Quantizer:
-    """The FP8 cast of one tensor role: format, margin (TE's exponent) and scaling slot (see the module docstring).
+    """The FP8 cast of one tensor role: format, margin (TE's exponent), scale layout and, per tensor, scaling slot.
+    The base class of the four kinds (see the module docstring); a recipe of one's own may add a fifth by overriding
+    quantize (and quantize_dbias where a pass can give the bias gradient too).
 
-    manager, slot: the role's slot in an FP8ScalingManager (delayed scaling), or None (current scaling, unless the
-    scale and amax tensors are given: a slot of one's own). The slot's views are taken once; they stay valid until
-    the manager's buffers are reallocated, which `current()` tells.
+    Quantizer(fmt, margin, manager=None, slot=None, *, scale=None, amax=None, granularity=TENSOR, power_2_scale=False,
+    amax_epsilon=0.0) makes the kind these arguments describe: a manager's slot or a scale tensor -> Float8Quantizer;
+    per tensor without -> Float8CurrentScalingQuantizer; ROW -> Float8RowwiseQuantizer; 1 x 128 or 128 x 128 ->
+    Float8BlockQuantizer. A manager slot's views are taken once; they stay valid until the manager's buffers are
+    reallocated, which `current()` tells.
     """
 
     __slots__ = ("fmt", "margin", "scale", "amax", "capsules", "manager", "_slot", "_generation", "granularity",
                  "power_2_scale", "amax_epsilon")
 
-    def __init__(self, fmt: FP8Format, margin: float, manager=None, slot: Optional[int] = None, *,
+    def __new__(cls, fmt=None, margin=0.0, manager=None, slot=None, *, scale=None, amax=None, granularity=TENSOR,
+                **_):
+        if cls is Quantizer:  # the kind the arguments describe
+            if granularity == TENSOR:
+                cls = Float8Quantizer if manager is not None or scale is not None else Float8CurrentScalingQuantizer
+            else:
+                cls = Float8RowwiseQuantizer if granularity == ROW else Float8BlockQuantizer
+        return object.__new__(cls)
+
+    def __init__(self, fmt: FP8Format, margin: float = 0.0, manager=None, slot: Optional[int] = None, *,
                  scale: Optional[torch.Tensor] = None, amax: Optional[torch.Tensor] = None,
                  granularity: str = TENSOR, power_2_scale: bool = False, amax_epsilon: float = 0.0):
         if granularity not in (TENSOR, ROW, BLOCK_1x128, BLOCK_128x128):
@@ -105,7 +121,7 @@ class Quantizer:
         self.capsules = None if self.scale is None or self.amax is None else (_to_dl(self.scale), _to_dl(self.amax))
 
     def current(self) -> bool:
-        """Whether the slot views are still the manager's (always, for current scaling)."""
+        """Whether the slot views are still the manager's (always, without a manager)."""
         return self.manager is None or self.manager.generation == self._generation
 
     def slot_views(self):
@@ -123,26 +139,15 @@ class Quantizer:
             return self.capsules
         return tuple(_to_dl(t) for t in self.slot_views())
 
-    def _scale_for(self, t2d: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
-        if scale is None:  # current scaling: from the tensor's own amax
-            scale, _ = scale_from_amax(_amax(t2d), self.fmt, self.margin)
-        return scale
-
     def quantize(self, t2d: torch.Tensor, keep_scale: bool = False) -> FP8Tensor:
-        """t2d [rows, cols] cast to FP8 with its transposed copy: per tensor in one pass (cast_transpose), the amax
-        recorded in the slot (delayed scaling); per row or 1 x 128 tile, t2d and its transpose each cast with their
-        own scales (quantize_rowwise / quantize_blockwise); per 128 x 128 block, the transposed copy is the cast's
-        bytes transposed, with the block scales transposed. keep_scale (per tensor only): the FP8Tensor keeps the
-        scale it was cast with (a slot's scale copied, since the manager updates the slot in place), for recast()."""
-        if self.granularity != TENSOR:
-            return self._quantize_scaled(t2d)
-        scale, amax = self.slot_views()
-        kept = scale.clone() if keep_scale and scale is not None else None
-        scale = self._scale_for(t2d, scale)
-        scale_inv = torch.empty((), dtype=torch.float32, device=t2d.device)
-        q, qt = cast_transpose(t2d, self.fmt, scale, amax_out=amax, scale_inv_out=scale_inv)
-        kept = (kept if kept is not None else scale) if keep_scale else None
-        return FP8Tensor(q, qt, scale_inv, self.fmt, scale=kept)
+        """t2d [rows, cols] cast to FP8 with its transposed copy (the FP8Tensor's data_t), as this kind scales.
+        keep_scale (per tensor only): the FP8Tensor keeps the scale it was cast with, for recast_t()."""
+        raise NotImplementedError(f"{type(self).__name__}.quantize")
+
+    def quantize_dbias(self, t2d: torch.Tensor):
+        """(quantize(t2d), the float32 column sums of t2d): an output gradient's cast with its bias gradient (summed
+        apart here; the per-tensor kinds take both from one pass)."""
+        return self.quantize(t2d), t2d.sum(0, dtype=torch.float32)
 
     @staticmethod
     def recast_t(t2d: torch.Tensor, fmt: FP8Format, scale: torch.Tensor, scale_inv: torch.Tensor) -> FP8Tensor:
@@ -151,18 +156,32 @@ class Quantizer:
         _, qt = cast_transpose(t2d, fmt, scale)
         return FP8Tensor(qt, None, scale_inv, fmt)
 
-    def _quantize_scaled(self, t2d: torch.Tensor) -> FP8Tensor:
-        kind, fmt, pow2, eps = self.granularity, self.fmt, self.power_2_scale, self.amax_epsilon
-        # both casts in one call (row counts here are multiples of 16: see linear_autograd._pad_rows); row-wise, a
-        # column's scale needs the whole column, so its transposed cast takes passes of its own
-        q, s, qt, st = quantize_blocks_t(t2d, fmt, kind, pow2, eps)
-        return FP8Tensor(q, qt, s, fmt, kind, st)
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.fmt.name}, {self.granularity} scales)"
+
+
+class Float8Quantizer(Quantizer):
+    """Per tensor, by the scale in its slot (delayed scaling: an FP8ScalingManager's; or scale/amax tensors of its
+    own): cast_transpose in one pass, the tensor's amax recorded in the slot."""
+
+    __slots__ = ()
+
+    def _scale_for(self, t2d: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+        return scale
+
+    def quantize(self, t2d: torch.Tensor, keep_scale: bool = False) -> FP8Tensor:
+        """t2d cast per tensor with its transposed copy in one pass (cast_transpose). keep_scale: the FP8Tensor keeps
+        the scale it was cast with (a slot's scale copied, since the manager updates the slot in place)."""
+        scale, amax = self.slot_views()
+        kept = scale.clone() if keep_scale and scale is not None else None
+        scale = self._scale_for(t2d, scale)
+        scale_inv = torch.empty((), dtype=torch.float32, device=t2d.device)
+        q, qt = cast_transpose(t2d, self.fmt, scale, amax_out=amax, scale_inv_out=scale_inv)
+        kept = (kept if kept is not None else scale) if keep_scale else None
+        return FP8Tensor(q, qt, scale_inv, self.fmt, scale=kept)
 
     def quantize_dbias(self, t2d: torch.Tensor):
-        """(quantize(t2d), the float32 column sums of t2d): an output gradient's cast with its bias gradient, from
-        the same pass per tensor (cast_transpose_dbias), summed apart otherwise."""
-        if self.granularity != TENSOR:
-            return self._quantize_scaled(t2d), t2d.sum(0, dtype=torch.float32)
+        """(quantize(t2d), the float32 column sums of t2d) from one pass (cast_transpose_dbias)."""
         scale, amax = self.slot_views()
         scale = self._scale_for(t2d, scale)
         dev = t2d.device
@@ -175,11 +194,47 @@ class Quantizer:
         return FP8Tensor(q, qt, scale_inv, self.fmt), db
 
     def __repr__(self) -> str:
-        if self.granularity != TENSOR:
-            pow2 = ", power-of-two scales" if self.power_2_scale else ""
-            return f"Quantizer({self.fmt.name}, {self.granularity} scales{pow2})"
-        how = "current scaling" if self.manager is None else f"slot {self._slot}"
-        return f"Quantizer({self.fmt.name}, margin={self.margin}, {how})"
+        how = f"slot {self._slot}" if self.manager is not None else "own scale"
+        return f"Float8Quantizer({self.fmt.name}, margin={self.margin}, {how})"
+
+
+class Float8CurrentScalingQuantizer(Float8Quantizer):
+    """Per tensor, by the tensor's own amax, computed on the device right before the cast (current scaling):
+    scale = fmt.max / amax / 2**margin."""
+
+    __slots__ = ()
+
+    def _scale_for(self, t2d: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+        if scale is None:
+            scale, _ = scale_from_amax(_amax(t2d), self.fmt, self.margin)
+        return scale
+
+    def __repr__(self) -> str:
+        return f"Float8CurrentScalingQuantizer({self.fmt.name}, margin={self.margin})"
+
+
+class Float8BlockQuantizer(Quantizer):
+    """Per 1 x 128 tile or 128 x 128 block, by each one's own amax: t2d and its transpose each cast with their own
+    scales (a 128 x 128 block's transposed copy is the cast's bytes transposed, with the block scales transposed)."""
+
+    __slots__ = ()
+
+    def quantize(self, t2d: torch.Tensor, keep_scale: bool = False) -> FP8Tensor:
+        # both casts in one call (row counts here are multiples of 16: see linear_autograd._pad_rows); row-wise, a
+        # column's scale needs the whole column, so its transposed cast takes passes of its own
+        kind = self.granularity
+        q, s, qt, st = quantize_blocks_t(t2d, self.fmt, kind, self.power_2_scale, self.amax_epsilon)
+        return FP8Tensor(q, qt, s, self.fmt, kind, st)
+
+    def __repr__(self) -> str:
+        pow2 = ", power-of-two scales" if self.power_2_scale else ""
+        return f"{type(self).__name__}({self.fmt.name}, {self.granularity} scales{pow2})"
+
+
+class Float8RowwiseQuantizer(Float8BlockQuantizer):
+    """Per row, by each row's own amax; the transposed copy is a cast of its own, one scale per column."""
+
+    __slots__ = ()
 
 
 _role_quantizers = {}  # recipe -> its (input, weight, grad_output) Quantizers: stateless, so shared by all layers
@@ -187,26 +242,12 @@ _role_quantizers = {}  # recipe -> its (input, weight, grad_output) Quantizers: 
 
 def role_quantizers(recipe):
     """The (input, weight, grad_output) Quantizers of an FP8 linear layer under a recipe that keeps no state across
-    steps: CurrentScaling (per tensor), Float8RowwiseScaling (per row) or Float8BlockScaling (1 x 128 tiles or
-    128 x 128 blocks per role). Delayed scaling's quantizers hold a layer's slots: FP8Linear makes those."""
+    steps (recipe.make_quantizers(), made once per recipe and shared by every layer). A stateful recipe's quantizers
+    hold a layer's slots: FP8Linear makes those."""
     q = _role_quantizers.get(recipe)
     if q is None:
-        q = _role_quantizers[recipe] = _make_role_quantizers(recipe)
+        if recipe.stateful:
+            raise TypeError(f"role_quantizers(): {type(recipe).__name__} keeps scaling state per layer (FP8Linear "
+                            f"makes its quantizers)")
+        q = _role_quantizers[recipe] = tuple(recipe.make_quantizers())
     return q
-
-
-def _make_role_quantizers(recipe):
-    fwd, bwd = recipe.fp8_format.fwd, recipe.fp8_format.bwd
-    if isinstance(recipe, CurrentScaling):
-        return tuple(Quantizer(f, recipe.margin) for f in (fwd, fwd, bwd))
-    if isinstance(recipe, Float8RowwiseScaling):
-        return tuple(Quantizer(f, 0, granularity=ROW, power_2_scale=recipe.power_2_scale,
-                               amax_epsilon=recipe.amax_epsilon) for f in (fwd, fwd, bwd))
-    if isinstance(recipe, Float8BlockScaling):
-        roles = ((fwd, recipe.x_block_scaling_dim, recipe.fp8_quant_fwd_inp),
-                 (fwd, recipe.w_block_scaling_dim, recipe.fp8_quant_fwd_weight),
-                 (bwd, recipe.grad_block_scaling_dim, recipe.fp8_quant_bwd_grad))
-        return tuple(Quantizer(f, 0, granularity=BLOCK_1x128 if dim == 1 else BLOCK_128x128,
-                               power_2_scale=qp.power_2_scale, amax_epsilon=qp.amax_epsilon) for f, dim, qp in roles)
-    raise TypeError(f"role_quantizers(): {type(recipe).__name__} keeps scaling state per layer (FP8Linear makes its "
-                    f"quantizers)")

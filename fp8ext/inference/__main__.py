@@ -47,10 +47,10 @@ from ..train.checkpoint import CheckpointError, read
 from ..train.data import batch, load_corpus
 from ..lowp.weight_only import WEIGHT_ONLY_FORMATS
 from . import calibrate, decode_loss, load_quantized, model_kv_scales, quantize_model, save_quantized
-from ._checks import read_json
+from ._header import read_json
 from ._hf_cli import HF_SEQ_LEN, eval_hf as _eval_hf, generate_hf as _generate_hf, is_hf_dir
 from ._hf_cli import quantize_hf as _quantize_hf
-from .export import write_json
+from .files import write_json
 from .layers import ACTIVATION_SCHEMES, WEIGHT_SCHEMES
 from .speculative import make_draft
 

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from ..train.data import batch, load_corpus
 from . import calibrate, load_quantized, quantize_model, save_quantized
-from ._checks import read_json
-from .export import write_json
+from ._header import read_json
+from .files import write_json
 from .hf import fp8_kv_cache, from_config
 
 __all__ = ["HF_SEQ_LEN", "HFModelError", "is_hf_dir", "quantize_hf", "eval_hf"]

@@ -43,60 +43,26 @@ whole model).
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import pathlib
-import shutil
-import tempfile
-from typing import Any, Callable, Dict, Iterator, Optional, Union
+from typing import Any, Callable, Dict, Optional, Union
 
 import torch
 from torch import nn
 
-from .. import __version__
-from ..train.checkpoint import fsync
 from . import llama
-from ._checks import (FOREIGN, KV_SCALES, LAYER_SCALES, OUT_DTYPES, WEIGHT_LAYOUT, check_against_model,
-                      check_checkpoint, kv_heads, read_header, read_json, read_sharded_header, tied_parameters)
+from ._checks import check_against_model, check_checkpoint, kv_heads, tied_parameters
+from ._header import FOREIGN, KV_SCALES, LAYER_SCALES, OUT_DTYPES, read_json
+# the files on disk (files.py) and the quantization records (quant_config.py): their names stay importable here
+from .files import (INDEX_FILE, WEIGHTS_FILE, _safetensors, aligned, checkpoint_header, load_state,  # noqa: F401
+                    read_tensors, staged, write_json, write_tensors)
 from .layers import FP8InferenceLinear, fuse_norms
+from .quant_config import (FUSED_IN_VLLM, _transformers_config, _warn_partly_quantized_fusions,  # noqa: F401
+                           fp8_quantization_config, high_precision_dtype, layer_record, loaded_quantization,
+                           quantization_config, quantization_of)
 from .quantize import _set_submodule
 
 __all__ = ["save_quantized", "load_quantized", "quantization_config"]
-
-WEIGHTS_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"  # a sharded checkpoint's map of tensor -> file, as save_pretrained's
-_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-
-
-def _safetensors():
-    try:
-        import safetensors.torch as st
-    except ImportError:
-        raise ImportError("fp8ext.inference: save_quantized/load_quantized need safetensors: "
-                          "pip install safetensors (or fp8ext[inference])") from None
-    return st
-
-
-def quantization_config(q: Dict[str, Any]) -> Dict[str, Any]:
-    """compressed-tensors' quantization_config for fp8ext's schemes (q: model.fp8_quantization)."""
-    weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "group_size": None,
-               "block_structure": None, "observer": "minmax", "actorder": None,
-               "strategy": {"tensor": "tensor", "channel": "channel", "block128": "block"}[q["weights"]]}
-    if q["weights"] == "block128":
-        weights["block_structure"] = [128, 128]
-    if q["activations"] == "static":
-        acts = {"strategy": "tensor", "dynamic": False, "group_size": None}
-    elif q["weights"] == "block128":
-        acts = {"strategy": "group", "dynamic": True, "group_size": 128}
-    else:
-        acts = {"strategy": "token", "dynamic": True, "group_size": None}
-    acts.update(num_bits=8, type="float", symmetric=True, block_structure=None, observer=None if acts["dynamic"]
-                else "minmax", actorder=None)
-    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts,
-                                          "output_activations": None, "format": "float-quantized"}},
-            "ignore": q["ignored_modules"], "kv_cache_scheme": q.get("kv_cache_scheme")}
 
 
 def save_quantized(model: nn.Module, out_dir: Union[str, pathlib.Path], config: Optional[Dict[str, Any]] = None, *,
@@ -146,197 +112,13 @@ def save_quantized(model: nn.Module, out_dir: Union[str, pathlib.Path], config: 
     return pathlib.Path(out_dir)
 
 
-def quantization_of(model: nn.Module) -> Dict[str, Any]:
-    """model.fp8_quantization (set by quantize_model), or the ValueError that says the model is not quantized."""
-    q = getattr(model, "fp8_quantization", None)
-    if q is None:
-        raise ValueError("save_quantized: the model is not quantized: run fp8ext.inference.quantize_model first")
-    return q
-
-
-def layer_record(model: nn.Module, q: Dict[str, Any], name: str) -> Dict[str, Any]:
-    """fp8ext's metadata record of the quantized layer `name` (q: model.fp8_quantization)."""
-    return {"format": "E4M3", "layout": WEIGHT_LAYOUT, "weights": q["weights"], "activations": q["activations"],
-            "input_amax": q["input_amax"].get(name),
-            "out_dtype": str(model.get_submodule(name).out_dtype).replace("torch.", "")}
-
-
-# layers vLLM loads fused into one (its Llama-family loaders' stacked_params_mapping): quantized all alike or not at all
-FUSED_IN_VLLM = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
-def _warn_partly_quantized_fusions(q: Dict[str, Any]) -> None:
-    """A warning when an `ignore` list kept some parts of a layer vLLM fuses (q/k/v_proj, gate/up_proj) in high
-    precision and quantized the others: transformers loads such a checkpoint, vLLM refuses it."""
-    import warnings
-    quantized, kept = set(q["layers"]), set(q.get("ignored_modules") or [])
-    for parts in FUSED_IN_VLLM:
-        parents = sorted({n.rpartition(".")[0] for n in quantized if n.rpartition(".")[2] in parts})
-        for parent in parents:
-            siblings = [f"{parent}.{p}" if parent else p for p in parts]
-            if any(s in kept for s in siblings):
-                warnings.warn(f"save_quantized: {', '.join(s for s in siblings if s in quantized)} quantized but "
-                              f"{', '.join(s for s in siblings if s in kept)} kept in high precision: vLLM loads "
-                              "these layers as one and refuses the checkpoint (transformers loads it); ignore all "
-                              "of them or none", stacklevel=3)
-
-
-def _bytes(size: Union[int, str]) -> int:
-    """max_shard_size in bytes: an int, or a number with a unit (KB, MB, GB; KiB, MiB, GiB)."""
-    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
-        return size
-    if isinstance(size, str):
-        text = size.strip().upper().replace(" ", "")
-        for unit in sorted(_UNITS, key=len, reverse=True):
-            number = text[:-len(unit)]
-            if text.endswith(unit) and number.replace(".", "", 1).isdigit() and float(number) > 0:
-                return int(float(number) * _UNITS[unit])
-    raise ValueError(f"save_quantized(): max_shard_size must be a positive number of bytes or a size such as '5GB', "
-                     f"got {size!r}")
-
-
-def write_tensors(tensors: Dict[str, torch.Tensor], out_dir: Union[str, pathlib.Path], record: Dict[str, Any],
-                  max_shard_size: Union[int, str]) -> pathlib.Path:
-    """out_dir (made if missing; the folder `staged` gives, when saving) with model.safetensors, or shards of at
-    most max_shard_size bytes (a larger tensor alone in its shard) and the index; fp8ext's `record` in the
-    header's metadata. Returns out_dir as a Path."""
-    st = _safetensors()
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"format": "pt", "producer": f"fp8ext {__version__}", "fp8ext": json.dumps(record)}
-    limit = _bytes(max_shard_size)
-    shards, size = [[]], 0
-    for k, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(k)
-        size += nbytes
-    if len(shards) == 1:
-        st.save_file(tensors, str(out / WEIGHTS_FILE), metadata=meta)
-        return out
-    weight_map = {}
-    for i, names in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        st.save_file({k: tensors[k] for k in names}, str(out / name), metadata=meta)
-        weight_map.update(dict.fromkeys(names, name))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    return out
-
-
-def _checkpoint_files(d: pathlib.Path) -> list:
-    """The files of a checkpoint in `d` that a save replaces or removes: weights, shards, index, config.json."""
-    return [d / WEIGHTS_FILE, d / INDEX_FILE, d / "config.json", *sorted(d.glob("model-*-of-*.safetensors"))]
-
-
-@contextlib.contextmanager
-def staged(out_dir: Union[str, pathlib.Path]) -> Iterator[pathlib.Path]:
-    """A new, empty hidden folder in out_dir (made if missing), on out_dir's file system, to write a checkpoint's
-    files into. When the block ends, the files are flushed to the disk and moved into out_dir, each by one rename
-    (os.replace) over the file of that name, config.json last; then the checkpoint files of an earlier save that
-    the new one does not have (other shards, an index or model.safetensors) are removed. out_dir's other files are
-    left alone. If the block raises (a full disk, a quota, Ctrl-C), the folder is removed (and out_dir too, if
-    this made it); if a rename fails, the files already moved are put back (the previous ones were kept as hard
-    links until then): a failed save never costs the previous checkpoint."""
-    out = pathlib.Path(out_dir)
-    for existing in (out, *out.parents):  # the nearest part of out_dir that exists must be a folder
-        if existing.exists():
-            if not existing.is_dir():
-                raise NotADirectoryError(f"save_quantized: {existing} exists and is not a folder"
-                                         + ("" if existing == out else f" (so {out} cannot be one)"))
-            break
-    made = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=".fp8ext-partial-", dir=out))
-    done = False
-    try:
-        yield tmp
-        new = sorted(tmp.iterdir(), key=lambda f: (f.name == "config.json", f.name))  # config.json last
-        for f in new:
-            fsync(f)
-        _swap_in(new, out, tmp)
-        done = True
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if made and not done:
-            with contextlib.suppress(OSError):
-                out.rmdir()  # only if empty
-
-
-def _swap_in(new: list, out: pathlib.Path, tmp: pathlib.Path) -> None:
-    """staged's last step: the files `new` (in tmp) renamed into out, the previous checkpoint's other files removed;
-    on any failure the previous files are put back from links to them kept in tmp/.previous."""
-    previous = tmp / ".previous"
-    previous.mkdir()
-    old = [f for f in _checkpoint_files(out) if f.exists()]
-    for f in old:  # a second name for each previous file (no copy), to put back
-        try:
-            os.link(f, previous / f.name)
-        except OSError:  # a file system without hard links
-            shutil.copy2(f, previous / f.name)
-    stale = [f for f in old if not (tmp / f.name).exists()]
-    moved = []
-    try:
-        for f in new:
-            os.replace(f, out / f.name)
-            moved.append(f.name)
-        for f in stale:
-            f.unlink(missing_ok=True)
-        fsync(out)
-    except BaseException:
-        for name in [*moved, *(f.name for f in stale)]:  # best effort: the error that stopped the save is raised
-            with contextlib.suppress(OSError):
-                if (previous / name).exists():
-                    os.replace(previous / name, out / name)
-                else:
-                    (out / name).unlink(missing_ok=True)
-        raise
-
-
-def write_json(path: Union[str, pathlib.Path], value: Any) -> None:
-    """path as indented JSON, written beside it first and renamed over it (os.replace) once complete and flushed
-    to the disk: a failed write leaves the file as it was."""
-    path = pathlib.Path(path)
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}-{os.urandom(4).hex()}")
-    try:
-        with open(tmp, "x") as f:
-            f.write(json.dumps(value, indent=2))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _transformers_config(model: nn.Module, hf_config, tensors: Dict[str, torch.Tensor]) -> Dict[str, Any]:
-    """config.json of a Hugging Face transformers model, as its save_pretrained writes it (model_type, its fields
-    at the top level), with the architecture and the dtype of the tensors kept in high precision: what
-    from_pretrained needs to rebuild the model around the quantized layers."""
-    cfg = {k: v for k, v in hf_config.to_diff_dict().items() if k != "quantization_config"}
-    dtype = high_precision_dtype(tensors)
-    cfg.update(architectures=[type(model).__name__], dtype=dtype, torch_dtype=dtype)
-    return cfg
-
-
-def high_precision_dtype(tensors: Dict[str, torch.Tensor]) -> str:
-    """config.json's dtype: that of most elements of the tensors kept in high precision ("bfloat16" if none)."""
-    counts: Dict[torch.dtype, int] = {}
-    for t in tensors.values():
-        if t.is_floating_point() and t.element_size() > 1:
-            counts[t.dtype] = counts.get(t.dtype, 0) + t.numel()
-    return str(max(counts, key=counts.get) if counts else torch.bfloat16).replace("torch.", "")
-
-
 def load_quantized(model_dir: Union[str, pathlib.Path],
                    model_or_factory: Union[nn.Module, Callable[[dict], nn.Module], None] = None,
                    device: Union[str, torch.device, None] = None) -> nn.Module:
     """An FP8 compressed-tensors checkpoint (model.safetensors, or shards with model.safetensors.index.json, and
     config.json): one saved by save_quantized, or one another tool wrote (llmcompressor's FP8_DYNAMIC, FP8,
     FP8_BLOCK schemes, ...), whose quantized layers and schemes are then taken from config.json's
-    quantization_config and the tensors in the file (see fp8ext.inference._checks.record_from_config).
+    quantization_config and the tensors in the file (see fp8ext.inference._config_checks.record_from_config).
 
     `model_or_factory` is the high-precision model's skeleton, or a callable config_dict -> skeleton (called
     under the meta device, so its weights take no memory). None (the default) builds it from config.json:
@@ -375,50 +157,6 @@ def load_quantized(model_dir: Union[str, pathlib.Path],
     model.fp8_quantization = loaded_quantization(record["layers"], qc, qc.get("ignore", []),
                                                  record.get("kv_cache", {}))
     return model.eval()
-
-
-def loaded_quantization(layers: Dict[str, dict], qc: Dict[str, Any], ignored, kv_amax) -> Dict[str, Any]:
-    """model.fp8_quantization of a loaded model, as quantize_model sets it: the schemes (of the first layer), the
-    layers' records, config.json's quantization_config `qc`, the names kept in high precision and the K/V amaxes."""
-    first = next(iter(layers.values()))
-    return {"weights": first["weights"], "activations": first["activations"], "ignore": [],
-            "ignored_modules": ignored, "layers": sorted(layers),
-            "input_amax": {n: s["input_amax"] for n, s in layers.items() if s["input_amax"]},
-            "kv_cache_scheme": qc.get("kv_cache_scheme"), "kv_amax": kv_amax}
-
-
-def load_state(model: nn.Module, state: Dict[str, torch.Tensor], path: pathlib.Path) -> None:
-    """state into `model` (assigned: the meta tensors are replaced); ValueError when the file at `path` lacks a
-    tensor the model needs."""
-    missing = [k for k in model.load_state_dict(state, strict=False, assign=True).missing_keys
-               if not k.endswith("_extra_state")]  # high-precision fp8ext.Linear layers' FP8 state is not saved
-    if missing:
-        raise ValueError(f"load_quantized: {path} holds no {missing[:5]} for this model")
-
-
-def fp8_quantization_config(cfg: dict, d: pathlib.Path) -> dict:
-    """config.json's quantization_config, which must be an FP8 compressed-tensors one: a ValueError (TypeError for
-    a value of the wrong type) naming d/config.json and the key otherwise."""
-    path = d / "config.json"
-    if "quantization_config" not in cfg:
-        raise ValueError(f"load_quantized: {path}: has no quantization_config; fp8ext reads FP8 compressed-tensors "
-                         "checkpoints (quant_method 'compressed-tensors', format 'float-quantized')")
-    qc = cfg["quantization_config"]
-    if not isinstance(qc, dict):
-        raise TypeError(f"load_quantized: {path}: quantization_config must be a JSON object, got "
-                        f"{type(qc).__name__} {qc!r:.60}")
-    for key, want in (("quant_method", "compressed-tensors"), ("format", "float-quantized")):
-        v = qc.get(key)
-        if v != want:
-            raise (TypeError if v is not None and not isinstance(v, str) else ValueError)(
-                f"load_quantized: {path}: quantization_config.{key} is {v!r:.60}; fp8ext reads FP8 "
-                f"compressed-tensors checkpoints ({key} {want!r})")
-    return qc
-
-
-def checkpoint_header(d: pathlib.Path):
-    """The safetensors header of a checkpoint directory: model.safetensors's, or its shards' through the index."""
-    return read_header(d / WEIGHTS_FILE) if (d / WEIGHTS_FILE).is_file() else read_sharded_header(d / INDEX_FILE)
 
 
 def _fp8_skeleton(model_or_factory, cfg: dict, d: pathlib.Path, header, record: dict) -> nn.Module:
@@ -474,22 +212,6 @@ def _place_buffers(model: nn.Module, header, device: torch.device) -> None:
                     raise ValueError(f"load_quantized: {n} is not in {header.path} and cannot be recomputed")
                 mod, _, leaf = n.rpartition(".")
                 setattr(model.get_submodule(mod) if mod else model, leaf, t.to(device))
-
-
-def read_tensors(header, device) -> Dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint `header` describes (its file or its shards), read onto `device`."""
-    st = _safetensors()
-    state: Dict[str, torch.Tensor] = {}
-    for path in sorted(set(header.files.values())):
-        state.update(st.load_file(str(path), device=str(device)))
-    return state
-
-
-def aligned(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """The tensors contiguous and 16-byte aligned, as cuBLASLt wants its operands (safetensors aligns tensors in a
-    file to 8 bytes only); copies only those that are not."""
-    return {k: v if v.data_ptr() % 16 == 0 and v.is_contiguous() else v.contiguous().clone()
-            for k, v in state.items()}
 
 
 def _default_factory(cfg: Dict[str, Any], d: pathlib.Path) -> Callable[[dict], nn.Module]:

@@ -121,33 +121,48 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, *, kv_cache: Opti
         return speculative_generate(model, draft, prompt, max_new_tokens, speculate=4 if speculate is None else
                                     speculate, kv_cache=kv_cache, kv_scales=kv_scales, temperature=temperature,
                                     seed=seed, cuda_graph=cuda_graph)
-    device = prompt.device
     b, n = prompt.shape
-    total = n + max_new_tokens
+    model, cache, graph = _decoder(model, b, n + max_new_tokens, prompt.device, kv_cache=kv_cache,
+                                   kv_scales=kv_scales, cuda_graph=cuda_graph, kv_overflow=kv_overflow,
+                                   kv_budget_bytes=kv_budget_bytes)
+    pick = _picker(temperature, torch.Generator(device=prompt.device).manual_seed(seed))
+    ids, (t_prefill, t_decode) = _timed_generation(model, prompt, max_new_tokens, pick, cache, graph)
+    stats = {"prefill_tokens_per_s": b * n / t_prefill, "decode_tokens_per_s": b * (max_new_tokens - 1) / t_decode
+             if max_new_tokens > 1 else None, "kv_cache": kv_cache, "cache_bytes": cache.nbytes if cache else 0,
+             "kv_scales": cache.scale_source if cache else None,
+             "cuda_graph": graph is not None and graph.graph is not None}
+    return ids, stats
+
+
+def _decoder(model, b: int, total: int, device: torch.device, *, kv_cache, kv_scales, cuda_graph, kv_overflow,
+             kv_budget_bytes):
+    """(what to call, the KV cache or None, the captured decode step or None) for generate: a transformers model
+    runs through _HFRunner and its own caches (eagerly); fp8ext's Transformer through a KVCache of `total`
+    positions, its decode steps as one CUDA graph where generate's cuda_graph asks for it."""
     if is_transformers_model(model):
         _hf_generate_args(kv_cache, kv_overflow, cuda_graph)
         cache = None if kv_cache is None else _HFCache(model, kv_cache, kv_scales, rollback=False)
-        model, graph = _HFRunner(model), None
-    else:
-        cache = None if kv_cache is None else KVCache.from_model(model, b, total, kv_cache, device=device,
-                                                                 scales=kv_scales, overflow=kv_overflow,
-                                                                 budget_bytes=kv_budget_bytes)
-        graph = _GraphedStep(model, cache, b, device) \
-            if _graph_wanted(cuda_graph, kv_cache, device, "generate", kv_overflow) else None
-    pick = _picker(temperature, torch.Generator(device=device).manual_seed(seed))
+        return _HFRunner(model), cache, None
+    cache = None if kv_cache is None else KVCache.from_model(model, b, total, kv_cache, device=device,
+                                                             scales=kv_scales, overflow=kv_overflow,
+                                                             budget_bytes=kv_budget_bytes)
+    graph = _GraphedStep(model, cache, b, device) \
+        if _graph_wanted(cuda_graph, kv_cache, device, "generate", kv_overflow) else None
+    return model, cache, graph
+
+
+def _timed_generation(model, prompt: torch.Tensor, max_new_tokens: int, pick, cache, graph):
+    """(ids, (prefill seconds, decode seconds)): the prompt's prefill, then the decode steps to max_new_tokens
+    new tokens, each phase timed between device synchronisations."""
+    device = prompt.device
     _sync(device)
     t0 = time.perf_counter()
     logits = model(prompt, kv_cache=cache, start_pos=0)[:, -1]
     _sync(device)
     t1 = time.perf_counter()
-    ids = _decode(model, prompt, logits, total, pick, cache=cache, graph=graph)
+    ids = _decode(model, prompt, logits, prompt.shape[1] + max_new_tokens, pick, cache=cache, graph=graph)
     _sync(device)
-    t2 = time.perf_counter()
-    stats = {"prefill_tokens_per_s": b * n / (t1 - t0), "decode_tokens_per_s": b * (max_new_tokens - 1) / (t2 - t1)
-             if max_new_tokens > 1 else None, "kv_cache": kv_cache, "cache_bytes": cache.nbytes if cache else 0,
-             "kv_scales": cache.scale_source if cache else None,
-             "cuda_graph": graph is not None and graph.graph is not None}
-    return ids, stats
+    return ids, (t1 - t0, time.perf_counter() - t1)
 
 
 @torch.no_grad()

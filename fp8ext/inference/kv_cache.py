@@ -42,7 +42,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from .. import _C
-from ..core._boundary import dl, dl_fp8, stream_of
+from ..core.boundary import dl, dl_fp8, stream_of
 from ..core.formats import E4M3
 from ..ops import dequantize, fused, quantize
 from ..ops.mx import dequantize_nvfp4, quantize_nvfp4

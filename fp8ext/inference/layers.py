@@ -30,7 +30,7 @@ from ..ops.mx import refuse_non_finite
 from ..modules.normalization import RMSNorm
 from ..ops import quantize, quantize_blockwise, quantize_rowwise, scale_buffer, scale_from_amax, scale_inv_view
 from ..ops import quantize_blocks_eager, quantize_eager
-from ..ops._gemm import direct_gemm_ok, epilogue_bias_dtype, gemm, gemm_with_weight, weight_capsules
+from ..ops.matmul import direct_gemm_ok, epilogue_bias_dtype, gemm, gemm_with_weight, weight_capsules
 
 __all__ = ["FP8InferenceLinear", "FP8Activation", "FP8InputRMSNorm", "WEIGHT_SCHEMES", "ACTIVATION_SCHEMES"]
 

@@ -39,7 +39,9 @@ from torch import nn
 
 from ..models.transformer import GroupedQueryAttention, SwiGLU, Transformer, TransformerBlock, TransformerConfig
 from ..modules.normalization import RMSNorm
-from ._checks import OUT_DTYPES, check_checkpoint, check_fits
+from . import files, quant_config
+from ._checks import check_checkpoint, check_fits
+from ._header import OUT_DTYPES
 from .layers import FP8InferenceLinear, fuse_norms
 from .quantize import _set_submodule
 
@@ -208,8 +210,7 @@ def llama_config(cfg: TransformerConfig, *, tied: bool, dtype: str) -> Dict[str,
 def save(model: Transformer, out_dir: Union[str, pathlib.Path], config: Optional[Dict[str, Any]] = None, *,
          max_shard_size: Union[int, str]) -> pathlib.Path:
     """save_quantized for fp8ext's Transformer: the Llama checkpoint described in the module docstring."""
-    from . import export  # export calls this module: imported here, not at the top
-    q = export.quantization_of(model)
+    q = quant_config.quantization_of(model)
     if config is not None and config != dataclasses.asdict(model.cfg):
         raise ValueError("save_quantized: fp8ext's Transformer is written as a Llama checkpoint whose config comes "
                          "from model.cfg; pass config=None (or model.cfg's fields)")
@@ -232,16 +233,16 @@ def save(model: Transformer, out_dir: Union[str, pathlib.Path], config: Optional
     mods = llama_modules(cfg)
     layers = {}
     for n in q["layers"]:
-        spec = export.layer_record(model, q, n)
+        spec = quant_config.layer_record(model, q, n)
         layers.update({name: dict(spec) for name in mods[n]})
     kv = {mods[n][0]: a for n, a in (q.get("kv_amax") or {}).items()}
     record = {"layers": layers, "tied": {"lm_head.weight": "model.embed_tokens.weight"} if tied else {},
               "kv_cache": kv}
-    config_json = llama_config(cfg, tied=tied, dtype=export.high_precision_dtype(tensors))
+    config_json = llama_config(cfg, tied=tied, dtype=quant_config.high_precision_dtype(tensors))
     ignored = _llama_names(cfg, q["ignored_modules"], "the modules kept in high precision")
-    config_json["quantization_config"] = export.quantization_config({**q, "ignored_modules": ignored})
-    with export.staged(out_dir) as tmp:  # moved into out_dir only once every file is written
-        export.write_tensors(tensors, tmp, record, max_shard_size)
+    config_json["quantization_config"] = quant_config.quantization_config({**q, "ignored_modules": ignored})
+    with files.staged(out_dir) as tmp:  # moved into out_dir only once every file is written
+        files.write_tensors(tensors, tmp, record, max_shard_size)
         (tmp / "config.json").write_text(json.dumps(config_json, indent=2))
     return pathlib.Path(out_dir)
 
@@ -287,14 +288,13 @@ def load(model_dir: pathlib.Path, config: Dict[str, Any],
     """load_quantized for a directory written by save(): fp8ext's Transformer (the given one, the factory's
     (called with fp8ext_model_config), or by default Transformer(TransformerConfig(**fp8ext_model_config))) with
     the checkpoint's FP8 layers, fused layers fused again."""
-    from . import export
-    export._safetensors()  # a clear ImportError before anything is read
+    files._safetensors()  # a clear ImportError before anything is read
     d = pathlib.Path(model_dir)
-    qc = export.fp8_quantization_config(config, d)
-    if not (d / export.WEIGHTS_FILE).is_file() and not (d / export.INDEX_FILE).is_file():
-        raise FileNotFoundError(f"load_quantized: {d} holds neither {export.WEIGHTS_FILE} nor {export.INDEX_FILE}")
+    qc = quant_config.fp8_quantization_config(config, d)
+    if not (d / files.WEIGHTS_FILE).is_file() and not (d / files.INDEX_FILE).is_file():
+        raise FileNotFoundError(f"load_quantized: {d} holds neither {files.WEIGHTS_FILE} nor {files.INDEX_FILE}")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    header = export.checkpoint_header(d)
+    header = files.checkpoint_header(d)
     record = check_checkpoint(d / "config.json", config, header)
     mc = _fp8ext_config(d / "config.json", config, header.tensors)
     if isinstance(model_or_factory, nn.Module):
@@ -315,13 +315,13 @@ def load(model_dir: pathlib.Path, config: Dict[str, Any],
     schemes = {n: s["weights"] for n, s in layers.items()}
     tied = record.get("tied", {})
     _check_against_skeleton(model, header, layers, mods, schemes, tied=bool(tied))
-    state = export.aligned(from_llama(export.read_tensors(header, device), cfg, schemes, header.path))
+    state = files.aligned(from_llama(files.read_tensors(header, device), cfg, schemes, header.path))
     if tied:
         state["lm_head.weight"] = state["embed.weight"]
     for key in [k for k in state if k.endswith(_KV)]:
         mod_name, _, leaf = key.rpartition(".")
         setattr(model.get_submodule(mod_name), leaf, state[key])
-    export.load_state(model, state, header.path)
+    files.load_state(model, state, header.path)
     if tied:
         model.lm_head.weight = model.embed.weight
     from ..models.transformer import rope_tables
@@ -329,7 +329,7 @@ def load(model_dir: pathlib.Path, config: Dict[str, Any],
     fuse_norms(model)
     back = {name: module for module, names in mods.items() for name in names}
     ignored = sorted({back.get(n, n) for n in qc.get("ignore", [])})
-    model.fp8_quantization = export.loaded_quantization(
+    model.fp8_quantization = quant_config.loaded_quantization(
         layers, qc, ignored, {back.get(n, n): a for n, a in record.get("kv_cache", {}).items()})
     return model.eval()
 

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..core.formats import E4M3
+from ..modules.ignore import DEFAULT_IGNORE, ignored
 from ..modules.linear import FP8Linear
 from ..ops import amax as _amax
 from . import hf
@@ -31,18 +32,11 @@ from .layers import FP8InferenceLinear, _check_schemes, fuse_norms
 __all__ = ["calibrate", "quantize_model", "DEFAULT_IGNORE", "quantizable_linears", "kv_scales_from_amax",
            "set_kv_cache_scales", "KV_CACHE_SCHEME"]
 
-DEFAULT_IGNORE = ("lm_head", "embed", "embed_tokens", "output")
-
-
-def _ignored(name: str, ignore: Sequence[str]) -> bool:
-    return any(name == i or name.endswith("." + i) or name.startswith(i + ".") for i in ignore)
-
-
 def quantizable_linears(model: nn.Module, ignore: Sequence[str] = DEFAULT_IGNORE) -> Dict[str, nn.Linear]:
     """{qualified name: module} of the nn.Linear and fp8ext.Linear layers that FP8 inference replaces."""
     out = {}
     for name, m in model.named_modules():
-        if isinstance(m, (nn.Linear, FP8Linear)) and not _ignored(name, ignore):
+        if isinstance(m, (nn.Linear, FP8Linear)) and not ignored(name, ignore):
             if m.in_features % 16 or m.out_features % 16:
                 warnings.warn(f"quantize_model: {name} ({m.in_features} -> {m.out_features}) stays in high "
                               "precision: FP8 GEMMs need dimensions that are multiples of 16", stacklevel=3)
@@ -236,7 +230,7 @@ def quantize_model(model: nn.Module, weights: str = "channel", activations: str 
         if missing:
             raise ValueError(f"quantize_model: no calibrated amax for {missing}")
     # linears that stay in high precision (ignored, or dimensions FP8 GEMMs cannot take): checkpoints list them
-    kept = {n for n, m in model.named_modules() if n and (_ignored(n, ignore) or (
+    kept = {n for n, m in model.named_modules() if n and (ignored(n, ignore) or (
         isinstance(m, (nn.Linear, FP8Linear)) and n not in layers))}
     kv_scheme, kv_amax = None, {}
     if kv_cache_scales and kv_calib:

@@ -49,7 +49,7 @@ from ..core.formats import E2M1, E2M3, E3M2, E4M3
 from ..ops.mx import dequantize_mx, dequantize_nvfp4, quantize_mx, quantize_nvfp4, refuse_non_finite
 from ..ops import quantize
 from .. import _C
-from ..core._boundary import dl
+from ..core.boundary import dl
 from ..ops.packing import unpack_fp4, unpack_fp6
 
 __all__ = ["WeightOnlyLinear", "WEIGHT_ONLY_FORMATS", "bits_per_weight"]

@@ -1,8 +1,8 @@
 """A dense decoder-only transformer with FP8 linear layers: RMSNorm, grouped-query attention with one fused
 QKV projection and rotary position embeddings, a SwiGLU MLP, a final norm.
 
-Written as Transformer Engine code is (te.Linear, te.RMSNorm under `import fp8ext as te`), so it is also an
-example of the port. Layer policy for FP8 (the usual one for FP8 training and inference): the linear layers
+Built from the layers Transformer Engine code names te.Linear, te.RMSNorm and te.fp8_autocast (under `import
+fp8ext as te`; imported here from the modules that define them). Layer policy for FP8 (the usual one for FP8 training and inference): the linear layers
 of the blocks compute in FP8 inside `fp8_autocast`; the token embedding, the norms, attention's softmax and
 the output projection (the logits) stay in high precision. The linear layers are `fp8ext.Linear` whether or
 not FP8 is on, so FP8 and bf16 checkpoints are the same state dict and load into each other.
@@ -24,11 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import fp8ext as te
-from fp8ext.ops import fused
-from fp8ext.modules._fused_linear import SWIGLU, fused_input_linear, swiglu_mlp
-from fp8ext.core.context import current_context
-from fp8ext.core.recipe import DelayedScaling, Format
+from ..core.build import build_info, cuda_available
+from ..core.context import current_context, fp8_autocast
+from ..core.recipe import DelayedScaling, Format
+from ..modules.fused_linear import SWIGLU, fused_input_linear, swiglu_mlp
+from ..modules.linear import Linear
+from ..modules.normalization import RMSNorm
+from ..ops import attention, fused
 
 __all__ = ["TransformerConfig", "Transformer", "PRESETS", "preset"]
 
@@ -36,7 +38,7 @@ __all__ = ["TransformerConfig", "Transformer", "PRESETS", "preset"]
 # Upper bounds of the integer sizes, far above the largest published dense models (about 126 layers, d_model
 # 16384, 128 heads, d_ff 53248, vocabularies of about 256k, contexts of 128k to 1M): no real config meets them;
 # a corrupt one (e.g. n_layers 10**6 in a checkpoint's config.json) is refused before it allocates anything.
-_SIZE_LIMITS = {"vocab_size": 1 << 21, "d_model": 1 << 16, "n_layers": 1024, "n_heads": 1024, "n_kv_heads": 1024,
+SIZE_LIMITS = {"vocab_size": 1 << 21, "d_model": 1 << 16, "n_layers": 1024, "n_heads": 1024, "n_kv_heads": 1024,
                 "d_ff": 1 << 18, "max_seq_len": 1 << 21}
 
 
@@ -70,7 +72,7 @@ class TransformerConfig:
     def _check_fields(self) -> None:
         """Each field's type and range, before any arithmetic on them (a config read from a checkpoint's
         config.json may hold anything)."""
-        for name, limit in _SIZE_LIMITS.items():
+        for name, limit in SIZE_LIMITS.items():
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool):
                 raise TypeError(f"TransformerConfig: {name} must be an int, got {type(v).__name__} {v!r}")
@@ -177,12 +179,12 @@ class GroupedQueryAttention(nn.Module):
         h, kv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         init = _init_out(0.02)
         if cfg.fused_qkv:
-            self.qkv_proj = te.Linear(cfg.d_model, (h + 2 * kv) * hd, bias=False, device=device, init_method=init)
+            self.qkv_proj = Linear(cfg.d_model, (h + 2 * kv) * hd, bias=False, device=device, init_method=init)
         else:
-            self.q_proj = te.Linear(cfg.d_model, h * hd, bias=False, device=device, init_method=init)
-            self.k_proj = te.Linear(cfg.d_model, kv * hd, bias=False, device=device, init_method=init)
-            self.v_proj = te.Linear(cfg.d_model, kv * hd, bias=False, device=device, init_method=init)
-        self.o_proj = te.Linear(h * hd, cfg.d_model, bias=False, device=device,
+            self.q_proj = Linear(cfg.d_model, h * hd, bias=False, device=device, init_method=init)
+            self.k_proj = Linear(cfg.d_model, kv * hd, bias=False, device=device, init_method=init)
+            self.v_proj = Linear(cfg.d_model, kv * hd, bias=False, device=device, init_method=init)
+        self.o_proj = Linear(h * hd, cfg.d_model, bias=False, device=device,
                                 init_method=_init_out(0.02 / math.sqrt(2 * cfg.n_layers)))
         # An FP8 KV cache's calibrated scales, [n_kv_heads] float32, dequantizing (K ~= k_byte * k_scale): None
         # unless fp8ext.inference.quantize_model set them from calibration; then in the state dict as
@@ -254,7 +256,6 @@ class GroupedQueryAttention(nn.Module):
 
     def _decode(self, q, k_cache, v_cache, length, k_scale, v_scale, mb):
         """o_proj of decode attention of q [b, n_heads, 1, head_dim] over the cache's positions [0, length)."""
-        from ..inference import attention
         b, h, _, hd = q.shape
         y = attention.decode_attention(q[:, :, 0], k_cache, v_cache, length, k_scale, v_scale)
         return self.o_proj(y.reshape(b, 1, h * hd), **mb)
@@ -265,8 +266,8 @@ class SwiGLU(nn.Module):
 
     def __init__(self, cfg: TransformerConfig, device=None):
         super().__init__()
-        self.w13 = te.Linear(cfg.d_model, 2 * cfg.d_ff, bias=False, device=device, init_method=_init_out(0.02))
-        self.w2 = te.Linear(cfg.d_ff, cfg.d_model, bias=False, device=device,
+        self.w13 = Linear(cfg.d_model, 2 * cfg.d_ff, bias=False, device=device, init_method=_init_out(0.02))
+        self.w2 = Linear(cfg.d_ff, cfg.d_model, bias=False, device=device,
                             init_method=_init_out(0.02 / math.sqrt(2 * cfg.n_layers)))
 
     def forward(self, x, is_first_microbatch=None):
@@ -293,9 +294,9 @@ class SwiGLU(nn.Module):
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: TransformerConfig, device=None):
         super().__init__()
-        self.attn_norm = te.RMSNorm(cfg.d_model, eps=cfg.norm_eps, device=device)
+        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, device=device)
         self.attn = GroupedQueryAttention(cfg, device)
-        self.ffn_norm = te.RMSNorm(cfg.d_model, eps=cfg.norm_eps, device=device)
+        self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, device=device)
         self.ffn = SwiGLU(cfg, device)
 
     def forward(self, x, cos, sin, is_first_microbatch=None, kv_cache=None, start_pos: int = 0):
@@ -323,7 +324,7 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(TransformerBlock(cfg, device) for _ in range(cfg.n_layers))
         for i, block in enumerate(self.blocks):
             block.attn.layer_idx = i
-        self.norm = te.RMSNorm(cfg.d_model, eps=cfg.norm_eps, device=device)
+        self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, device=device)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, device=device)  # high precision
         nn.init.normal_(self.lm_head.weight, std=0.02)
         cos, sin = rope_tables(cfg, device)
@@ -366,7 +367,7 @@ class Transformer(nn.Module):
         if outer is not None and outer.enabled == bool(fp8) and not outer.calibrating and outer.group is fp8_group \
                 and (fp8_recipe is None or outer.recipe is fp8_recipe):
             return contextlib.nullcontext()
-        return te.fp8_autocast(enabled=fp8, fp8_recipe=fp8_recipe, fp8_group=fp8_group)
+        return fp8_autocast(enabled=fp8, fp8_recipe=fp8_recipe, fp8_group=fp8_group)
 
     def num_parameters(self, exclude_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
@@ -401,9 +402,9 @@ def parser() -> argparse.ArgumentParser:
 def _self_test(argv=None) -> None:
     args = parser().parse_args(argv)
     device = torch.device(args.device)
-    if args.fp8 and device.type == "cuda" and not te.cuda_available():
+    if args.fp8 and device.type == "cuda" and not cuda_available():
         raise RuntimeError("--fp8 on a GPU needs fp8ext's CUDA kernels; this build has none "
-                           f"({te.build_info()['no_cuda_reason']})")
+                           f"({build_info()['no_cuda_reason']})")
     torch.manual_seed(0)
     cfg = PRESETS[args.preset]
     model = Transformer(cfg, device=device)

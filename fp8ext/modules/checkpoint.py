@@ -24,7 +24,6 @@ import torch
 import torch.utils.checkpoint
 
 from ..core.context import current_context, in_backward
-from ..core.recipe import DelayedScaling
 
 __all__ = ["checkpoint", "forward_context"]
 
@@ -38,7 +37,7 @@ def forward_context(layer):
     if torch.compiler.is_compiling():  # compiled checkpointing recomputes inside the compiled graph, not in Python
         return ctx
     if ctx is not None:
-        mgr = layer.scaling_manager(ctx.recipe) if isinstance(ctx.recipe, DelayedScaling) else None
+        mgr = layer.scaling_manager(ctx.recipe) if ctx.recipe.stateful else None
         # every FP8 forward passes here: a plain attribute written past nn.Module.__setattr__ (a few microseconds)
         layer.__dict__["_fp8_forward"] = (ctx, mgr, mgr.steps if mgr is not None else 0)
         return ctx

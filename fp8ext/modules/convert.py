@@ -11,6 +11,9 @@ from typing import Callable, List, Optional
 
 from torch import nn
 
+from ..core.context import mark_compiled_steps, resolve_recipe
+from ..core.recipe import check_recipe
+from ..core.tensor import role_quantizers
 from .linear import FP8Linear
 
 __all__ = ["convert_to_fp8", "prepare_fp8", "set_forward_recipe", "FP8ConversionWarning"]
@@ -94,10 +97,7 @@ def _output_head(module: nn.Module) -> Optional[nn.Linear]:
 
 
 def _check_recipe(fp8_recipe, who: str) -> None:
-    from ..core.recipe import RECIPES
-    if fp8_recipe is not None and not isinstance(fp8_recipe, RECIPES):
-        raise TypeError(f"{who}(): fp8_recipe must be None or a recipe (DelayedScaling, Float8CurrentScaling, "
-                        f"Float8BlockScaling, Float8RowwiseScaling), got {type(fp8_recipe).__name__}")
+    check_recipe(fp8_recipe, f"{who}()", none_ok=True)
 
 
 class _CallScope(threading.local):
@@ -159,18 +159,15 @@ def prepare_fp8(module: nn.Module, fp8_recipe=None, *, recast_in_backward: bool 
     With delayed scaling, compiled steps then mark the recipe's managers for their next update when the step's
     outermost fp8_autocast exits, rather than from inside the compiled graph (torch.compile keeps no such flag
     inside a checkpointed region: activation checkpointing would break the graph)."""
-    from ..core.context import _DEFAULT_RECIPE, mark_compiled_steps
-    from ..core.recipe import CurrentScaling, DelayedScaling
-    from ..core.tensor import role_quantizers
-    recipe = fp8_recipe if fp8_recipe is not None else _DEFAULT_RECIPE
-    if recast_in_backward and not isinstance(recipe, (CurrentScaling, DelayedScaling)):
+    recipe = resolve_recipe(fp8_recipe, "prepare_fp8()")
+    if recast_in_backward and not recipe.per_tensor:
         raise ValueError(f"prepare_fp8: recast_in_backward=True needs per-tensor scales (DelayedScaling or "
                          f"Float8CurrentScaling), got {type(recipe).__name__} (row-wise and block scales are not "
                          f"recast)")
     layers = [m for m in module.modules() if isinstance(m, FP8Linear)]
     for m in layers:
         m.fp8_recast_in_backward = bool(recast_in_backward)
-    if isinstance(recipe, DelayedScaling):
+    if recipe.stateful:
         for m in layers:
             m.init_fp8(recipe)
             mgr = m.scaling_manager(recipe)

@@ -45,10 +45,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..core._graph_state import FP8Replay, ManagerState, UpdateGate
-from ..core.context import _DEFAULT_RECIPE, fp8_autocast, get_scaling_manager
+from ..core.graph_state import FP8Replay, ManagerState, UpdateGate
+from ..core.context import fp8_autocast, get_scaling_manager, resolve_recipe
 from .convert import prepare_fp8
-from ..core.recipe import RECIPES, DelayedScaling
 
 __all__ = ["make_graphed_callables"]
 
@@ -71,12 +70,9 @@ def _check_options(n: int, fp8_enabled, fp8_calibrating, fp8_recipe, fp8_weight_
     enabled = tuple(fp8_enabled) if isinstance(fp8_enabled, (tuple, list)) else (fp8_enabled,) * n
     if len(enabled) != n:
         raise ValueError(f"{_FN}: fp8_enabled must be a bool or one bool per module ({n}), got {len(enabled)}")
-    recipe = fp8_recipe if fp8_recipe is not None else _DEFAULT_RECIPE
-    if not isinstance(recipe, RECIPES):
-        raise TypeError(f"{_FN}: fp8_recipe must be DelayedScaling or CurrentScaling (per tensor), Float8BlockScaling "
-                        f"or Float8RowwiseScaling, got {type(recipe).__name__}")
+    recipe = resolve_recipe(fp8_recipe, _FN)
     uses_fp8 = any(enabled) or bool(fp8_calibrating)
-    if uses_fp8 and isinstance(recipe, DelayedScaling) and recipe.interval != 1:
+    if uses_fp8 and recipe.stateful and recipe.interval != 1:
         raise NotImplementedError(f"{_FN}: fp8_recipe.interval={recipe.interval} is not supported: whether a step "
                                   "recomputes the scales is decided on the host, which a graph replay cannot "
                                   "follow; use interval=1")
@@ -376,7 +372,7 @@ def make_graphed_callables(
 
 def _build(callables, samples, flat, enabled, calibrating, recipe, group, iters, allow_unused, pool, retain,
            training, device) -> list:
-    delayed = isinstance(recipe, DelayedScaling) and (any(enabled) or calibrating)
+    delayed = recipe.stateful and (any(enabled) or calibrating)
     gate = saved = None
     if delayed:
         for m in callables:

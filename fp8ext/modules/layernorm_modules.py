@@ -11,7 +11,7 @@ fc2_weight, fc2_bias), so state dicts of TE's modules load here and the other wa
 
 On a GPU, inside fp8_autocast with delayed scaling, RMSNorm and SwiGLU are computed inside the FP8 cast of the next
 GEMM's input, as TE's fused kernels do: the norm's or the activation's high-precision output is never written
-(fp8ext._fused_linear; the same bytes as the separate steps, each output rounded to the input's dtype before its
+(fp8ext.modules.fused_linear; the same bytes as the separate steps, each output rounded to the input's dtype before its
 cast). In LayerNormMLP's backward (RMSNorm, SwiGLU, fc1 without bias) SwiGLU's gradient is likewise computed inside
 the cast of fc1's output gradient (TE's dswiglu + cast_transpose); RMSNorm's backward is one kernel. LayerNorm, the
 other activations, current scaling and return_layernorm_output=True run the steps separately: the norm, the
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import fused
-from ._fused_linear import RMSNORM, SWIGLU, fused_input_linear, fused_mlp, has_hooks
+from .fused_linear import RMSNORM, SWIGLU, fused_input_linear, fused_mlp, has_hooks
 from .linear import FP8Linear
 from .normalization import LayerNorm, RMSNorm
 
@@ -86,7 +86,7 @@ class _TENamedParameters(nn.Module):
 
     def _fusable_gamma(self, inp) -> Optional[torch.Tensor]:
         """The float32 gamma of the module's RMSNorm, for the paths that compute the norm inside the next FP8 cast
-        (fp8ext._fused_linear, which decides whether the call is one it takes); None where they cannot run:
+        (fp8ext.modules.fused_linear, which decides whether the call is one it takes); None where they cannot run:
         LayerNorm, return_layernorm_output=True (the norm's output is wanted), torch.compile tracing, or forward hooks
         on the norm (the fused path does not call it as a module)."""
         norm = self.layer_norm

@@ -33,18 +33,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import _C
-from ..core import debug
-from ..core._boundary import stream_of
-from ..ops._gemm import bias_epilogue
-from ..core.context import activation_dtype, get_scaling_manager
+from ..core import debug, profiling
+from ..core.boundary import stream_of
+from ..ops.matmul import bias_epilogue
+from ..core.context import activation_dtype, get_scaling_manager, thread_state
 from .checkpoint import forward_context
-from .fsdp import FP8GatheredWeight  # FSDP2's FP8 all-gather: a weight that arrives already cast
+from .fp8_weights import FP8GatheredWeight  # FSDP2's FP8 all-gather: a weight that arrives already cast
 from .linear_autograd import (COMPOSED, HIGH_PRECISION, ONE_CALL, ONE_CALL_OP, SWIGLU_PROLOGUE, LinearFunction,
                               LinearPlan, recast_in_backward)
 from ..core.profiling import profiled
-from ..core.recipe import CurrentScaling, DelayedScaling
+from ..core.recipe import DelayedScaling, Recipe
 from ..core.scaling import pack_slots_state, unpack_slots_state
-from ..core.tensor import FP8Tensor, Quantizer, role_quantizers
+from ..core.tensor import TENSOR, Float8CurrentScalingQuantizer, Float8Quantizer, FP8Tensor, Quantizer, role_quantizers
 
 __all__ = ["FP8Linear", "Linear"]
 
@@ -59,24 +59,124 @@ def _cast(t2d: torch.Tensor, quantizer: Quantizer, keep_scale: bool = False) -> 
     return quantizer.quantize(t2d, keep_scale)
 
 
-def mark_recorded(mgr, quantizers, whole: bool, prepared: bool = False) -> None:
-    """Marks the quantizers' slots for their update at this thread's next step boundary (this step records amaxes
-    in them). Under torch.compile the whole manager is marked (a compiled graph keeps no per-slot bookkeeping), and
-    a manager that prepare_fp8 prepared is marked by fp8_autocast's exit instead (FP8ScalingManager.compiled_steps):
-    the flag is a side effect that compiled code cannot keep inside a checkpointed region (torch.compile's
-    activation checkpointing), where it would break the graph. `whole`: compiling or capturing; `prepared`: the
-    layer's slots are prepare_fp8's (FP8Linear._fp8_compiled_manager)."""
-    if whole:  # compiling (or capturing a CUDA graph, whose replays mark the manager themselves)
-        if not (prepared and torch.compiler.is_compiling()):
-            mgr.dirty = True
-    else:
-        mgr.record((quantizers[0]._slot, quantizers[1]._slot, quantizers[2]._slot))
-
-
 def _capturing() -> bool:
     """Whether the current CUDA stream is capturing a graph: graphs take the composed path (a captured step has
     no host work to save, and the composed path is the one graph capture is tested with)."""
     return _graphs_possible and torch.cuda.is_current_stream_capturing()
+
+
+# ---- which path a call takes ------------------------------------------------------------------------------------
+# choose_plan is the one function that decides which path an FP8 call of an FP8Linear takes; it returns the LinearPlan
+# (fp8ext/modules/linear_autograd.py) that LinearFunction runs:
+#     ONE_CALL      eager: each pass one fp8ext._C call (the casts and the GEMMs of the pass inside C)
+#     ONE_CALL_OP   under torch.compile: the same two calls as the torch ops fp8ext::linear_fwd / linear_bwd
+#     COMPOSED      the casts and the GEMMs as separate ops (every recipe; what the one-call passes do not take)
+# The one-call passes take what csrc/py_linear.c implements, checked here once (C checks again only what memory
+# safety needs): per-tensor quantizers of the two built-in kinds (a manager's slots: delayed scaling; or the tensor's
+# own amax: current scaling), a contiguous input of a float dtype whose row count is a nonzero multiple of 16, the
+# weight on the input's device, in_features and out_features multiples of 16, the weight recast every call
+# (is_first_microbatch None), no CUDA-graph capture (graphs take the composed path), fp8ext.debug off, a weight that
+# FSDP did not gather already cast, and as prologue SwiGLU only (delayed scaling, no recast in backward). Under
+# torch.compile the slots must have been registered before tracing (prepare_fp8, or an eager step) and
+# fuse_wgrad_accumulation is the composed path's. A recipe's own quantizer kinds take the composed path.
+# Whether torch.compile is tracing is read once per call, in choose_plan: compiled code can neither register scaling
+# slots nor keep host-side caches, so the compiled plan reads only what was set up eagerly. FP8Linear._steady_plan
+# reuses the previous call's eager one-call plan while these conditions hold (read without calling out).
+_ONE_CALL_KINDS = (Float8Quantizer, Float8CurrentScalingQuantizer)  # the kinds csrc/py_linear.c casts itself
+
+
+def mark_recorded(mgr, quantizers, compiling: bool, prepared: bool = False) -> None:
+    """Marks the quantizers' slots for their update at this thread's next step boundary (this step records amaxes
+    in them). Under torch.compile the whole manager is marked (a compiled graph keeps no per-slot bookkeeping), and
+    a manager that prepare_fp8 prepared is marked by fp8_autocast's exit instead (FP8ScalingManager.compiled_steps):
+    the flag is a side effect that compiled code cannot keep inside a checkpointed region (torch.compile's
+    activation checkpointing), where it would break the graph. A CUDA graph being captured marks the whole manager
+    too (its replays mark it themselves). `prepared`: the layer's slots are prepare_fp8's
+    (FP8Linear._fp8_compiled_manager)."""
+    if compiling:
+        if not prepared:
+            mgr.dirty = True
+    elif _capturing():
+        mgr.dirty = True
+    else:
+        mgr.record((quantizers[0]._slot, quantizers[1]._slot, quantizers[2]._slot))
+
+
+def choose_plan(layer, recipe, x: torch.Tensor, is_first_microbatch: Optional[bool] = None, prologue=None, *,
+                one_call: Optional[bool] = None) -> Optional[LinearPlan]:
+    """The LinearPlan of an FP8 call of `layer` (an FP8Linear) on x with `recipe` (fp8_autocast's, enabled): the
+    one-call passes where they take the call (see above), else the composed path. one_call=True: the one-call plan
+    or None (the fused SwiGLU path falls back on its own); False: the composed plan (the fused norm paths).
+    prologue: the step fp8ext's fused paths compute inside the input's cast."""
+    compiling, only_one_call = torch.compiler.is_compiling(), one_call is True
+    if compiling and recipe.stateful and recipe not in layer._fp8_views:
+        if only_one_call:
+            return None
+        one_call = False  # tracing never registers slots: a graph break (init_fp8), and the composed path
+    quantizers = layer.quantizers(recipe, _compiling=compiling)
+    plan = None
+    if one_call is not False and isinstance(x, torch.Tensor) and not x.is_meta and x.is_contiguous() and \
+            x.dim() != 0 and x.shape[-1] == (2 if prologue is not None else 1) * layer.in_features:
+        plan = one_call_plan(layer, quantizers, x.dtype, activation_dtype(x), x.device, x.numel() // x.shape[-1],
+                             is_first_microbatch, prologue, compiling)
+    if plan is None and not only_one_call:
+        plan = _composed_plan(layer, recipe, x, quantizers, is_first_microbatch, prologue, compiling)
+    return plan
+
+
+def one_call_plan(layer, quantizers, in_dtype, out_dtype, device, m: int, is_first_microbatch=None, prologue=None,
+                  compiling: bool = False) -> Optional[LinearPlan]:
+    """The one-call plan of `layer` for a contiguous input of m rows in in_dtype on `device` (of the width the layer
+    and the prologue take) with its output in out_dtype, or None where the one-call passes do not take the call."""
+    if is_first_microbatch is not None or not _FAST_PATH or debug.enabled():
+        return None
+    q = quantizers[0]
+    if type(q) not in _ONE_CALL_KINDS or any(type(o) is not type(q) for o in quantizers):
+        return None
+    if (compiling and layer.fuse_wgrad_accumulation) or (not compiling and _capturing()):
+        return None
+    w, mgr = layer.weight, q.manager
+    if w.is_meta or isinstance(w, FP8GatheredWeight):
+        return None
+    if prologue is not None and (prologue.op != SWIGLU_PROLOGUE or mgr is None or layer.fp8_recast_in_backward):
+        return None
+    k, n = layer.in_features, layer.out_features
+    dev = w.device if mgr is None else q.scale.device
+    if in_dtype not in _LEAN_DTYPES or w.dtype not in _LEAN_DTYPES or device != dev or w.device != dev or \
+            not w.is_contiguous() or m == 0 or m % 16 or k % 16 or n % 16:
+        return None
+    layer._weight_cache = None
+    bias = None if layer.return_bias else layer.bias
+    main_grad = layer._main_grad() if layer.fuse_wgrad_accumulation and torch.is_grad_enabled() else None
+    # recast: bfloat16 and float32 inputs (see linear_autograd._recast_t); float16 keeps its FP8 copies
+    recast = compiling and layer.fp8_recast_in_backward and in_dtype != torch.float16
+    if mgr is not None:
+        mark_recorded(mgr, quantizers, compiling, layer._fp8_compiled_manager is mgr)
+    return LinearPlan(ONE_CALL_OP if compiling else ONE_CALL, quantizers, w, bias, out_dtype=out_dtype,
+                      main_grad=main_grad, fuse_bias=bias_epilogue(bias, out_dtype) and bias.is_contiguous(),
+                      recast=recast, prologue=prologue)
+
+
+def _composed_plan(layer, recipe, x, quantizers, is_first_microbatch, prologue, compiling) -> LinearPlan:
+    """The composed path's plan: the weight's FP8 cast (see FP8Linear._weight_fp8), main_grad, the output dtype.
+    It recasts in backward with current scaling only: its copy of a delayed slot's scale is an op the partitioner
+    may move into the backward, after the manager has updated the slot (the one-call path's scales come out of its
+    forward op, which the partitioner never moves)."""
+    per_tensor = quantizers[0].granularity == TENSOR
+    if layer.fp8_recast_in_backward and not per_tensor:
+        raise ValueError(f"FP8Linear({layer.in_features}, {layer.out_features}): fp8_recast_in_backward (set by "
+                         f"prepare_fp8) needs per-tensor scales (DelayedScaling or Float8CurrentScaling), got "
+                         f"{type(recipe).__name__}")
+    recast = layer.fp8_recast_in_backward and not recipe.stateful
+    if debug.enabled():
+        layer._debug_checks(x, quantizers)
+    w8 = layer._weight_fp8(quantizers[1], is_first_microbatch, recast, compiling)
+    main_grad = layer._main_grad() if layer.fuse_wgrad_accumulation and torch.is_grad_enabled() else None
+    mgr = quantizers[0].manager
+    if mgr is not None:
+        mark_recorded(mgr, quantizers, compiling, layer._fp8_compiled_manager is mgr)
+    return LinearPlan(COMPOSED, quantizers, layer.weight, None if layer.return_bias else layer.bias,
+                      out_dtype=activation_dtype(x), w8=w8, main_grad=main_grad, prologue=prologue, recast=recast)
 
 
 _ids = itertools.count()  # FP8Linear slot names are unique for the life of the process (id() is reused)
@@ -165,6 +265,7 @@ class FP8Linear(nn.Module):
         self._pending_fp8_state = pending  # loaded extra state, applied when the layer gets its slots
         self._lean = None  # (recipe, quantizers) of the fast path, set by the first FP8 step (delayed or current)
         self._fp8_forward = None  # the context of the last forward, for a checkpointed rerun (fp8ext.checkpoint)
+        self._steady = None  # the last eager one-call plan and what it was chosen on (_steady_plan)
 
     def reset_parameters(self) -> None:
         """nn.Linear's initialisation, or init_method(weight) and a zero bias when init_method was given."""
@@ -186,7 +287,7 @@ class FP8Linear(nn.Module):
     def __getstate__(self):
         state = self.__dict__.copy()
         for key in ("_weight_cache", "_fp8_views", "_leases", "_manager", "_fp8_id", "_lean", "_fp8_forward",
-                    "_fp8_compiled_manager"):  # a copy has new slots: prepare_fp8 it again to compile it
+                    "_fp8_compiled_manager", "_steady"):  # a copy has new slots: prepare_fp8 it again to compile it
             state.pop(key, None)
         state["_pending_fp8_state"] = self.fp8_state() or None
         return state
@@ -210,7 +311,7 @@ class FP8Linear(nn.Module):
         self._manager = st[0]
         return st[0], st[1]
 
-    def scaling_manager(self, recipe: DelayedScaling):
+    def scaling_manager(self, recipe: Recipe):
         """The FP8ScalingManager that holds this layer's scales for `recipe` (made on first use; None for a meta
         weight, which is never cast)."""
         lean = self._lean  # the fast path's: an equal recipe made anew each step finds it too (no dictionary lookup)
@@ -218,22 +319,37 @@ class FP8Linear(nn.Module):
             return lean[1][0].manager
         return None if self.weight.is_meta else get_scaling_manager(recipe, self.weight.device)
 
-    def quantizers(self, recipe: DelayedScaling):
-        """The layer's (input, weight, grad_output) Quantizers for a DelayedScaling `recipe`, its slots registered
-        (again, when the manager's buffers were reallocated since) as forward would."""
-        self._manager_views(recipe)
-        return self._fp8_views[recipe][3]
+    def quantizers(self, recipe: Recipe, *, _compiling: Optional[bool] = None):
+        """The layer's (input, weight, grad_output) Quantizers for `recipe` as forward uses them: a stateful recipe's
+        over the layer's slots, registered (again, when the manager's buffers were reallocated since); a stateless
+        one's shared by all layers (role_quantizers). The last recipe's are kept on the layer, so that the steady
+        state reads an attribute (an equal recipe made anew each step finds them too); not under torch.compile,
+        whose graph would guard on that attribute."""
+        compiling = torch.compiler.is_compiling() if _compiling is None else _compiling
+        lean = None if compiling else self._lean
+        if lean is not None and (lean[0] is recipe or lean[0] == recipe) and lean[1][0].current():
+            return lean[1]
+        if recipe.stateful:  # compiled: the views registered before tracing, read without writing the layer
+            st = self._fp8_views.get(recipe) if compiling else None
+            if st is None:
+                self._manager_views(recipe)
+                st = self._fp8_views[recipe]
+            quantizers = st[3]
+        else:
+            quantizers = role_quantizers(recipe)
+        if not compiling:
+            self._lean = (recipe, quantizers)
+        return quantizers
 
     @torch.compiler.disable  # registration changes the manager: done eagerly, never traced
-    def init_fp8(self, recipe: DelayedScaling, device=None):
+    def init_fp8(self, recipe: Recipe, device=None):
         """Registers the layer's three tensors with the recipe's FP8ScalingManager (made on first use) on
         `device` (the weight's by default); the slots are released when the layer is garbage-collected.
         forward does this on first use; fp8ext.prepare_fp8(model) does it ahead of time (optional: it saves
         torch.compile a graph break on the first step)."""
         mgr = get_scaling_manager(recipe, device if device is not None else self.weight.device)
         names = self._slot_names()
-        fmt = recipe.fp8_format
-        slots = [mgr.register(names[0], fmt.fwd), mgr.register(names[1], fmt.fwd), mgr.register(names[2], fmt.bwd)]
+        slots = [mgr.register(name, fmt) for name, fmt in zip(names, recipe.role_formats())]
         if id(mgr) not in self._leases:
             fin = weakref.finalize(self, mgr.release, names)
             fin.atexit = False
@@ -242,7 +358,7 @@ class FP8Linear(nn.Module):
             pending, self._pending_fp8_state = self._pending_fp8_state, None
             mgr.load_slots(names, pending["amax_history"], pending["scale"], pending["scale_inv"], pending.get("steps"))
         self._manager = mgr
-        quantizers = tuple(Quantizer(f, recipe.margin, mgr, s) for f, s in zip((fmt.fwd, fmt.fwd, fmt.bwd), slots))
+        quantizers = tuple(recipe.make_quantizers(mgr, slots))
         st = self._fp8_views[recipe] = (mgr, [mgr.views(s) for s in slots], mgr.generation, quantizers)
         return st
 
@@ -290,7 +406,8 @@ class FP8Linear(nn.Module):
             missing_keys.remove(key)
 
     # ---- forward ----------------------------------------------------------------------------------
-    def _weight_fp8(self, quantizer: Quantizer, is_first_microbatch, recast: bool = False) -> FP8Tensor:
+    def _weight_fp8(self, quantizer: Quantizer, is_first_microbatch, recast: bool = False,
+                    compiling: bool = False) -> FP8Tensor:
         """The weight's FP8 cast. As in Transformer Engine: recast on every forward by default (so a weight
         changed in any way, `.data` writes included, is never served stale); is_first_microbatch=True casts and
         keeps the cast, False reuses the kept one across the micro-batches of a step. A kept cast is still
@@ -299,7 +416,7 @@ class FP8Linear(nn.Module):
         w = self.weight
         if isinstance(w, FP8GatheredWeight):  # FSDP2 gathered it in FP8 (fp8ext/modules/fsdp.py): already cast
             return w.fp8_tensor(quantizer)
-        keep = is_first_microbatch is not None and not torch.compiler.is_compiling() and not (
+        keep = is_first_microbatch is not None and not compiling and not (
             w.is_cuda and torch.cuda.is_current_stream_capturing())
         if not keep:  # cast for this call only; compiled, its scale is kept for backward's recast of W8^T
             self._weight_cache = None
@@ -313,25 +430,80 @@ class FP8Linear(nn.Module):
         self._weight_cache = (key, w8)
         return w8
 
-    @profiled("FP8Linear.forward")
     def forward(self, input: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         """y = input W^T + b (a tuple (input W^T, b) with return_bias=True). is_first_microbatch (Transformer
         Engine's argument): None (default) casts the weight on every call; True casts it and keeps the cast;
         False reuses the kept cast for the next micro-batches of the same step. Under activation checkpointing the
         recomputed forward runs in the fp8_autocast context of the original one (fp8ext/modules/checkpoint.py)."""
+        if is_first_microbatch is None and not profiling.ranges_on:
+            plan = self._steady_plan(input)
+            if plan is not None:  # the steady state: the one-call plan of the previous call holds
+                y = LinearFunction.apply(input, self.weight, None if self.return_bias else self.bias, plan)
+                return (y, self.bias) if self.return_bias else y
+        return self._forward(input, is_first_microbatch)
+
+    def _steady_plan(self, x: torch.Tensor) -> Optional[LinearPlan]:
+        """The previous call's one-call plan when everything it was chosen on still holds (choose_plan's conditions,
+        read from the layer, the input and the context without calling out), else None. Records this call's context
+        (forward_context) and its slots (mark_recorded) as the full path would."""
+        st = self._steady
+        stack = thread_state.stack
+        if st is None or not stack or torch.compiler.is_compiling() or not _FAST_PATH or debug.checks_on:
+            return None
+        plan, recipe, gen, dtype, device, w, w_dtype, bias, slots = st
+        ctx, mgr = stack[-1], plan.input.manager
+        if (ctx.recipe is not recipe and ctx.recipe != recipe) or not ctx.enabled or ctx.calibrating or \
+                (mgr is not None and mgr.generation != gen):
+            return None
+        k = self.in_features
+        if not isinstance(x, torch.Tensor) or x.dtype is not dtype or x.device != device or not x.is_contiguous() or \
+                x.dim() == 0 or x.shape[-1] != k or x.numel() % (16 * k) or x.numel() == 0:
+            return None
+        b = None if self.return_bias else self.bias
+        if self.weight is not w or w.dtype is not w_dtype or not w.is_contiguous() or b is not bias or \
+                (b is not None and b.dtype is not plan.b_dtype):
+            return None
+        t = device.type
+        if (torch.get_autocast_dtype(t) if torch.is_autocast_enabled(t) else dtype) is not plan.out_dtype or \
+                (_graphs_possible and torch.cuda.is_current_stream_capturing()):
+            return None
+        self.__dict__["_fp8_forward"] = (ctx, mgr, mgr.steps if mgr is not None else 0)  # as forward_context records
+        if mgr is not None:
+            mgr.record(slots)
+        return plan
+
+    def _keep_steady(self, recipe, x: torch.Tensor, plan: LinearPlan) -> None:
+        """Keeps an eager one-call plan for _steady_plan (not with main_grad: it is checked on every call)."""
+        if plan.main_grad is None and plan.prologue is None:
+            q = plan.input
+            slots = (q._slot, plan.weight._slot, plan.grad._slot) if q.manager is not None else None
+            self.__dict__["_steady"] = (plan, recipe, q.manager.generation if q.manager is not None else None,
+                                        x.dtype, x.device, self.weight, self.weight.dtype,
+                                        None if self.return_bias else self.bias, slots)
+        else:
+            self.__dict__["_steady"] = None
+
+    @profiled("FP8Linear.forward")
+    def _forward(self, input: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+        """forward through choose_plan (and the cases outside FP8: high precision, empty batches, calibration)."""
         ctx = forward_context(self)
-        y = self.fast_forward(ctx, input, is_first_microbatch)
-        if y is not None:
-            return y
         bias = None if self.return_bias else self.bias
-        main_grad = self._main_grad() if self.fuse_wgrad_accumulation and torch.is_grad_enabled() else None
         if ctx is None or not (ctx.enabled or ctx.calibrating):
-            if main_grad is not None:
-                plan = LinearPlan(HIGH_PRECISION, (None, None, None), self.weight, bias, main_grad=main_grad)
+            if self.fuse_wgrad_accumulation and torch.is_grad_enabled():
+                plan = LinearPlan(HIGH_PRECISION, (None, None, None), self.weight, bias, main_grad=self._main_grad())
                 return self.returned(LinearFunction.apply(input, self.weight, bias, plan))
             return self.returned(F.linear(input, self.weight, bias))
         if input.dim() == 0 or input.numel() == 0 or input.is_meta or self.weight.is_meta:
             return self.returned(self._no_gemm(input, bias))
+        self._check_fp8_input(input)
+        if not ctx.enabled:  # calibrating
+            return self.returned(self._calibrate(ctx.recipe, input, bias))
+        plan = choose_plan(self, ctx.recipe, input, is_first_microbatch)
+        if plan.backend is ONE_CALL and is_first_microbatch is None:  # eager: never while torch.compile traces
+            self._keep_steady(ctx.recipe, input, plan)
+        return self.returned(LinearFunction.apply(input, self.weight, bias, plan))
+
+    def _check_fp8_input(self, input: torch.Tensor) -> None:
         if input.shape[-1] != self.in_features:
             raise ValueError(f"FP8Linear: input has {input.shape[-1]} features, the layer takes {self.in_features}")
         if self.in_features % 16 or self.out_features % 16:
@@ -341,70 +513,28 @@ class FP8Linear(nn.Module):
             raise TypeError(f"FP8Linear({self.in_features}, {self.out_features}): in FP8 the input and the weight must be "
                             f"float32, bfloat16 or float16, got input {str(input.dtype).removeprefix('torch.')} and weight "
                             f"{str(self.weight.dtype).removeprefix('torch.')}; compute this layer outside fp8_autocast")
-        recipe = ctx.recipe
-        delayed = isinstance(recipe, DelayedScaling)
-        if ctx.calibrating and not ctx.enabled:
-            if delayed:  # record the amaxes for the scales FP8 will use, compute in high precision
-                mgr, views = self._manager_views(recipe)
-                x2 = input.detach().reshape(-1, self.in_features)
-                _C.amax(_to_dl(x2.contiguous()), _to_dl(views[0][2]), stream=stream_of(x2.device))
-                _C.amax(_to_dl(self.weight.detach()), _to_dl(views[1][2]), stream=stream_of(x2.device))
-                mark_recorded(mgr, self._fp8_views[recipe][3], torch.compiler.is_compiling() or _capturing(),
-                              self._fp8_compiled_manager is mgr)
-            return self.returned(F.linear(input, self.weight, bias))
-        plan = self.fp8_plan(recipe, input, is_first_microbatch)
-        return self.returned(LinearFunction.apply(input, self.weight, bias, plan))
+
+    def _calibrate(self, recipe, input: torch.Tensor, bias):
+        """fp8_autocast(calibrating=True, enabled=False): a stateful recipe records the amaxes for the scales FP8 will
+        use; the layer computes in high precision."""
+        if recipe.stateful:
+            mgr, views = self._manager_views(recipe)
+            x2 = input.detach().reshape(-1, self.in_features)
+            _C.amax(_to_dl(x2.contiguous()), _to_dl(views[0][2]), stream=stream_of(x2.device))
+            _C.amax(_to_dl(self.weight.detach()), _to_dl(views[1][2]), stream=stream_of(x2.device))
+            mark_recorded(mgr, self._fp8_views[recipe][3], torch.compiler.is_compiling(),
+                          self._fp8_compiled_manager is mgr)
+        return F.linear(input, self.weight, bias)
 
     def fp8_plan(self, recipe, input: torch.Tensor, is_first_microbatch: Optional[bool] = None, *,
                  prologue=None) -> LinearPlan:
-        """The LinearPlan (fp8ext.linear_autograd) of an FP8 forward of this layer on `input` with `recipe`: the
-        quantizers of its three tensors (delayed scaling: the layer's slots, the manager marked for its next
-        update), the weight's FP8 cast (see is_first_microbatch in forward), main_grad and the output dtype.
-        prologue: the step that fp8ext's fused paths compute inside the input's cast (fp8ext._fused_linear)."""
-        if self.fp8_recast_in_backward and not isinstance(recipe, (CurrentScaling, DelayedScaling)):
-            raise ValueError(f"FP8Linear({self.in_features}, {self.out_features}): fp8_recast_in_backward (set by "
-                             f"prepare_fp8) needs per-tensor scales (DelayedScaling or Float8CurrentScaling), got "
-                             f"{type(recipe).__name__}")
-        # The composed path recasts with current scaling only: its copy of a delayed slot's scale is an op the
-        # partitioner may move into the backward, after the manager has updated the slot (the fast path's scales
-        # come out of its forward op, which the partitioner never moves)
-        recast = self.fp8_recast_in_backward and isinstance(recipe, CurrentScaling)
-        if isinstance(recipe, DelayedScaling):
-            mgr, _ = self._manager_views(recipe)
-            quantizers = self._fp8_views[recipe][3]
-            mark_recorded(mgr, quantizers, torch.compiler.is_compiling() or _capturing(), self._fp8_compiled_manager is mgr)
-            if not torch.compiler.is_compiling():
-                lean = self._lean
-                if lean is None or lean[0] is not recipe or lean[1] is not quantizers:
-                    self._lean = (recipe, quantizers)
-        else:  # current, row-wise or block scaling: each cast scales by its tensor's (rows', blocks') own amax
-            quantizers = role_quantizers(recipe)
-            if isinstance(recipe, CurrentScaling) and not torch.compiler.is_compiling():
-                self._lean = (recipe, quantizers)  # per-tensor current scaling takes the fast path too
-        if debug.enabled():
-            self._debug_checks(input, quantizers)
-        w8 = self._weight_fp8(quantizers[1], is_first_microbatch, recast)
-        main_grad = self._main_grad() if self.fuse_wgrad_accumulation and torch.is_grad_enabled() else None
-        return LinearPlan(COMPOSED, quantizers, self.weight, None if self.return_bias else self.bias,
-                          out_dtype=activation_dtype(input), w8=w8, main_grad=main_grad, prologue=prologue,
-                          recast=recast)
-
-    def _compiled_lean(self, recipe):
-        """Under torch.compile: (recipe, quantizers) for the fast path, whose two C calls compiled code makes as
-        torch ops (ONE_CALL_OP), or None. Delayed scaling: the slots registered before tracing (prepare_fp8, or an
-        eager step; tracing never registers); per-tensor current scaling; not with fuse_wgrad_accumulation (the
-        composed path's)."""
-        if self.fuse_wgrad_accumulation:
-            return None
-        if isinstance(recipe, DelayedScaling):
-            st = self._fp8_views.get(recipe)
-            return None if st is None else (recipe, st[3])
-        return (recipe, role_quantizers(recipe)) if isinstance(recipe, CurrentScaling) else None
+        """The composed path's LinearPlan (choose_plan) of an FP8 forward of this layer on `input` with `recipe`
+        (fp8ext's fused norm paths, whose prologue the one-call passes do not take)."""
+        return choose_plan(self, recipe, input, is_first_microbatch, prologue, one_call=False)
 
     def fast_forward(self, ctx, input, is_first_microbatch=None, prologue=None):
-        """forward on the fast path (one C call per pass; the two as torch ops under torch.compile) inside the
-        fp8_autocast context `ctx`, or None where this call needs the composed path (see forward). prologue:
-        fp8ext._fused_linear's SwiGLU step, computed inside the input's cast (delayed scaling only)."""
+        """forward on the one-call passes inside the fp8_autocast context `ctx` (choose_plan), or None where they do
+        not take this call. prologue: fp8ext.modules.fused_linear's SwiGLU step, computed inside the input's cast."""
         plan = self.fast_plan(ctx, input, is_first_microbatch, prologue)
         if plan is None:
             return None
@@ -412,74 +542,8 @@ class FP8Linear(nn.Module):
         return (y, self.bias) if self.return_bias else y
 
     def fast_plan(self, ctx, input, is_first_microbatch=None, prologue=None) -> Optional[LinearPlan]:
-        """The LinearPlan of fast_forward's call on `input` (ONE_CALL; ONE_CALL_OP under torch.compile), or None."""
-        if not isinstance(input, torch.Tensor) or input.is_meta or self.weight.is_meta:
-            return None
-        width = 2 * self.in_features if prologue is not None else self.in_features
-        if not input.is_contiguous() or input.dim() == 0 or input.shape[-1] != width:
-            return None
-        quantizers = self._fast_quantizers(ctx, is_first_microbatch)
-        if quantizers is None:
-            return None
-        return self.lean_plan(quantizers, prologue, input.dtype, activation_dtype(input), input.device,
-                              input.numel() // width)
-
-    def _fast_quantizers(self, ctx, is_first_microbatch=None):
-        """The (input, weight, grad) Quantizers of the fast path in fp8_autocast context `ctx`, or None where a call
-        needs the composed path (see forward)."""
-        if ctx is None or not ctx.enabled or is_first_microbatch is not None or ctx.calibrating or not _FAST_PATH:
-            return None
-        compiling = torch.compiler.is_compiling()
-        if not compiling and _capturing():
-            return None
-        lean = self._compiled_lean(ctx.recipe) if compiling else self._lean
-        if lean is not None and (lean[0] is ctx.recipe or lean[0] == ctx.recipe) and lean[1][0].current():
-            return lean[1]
-        return None if compiling else self._lean_quantizers(ctx.recipe)
-
-    def _lean_quantizers(self, recipe):
-        """The fast path's quantizers for `recipe` (delayed or per-tensor current scaling; else None), made on the
-        first step (the slots registered) and again after the manager's buffers grew: every call that can take the
-        fast path takes it, so a checkpointed forward and its rerun save the same tensors."""
-        if isinstance(recipe, DelayedScaling):
-            quantizers = self.quantizers(recipe)
-        elif isinstance(recipe, CurrentScaling):
-            quantizers = role_quantizers(recipe)
-        else:
-            return None
-        self._lean = (recipe, quantizers)
-        return quantizers
-
-    def lean_plan(self, quantizers, prologue, in_dtype, out_dtype, device, m) -> Optional[LinearPlan]:
-        """The fast path's LinearPlan for an input of `m` rows in `in_dtype` on `device` (contiguous, checked by the
-        caller), the output in `out_dtype`, or None when such an input needs the composed path."""
-        if debug.enabled():
-            return None
-        w = self.weight
-        if isinstance(w, FP8GatheredWeight):  # the one-call path casts W itself: an FP8-gathered W takes the composed
-            return None                       # path (fp8_plan -> _weight_fp8)
-        k = self.in_features
-        mgr = quantizers[0].manager
-        if prologue is not None and (prologue.op != SWIGLU_PROLOGUE or mgr is None or self.fp8_recast_in_backward):
-            return None  # the SwiGLU prologue only: delayed scaling (current needs its output's amax first), FP8 copies kept
-        dev = w.device if mgr is None else quantizers[0].scale.device
-        if in_dtype not in _LEAN_DTYPES or w.dtype not in _LEAN_DTYPES or device != dev or w.device != dev or \
-                not w.is_contiguous():
-            return None
-        if m == 0 or m % 16 or k % 16 or self.out_features % 16:
-            return None
-        if self._weight_cache is not None:
-            self._weight_cache = None
-        bias = None if self.return_bias else self.bias
-        fuse_bias = bias_epilogue(bias, out_dtype) and bias.is_contiguous()
-        main_grad = self._main_grad() if self.fuse_wgrad_accumulation and torch.is_grad_enabled() else None
-        compiling = torch.compiler.is_compiling()
-        if mgr is not None:
-            mark_recorded(mgr, quantizers, compiling, self._fp8_compiled_manager is mgr)
-        # recast: bfloat16 and float32 inputs (see linear_autograd._recast_t); float16 keeps its FP8 copies
-        recast = compiling and self.fp8_recast_in_backward and in_dtype != torch.float16
-        return LinearPlan(ONE_CALL_OP if compiling else ONE_CALL, quantizers, w, bias, out_dtype=out_dtype,
-                          main_grad=main_grad, fuse_bias=fuse_bias, recast=recast, prologue=prologue)
+        """The one-call LinearPlan of fast_forward's call, or None."""
+        return choose_plan(self, ctx.recipe, input, is_first_microbatch, prologue, one_call=True)
 
     def _main_grad(self) -> torch.Tensor:
         """weight.main_grad, checked: fuse_wgrad_accumulation adds the weight's gradient into it (a float32 tensor of

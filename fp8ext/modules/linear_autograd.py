@@ -1,7 +1,8 @@
 """The FP8 linear layer's autograd Function: LinearFunction.forward(ctx, x, weight, bias, plan[, gamma]).
 
 One Function serves every linear layer of fp8ext in training (FP8Linear, LayerNormLinear's norm-in-the-cast path,
-the SwiGLU-in-the-cast path); what differs between them is the LinearPlan, built per call by FP8Linear.fp8_plan:
+the SwiGLU-in-the-cast path); what differs between them is the LinearPlan, chosen per call by choose_plan
+(fp8ext.modules.linear):
     backend    COMPOSED: the casts and the GEMMs as separate ops (eager, or traced by torch.compile);
                ONE_CALL: each pass one fp8ext._C call (csrc/py_linear.c; the eager fast path);
                ONE_CALL_OP: those two calls as the torch ops fp8ext::linear_fwd / linear_bwd (the fast path under
@@ -12,35 +13,34 @@ the SwiGLU-in-the-cast path); what differs between them is the LinearPlan, built
     w8         the weight's FP8 cast (COMPOSED; kept across micro-batches by FP8Linear when asked)
     out_dtype, main_grad (and the weight it belongs to), the weight's and the bias's dtypes
     recast     under torch.compile, save x and W and cast them again in backward (see recast_in_backward)
-    prologue   None, or the step computed inside the input's cast (fp8ext._fused_linear's Prologue: RMSNorm, whose
-               gamma is the Function's fifth input, or SwiGLU)
+    prologue   None, or the step computed inside the input's cast (fp8ext.modules.fused_linear's Prologue: RMSNorm,
+               whose gamma is the Function's fifth input, or SwiGLU)
 The three GEMMs of a step (module docstring of fp8ext.linear) are written once here: forward_gemm and
-linear_backward, which LayerNormMLP's fused Function (fp8ext._fused_linear) uses for each of its two layers.
+linear_backward, which LayerNormMLP's fused Function (fp8ext.modules.fused_linear) uses for each of its two layers.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .. import _C
 from ..core import debug
-from ..core._boundary import refuse_broadcast
-from ..ops import fused
-from ..ops._gemm import bias_epilogue, pass_stream
-from ..ops._gemm import gemm_fp8 as _gemm
-from ..core.formats import format_of_code
+from ..core.boundary import refuse_broadcast
+from ..core.casts import PROLOGUE_SWIGLU
+from ..ops import fused, linear_pass
+from ..ops.linear_pass import CUR_SCALE as _CUR_SCALE, SINV_STEP as _SINV_STEP
+from ..ops.matmul import bias_epilogue
+from ..ops.matmul import gemm_fp8 as _gemm
 from ..core.tensor import BLOCK_1x128, BLOCK_128x128, TENSOR, FP8Tensor, Quantizer
 
 __all__ = ["LinearPlan", "LinearFunction", "COMPOSED", "ONE_CALL", "ONE_CALL_OP", "HIGH_PRECISION", "forward_gemm",
            "recast_in_backward", "linear_backward", "SWIGLU_PROLOGUE"]
 
-_to_dl = torch._C._to_dlpack
 _BLOCKS = (BLOCK_1x128, BLOCK_128x128)
-SWIGLU_PROLOGUE = 2  # csrc/cast.h's FP8EXT_PROLOGUE_SWIGLU: the only prologue of the one-call passes
+SWIGLU_PROLOGUE = PROLOGUE_SWIGLU  # csrc/cast.h's FP8EXT_PROLOGUE_SWIGLU: the only prologue of the one-call passes
 
 
 class LinearPlan:
@@ -153,7 +153,7 @@ def recast_in_backward(requested: bool) -> bool:
     (FP8Linear.fp8_recast_in_backward, set by prepare_fp8(..., recast_in_backward=True)) and under torch.compile, as
     torchao does. There the partitioner sees a high-precision x that the layers reading it share (q/k/v, gate/up)
     and may recompute from the norm before them, and W is the parameter itself. The composed path recasts with
-    current scaling only (FP8Linear.fp8_plan decides): each cast's scale is then its own tensor, which no later
+    current scaling only (choose_plan decides): each cast's scale is then its own tensor, which no later
     step changes; the fast path's recast (ONE_CALL_OP) takes delayed scaling too. In eager mode the FP8 copies are
     always saved (nothing else may hold x, and one FP8 copy is half of it)."""
     return requested and torch.compiler.is_compiling()
@@ -243,103 +243,14 @@ class HIGH_PRECISION:
 
 
 # ---- ONE_CALL: one C call per pass -----------------------------------------------------------------------
-# In the common training case (eager, delayed or per-tensor current scaling, the weight recast every step, contiguous
-# input, a token
-# count that is a multiple of 16, fp8ext.debug off) FP8Linear skips the composed path and runs each pass as one
-# fp8ext._C call (csrc/py_linear.c): the forward's two cast_transposes and its GEMM, the backward's cast_transpose
-# (cast_transpose_dbias with a bias) and its two GEMMs. The FP8 tensors live in two byte buffers per pass (one
-# kept for backward: the scale_invs, x8^T and W8^T; one dropped: x8 and W8), laid out as csrc/py_linear.c defines
-# and exports (LINEAR_ALIGN, LINEAR_SINV_STRIDE, LINEAR_SINV_BYTES). Same kernels, same cuBLASLt calls, same bytes
-# as COMPOSED (tests compare the two bit for bit); the host work per step is a fraction. On the CPU the C calls do
-# the casts and the GEMMs are emulated here, from the same buffers.
-_ALIGN, _SINV_BYTES, _SINV_STEP = _C.LINEAR_ALIGN, _C.LINEAR_SINV_BYTES, _C.LINEAR_SINV_STRIDE // 4
-
-
-def _round_up(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def _saved_sinv(saved: torch.Tensor, i: int) -> torch.Tensor:
-    """The one-element float32 scale_inv i (0 x, 1 W, 2 dy) of a saved buffer."""
-    return saved[i * _SINV_STEP * 4:(i * _SINV_STEP + 1) * 4].view(torch.float32)
-
-
-def _operand(buf: torch.Tensor, offset: int, rows: int, cols: int, fmt, saved: torch.Tensor, i: int) -> FP8Tensor:
-    """The FP8 matrix [rows, cols] at `offset` bytes into a byte buffer, with scale_inv i of the saved buffer."""
-    data = buf[offset:offset + rows * cols].view(fmt.torch_dtype).view(rows, cols)
-    return FP8Tensor(data, None, _saved_sinv(saved, i), fmt)
-
-
-def _fwd_call(x2, weight, b, xs, xa, wsc, wa, fmt, margin, out_dtype, keep=True, swiglu=False):
-    """A forward pass as one C call: (y [m, n], the buffer kept for backward). xs, xa, wsc, wa: DLPack capsules of
-    the input's and the weight's scale and amax slots (delayed scaling), or None with `margin` (current scaling:
-    the call computes the scales). keep False: only the buffer's header is made (backward casts again).
-    swiglu: x2 is [m, 2k] (gate, then up) and the layer's input is SwiGLU(x2), computed inside x's cast (on the CPU
-    by fp8ext.fused's reference first: the same definition)."""
-    if swiglu and (margin is not None or not keep):  # as the C call says on a GPU
-        raise ValueError("linear_fwd(): the SwiGLU prologue takes delayed scaling (no margin) and keep=True: current "
-                         "scaling needs SwiGLU's output before its cast")
-    if swiglu and not x2.is_cuda:
-        x2, swiglu = fused.swiglu_reference(x2), False
-    (m, k), n, dev = (x2.shape[0], weight.shape[1]), weight.shape[0], x2.device
-    rmk = _round_up(m * k)
-    saved = torch.empty(_SINV_BYTES + rmk + n * k if keep else _SINV_BYTES, dtype=torch.uint8, device=dev)
-    scratch = torch.empty(rmk + n * k, dtype=torch.uint8, device=dev)
-    y = torch.empty((m, n), dtype=out_dtype, device=dev)
-    stream, ws = pass_stream(dev)
-    extra = (margin, True, SWIGLU_PROLOGUE) if swiglu else (margin,) if keep else (margin, False)
-    if not _C.linear_fwd(_to_dl(x2), _to_dl(weight), _to_dl(saved), _to_dl(scratch), _to_dl(y), xs, xa, wsc, wa,
-                         fmt.code, None if b is None else _to_dl(b), ws, stream, *extra):
-        _gemm(_operand(scratch, 0, m, k, fmt, saved, 0), _operand(scratch, rmk, n, k, fmt, saved, 1), out_dtype, b,
-              True, out=y)
-    return y, saved
-
-
-def _bwd_call(dy2, saved, dims, ffmt, bfmt, gs, ga, margin, need_dx, need_dw, db_dtype, x_dtype, w_dtype,
-              main_grad=None, operands=None, swiglu_da=None):
-    """A backward pass as one C call: (dx or None, dW or None, db or None). gs, ga: capsules of the gradient's
-    scale and amax slots, or None with `margin`; db_dtype: None (no bias gradient), the bias's dtype when it is
-    dy's (the float32 column sums rounded once by the cast) or float32; main_grad: dW is added into it.
-    operands: (x8^T, W8^T) as uint8 tensors of their own (recast in backward), `saved` then only the header.
-    swiglu_da: dy2 is h = [gate, up], the input of a SwiGLU whose output's gradient is swiglu_da, and the layer's output
-    gradient is SwiGLU's gradient dh, computed inside its cast (on the CPU by fp8ext.fused's reference first)."""
-    if swiglu_da is not None and (margin is not None or db_dtype is not None):  # as the C call says on a GPU
-        raise ValueError("linear_bwd(): SwiGLU's gradient in the cast takes delayed scaling (no margin) and no db")
-    if swiglu_da is not None and not dy2.is_cuda:
-        dy2, swiglu_da = fused.swiglu_backward_reference(dy2, swiglu_da), None
-    m, k, n = dims
-    dev = dy2.device
-    rmn = _round_up(m * n)
-    want_db = db_dtype is not None
-    # dy8 and dy8^T, then (with a bias) the float32 per-64-row-tile column sums of cast_transpose_dbias
-    scratch = torch.empty(2 * rmn + 4 * ((m + 63) // 64) * n if want_db else rmn + m * n, dtype=torch.uint8,
-                          device=dev)
-    db = torch.empty((n,), dtype=db_dtype, device=dev) if want_db else None
-    dx = torch.empty((m, k), dtype=x_dtype, device=dev) if need_dx else None
-    dw = main_grad if main_grad is not None else torch.empty((n, k), dtype=w_dtype, device=dev) if need_dw else None
-    stream, ws = pass_stream(dev)
-    extra = (margin,) if operands is None else (margin, *_capsules(*operands))
-    if swiglu_da is not None:
-        extra = (margin, *(_capsules(*operands) if operands is not None else (None, None)), _to_dl(swiglu_da))
-    if not _C.linear_bwd(_to_dl(dy2), _to_dl(saved), _to_dl(scratch), m, k, n, ffmt.code, gs, ga, bfmt.code,
-                         None if dx is None else _to_dl(dx), None if dw is None else _to_dl(dw),
-                         main_grad is not None, ws, stream, None if db is None else _to_dl(db), *extra):
-        rmk = _round_up(m * k)
-        xbuf, xoff, wbuf, woff = (saved, _SINV_BYTES, saved, _SINV_BYTES + rmk) if operands is None else \
-            (operands[0], 0, operands[1], 0)
-        if dx is not None:
-            w_t = _operand(wbuf, woff, k, n, ffmt, saved, 1)
-            _gemm(_operand(scratch, 0, m, n, bfmt, saved, 2), w_t, dx.dtype, out=dx)
-        if dw is not None:
-            x_t = _operand(xbuf, xoff, k, m, ffmt, saved, 0)
-            _gemm(_operand(scratch, rmn, n, m, bfmt, saved, 2), x_t, dw.dtype, out=dw, accumulate=main_grad is not None)
-    return dx, dw, db
+# FP8Linear's fast path (fp8ext.ops.linear_pass: the two C calls, the layout of their buffers, the CPU emulation of
+# their GEMMs; the torch ops fp8ext::linear_fwd / linear_bwd are registered in fp8ext.ops._library).
 
 
 def _backward_args(ctx, dy, saved=None):
     """(plan, the saved buffer (or `saved`), dy as a contiguous [m, n], dx wanted, dW wanted, db's dtype out of the
-    call (see _bwd_call) or None when no bias gradient is wanted). With a SwiGLU prologue dx is SwiGLU's output's
-    gradient, wanted when the layer's input (SwiGLU's) is."""
+    call (see linear_pass.linear_bwd_call) or None when no bias gradient is wanted). With a SwiGLU prologue dx is
+    SwiGLU's output's gradient, wanted when the layer's input (SwiGLU's) is."""
     plan = ctx.plan
     m, k, n = ctx.dims
     if saved is None:
@@ -358,8 +269,8 @@ class ONE_CALL:
     """FP8Linear's fast path (see above): each pass one fp8ext._C call. Delayed scaling passes the scaling slots'
     capsules; current scaling passes the margin instead, and the call computes each tensor's amax and scale first
     (the composed path's amax and scale_from_amax kernels, into the saved buffer). A plan with a prologue (SwiGLU's
-    only, delayed scaling: fp8ext._fused_linear) takes x = [gate, up] and computes SwiGLU inside x's cast; backward
-    then turns the input gradient into SwiGLU's (fp8ext.fused's backward kernel)."""
+    only, delayed scaling: fp8ext.modules.fused_linear) takes x = [gate, up] and computes SwiGLU inside x's cast;
+    backward then turns the input gradient into SwiGLU's (fp8ext.fused's backward kernel)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, gamma):
@@ -373,30 +284,35 @@ class ONE_CALL:
     @staticmethod
     def fwd(plan, x2, weight, bias):
         """The forward call: (y [m, n] without an unfused bias, the saved buffer)."""
-        if plan.input.manager is None:  # current scaling: the call computes the scales
-            (xs, xa), (wsc, wa), margin = (None, None), (None, None), plan.input.margin
-        else:
-            (xs, xa), (wsc, wa), margin = plan.input.capsules, plan.weight.capsules, None  # FP8Linear checked them
-        return _fwd_call(x2, weight, bias if plan.fuse_bias else None, xs, xa, wsc, wa, plan.input.fmt, margin,
-                         plan.out_dtype, swiglu=plan.prologue is not None)
+        q, b = plan.input, bias if plan.fuse_bias else None
+        if q.manager is None:  # current scaling: the call computes the scales from the tensors' amaxes
+            return linear_pass.linear_fwd_call(x2, weight, b, None, None, None, None, q.fmt, q.margin, plan.out_dtype,
+                                               swiglu=plan.prologue is not None)
+        (xs, xa), (wsc, wa) = q.capsules, plan.weight.capsules  # delayed: choose_plan checked that they are current
+        return linear_pass.linear_fwd_call(x2, weight, b, xs, xa, wsc, wa, q.fmt, None, plan.out_dtype,
+                                           swiglu=plan.prologue is not None)
 
     @staticmethod
     def backward(ctx, dy):
         plan, saved, dy2, need_dx, need_dw, db_dtype = _backward_args(ctx, dy)
         dx, dw, db = ONE_CALL.bwd(plan, dy2, saved, ctx.dims, need_dx, need_dw, db_dtype, ctx.x_dtype)
-        if dx is not None and plan.prologue is not None:  # SwiGLU's gradient from its output's (the prologue's backward)
+        if dx is not None and plan.prologue is not None:  # SwiGLU's gradient from its output's (prologue's backward)
             dx, _ = plan.prologue.backward((ctx.saved_tensors[0], None, None), dx)
-        return _after_backward(ctx, plan, dx, dw, db)
+        if db is not None and db.dtype != plan.b_dtype:  # (_after_backward's, without the call)
+            db = db.to(plan.b_dtype)
+        return None if dx is None else dx.view(ctx.x_shape), dw, db, None, None
 
     @staticmethod
     def bwd(plan, dy2, saved, dims, need_dx, need_dw, db_dtype, x_dtype, swiglu_da=None):
         """The backward call: (dx or None, dW (or main_grad's placeholder) or None, db or None)."""
-        if plan.grad.manager is None:  # current scaling: the call computes the scale
-            gs, ga, margin = None, None, plan.grad.margin
-        else:
-            (gs, ga), margin = plan.grad.slot_capsules(), None
-        dx, dw, db = _bwd_call(dy2, saved, dims, plan.input.fmt, plan.grad.fmt, gs, ga, margin, need_dx, need_dw,
-                               db_dtype, x_dtype, plan.w_dtype, plan.main_grad, swiglu_da=swiglu_da)
+        g = plan.grad
+        if g.manager is None:  # current scaling: the call computes the scale
+            gs, ga, margin = None, None, g.margin
+        else:  # the slot's capsules, made again when the manager's buffers grew since the forward
+            (gs, ga), margin = g.capsules if g.manager.generation == g._generation else g.slot_capsules(), None
+        dx, dw, db = linear_pass.linear_bwd_call(dy2, saved, dims, plan.input.fmt, g.fmt, gs, ga, margin, need_dx,
+                                                 need_dw, db_dtype, x_dtype, plan.w_dtype, plan.main_grad,
+                                                 swiglu_da=swiglu_da)
         if plan.main_grad is not None:
             dw = _wgrad_placeholder(plan.weight_ref)
         return dx, dw, db
@@ -428,9 +344,10 @@ def _after_backward(ctx, plan, dx, dw, db):
 
 class ONE_CALL_OP:
     """ONE_CALL under torch.compile: its two C calls as the torch ops fp8ext::linear_fwd and fp8ext::linear_bwd
-    (below), which compiled code calls without a graph break. The slots' scales and amaxes cross as tensors, and
-    an updated amax comes back as an output that is copied into its slot (as fp8ext's other ops do: custom ops
-    with mutated arguments trip inductor). The same kernels and bytes as an eager step; no main_grad.
+    (fp8ext.ops.linear_pass, registered in fp8ext.ops._library), which compiled code calls without a graph break.
+    The slots' scales and amaxes cross as tensors, and an updated amax comes back as an output that is copied into
+    its slot (as fp8ext's other ops do: custom ops with mutated arguments trip inductor). The same kernels and bytes
+    as an eager step; no main_grad.
     With recast_in_backward (plan.recast) the forward op keeps only the saved buffer's header (the scale_invs and
     the scales it cast with) and backward casts x8^T and W8^T again from x and W with torch ops (_recast_t),
     which the partitioner can fuse with whatever recomputes x (the norm before q/k/v), as torchao's casts: no FP8
@@ -491,47 +408,6 @@ class ONE_CALL_OP:
         return dx if need_dx else None, dw if need_dw else None, db if db_dtype is not None else None
 
 
-def _capsules(*tensors):
-    return tuple(None if t is None else _to_dl(t) for t in tensors)
-
-
-@torch.library.custom_op("fp8ext::linear_fwd", mutates_args=())
-def _linear_fwd_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                   x_scale: Optional[torch.Tensor], x_amax: Optional[torch.Tensor], w_scale: Optional[torch.Tensor],
-                   w_amax: Optional[torch.Tensor], fmt: int, margin: float, out_dtype: torch.dtype, keep: bool = True,
-                   prologue: int = 0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ONE_CALL's forward call: (y, the saved buffer, the input's amax, the weight's amax). With scales (delayed
-    scaling) the amaxes are the slots' updated copies; without (current scaling, by `margin`) zeros.
-    keep=False: instead of the saved buffer, its header only (_SINV_BYTES: the scale_invs, and each tensor's scale
-    at its slot's CUR_SCALE place, the slot's scale copied in with delayed scaling), for the backward's recast
-    (ONE_CALL_OP.backward); x and W are cast without their transposed copies. prologue 2 (SwiGLU; delayed scaling,
-    keep): x is [m, 2k] and the layer's input is SwiGLU(x), computed inside x's cast."""
-    delayed = x_scale is not None
-    if prologue:
-        x = fused.kernel_rows(x, x.shape[1], "FP8Linear", "input") if x.is_cuda else x
-    xa, wa = (x_amax.clone(), w_amax.clone()) if delayed else (x.new_zeros((), dtype=torch.float32),) * 2
-    caps = _capsules(x_scale, xa, w_scale, wa) if delayed else (None,) * 4
-    y, saved = _fwd_call(x, weight, bias, *caps, format_of_code(fmt), None if delayed else margin, out_dtype, keep,
-                         swiglu=prologue == SWIGLU_PROLOGUE)
-    if not keep:
-        if delayed:
-            hf = saved.view(torch.float32)
-            hf[_CUR_SCALE:_CUR_SCALE + 1].copy_(x_scale.reshape(1))
-            hf[_SINV_STEP + _CUR_SCALE:_SINV_STEP + _CUR_SCALE + 1].copy_(w_scale.reshape(1))
-    return y, saved, xa, wa.clone() if not delayed else wa
-
-
-@_linear_fwd_op.register_fake
-def _(x, weight, bias, x_scale, x_amax, w_scale, w_amax, fmt, margin, out_dtype, keep=True, prologue=0):
-    (m, k), n = (x.shape[0], weight.shape[1]), weight.shape[0]
-    amax = [a.new_empty(a.shape) if a is not None else x.new_empty((), dtype=torch.float32) for a in (x_amax, w_amax)]
-    saved = _SINV_BYTES + _round_up(m * k) + n * k if keep else _SINV_BYTES
-    return (x.new_empty((m, n), dtype=out_dtype), x.new_empty((saved,), dtype=torch.uint8), *amax)
-
-
-_CUR_SCALE = 2  # float32 index of a tensor's scale within its header slot (py_linear.c's CUR_SCALE)
-
-
 def _as_stored(t2d: torch.Tensor) -> torch.Tensor:
     """t2d's values in float32 as its dtype holds them. Where the compiler computes t2d again in the backward (a
     norm's output, recomputed inside the recast's kernel) it keeps the value in float32 and skips the rounding to
@@ -559,42 +435,3 @@ def _recast_t(t2d: torch.Tensor, scale: torch.Tensor, fmt) -> torch.Tensor:
     q = v.clamp(-fmt.max, fmt.max).to(fmt.torch_dtype).view(torch.uint8)
     nan = (torch.signbit(t2d).to(torch.uint8) << 7) | fmt.nan_code
     return torch.where(torch.isnan(v), nan, q).t().contiguous()
-
-
-# Declared pure although the C call writes dy's scale_inv (with current scaling also its amax and scale) into the
-# saved buffer's header, as the eager call does: those bytes are written before they are read within this one call,
-# and nothing else reads them (the forward's bytes, x8^T, W8^T and their scale_invs, are left as they were), so a
-# repeated backward or any reuse of the buffer sees what it would see without the write. torch.library.opcheck's
-# schema test reports the write; declaring it (mutates_args=("saved",)) passed the CPU tests but was not measured on
-# a GPU, where functionalization could copy the buffer.
-@torch.library.custom_op("fp8ext::linear_bwd", mutates_args=())
-def _linear_bwd_op(dy: torch.Tensor, saved: torch.Tensor, m: int, k: int, n: int, ffmt: int, bfmt: int,
-                   g_scale: Optional[torch.Tensor], g_amax: Optional[torch.Tensor], margin: float, need_dx: bool,
-                   need_dw: bool, want_db: bool, db_dtype: torch.dtype, x_dtype: torch.dtype, w_dtype: torch.dtype,
-                   x_t: Optional[torch.Tensor] = None, w_t: Optional[torch.Tensor] = None,
-                   swiglu_da: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ONE_CALL's backward call: (dx, dW, db, the gradient's amax); a gradient not wanted comes back empty.
-    x_t, w_t: x8^T and W8^T cast again in backward (recast_in_backward; the one not needed may be None), `saved`
-    then the forward's header only: copied, since the call writes dy's scale into it. swiglu_da: dy is h = [gate, up]
-    and the layer's output gradient is SwiGLU's gradient for its output's gradient swiglu_da (_bwd_call)."""
-    delayed = g_scale is not None
-    ga = g_amax.clone() if delayed else dy.new_zeros((), dtype=torch.float32)
-    gs_c, ga_c = _capsules(g_scale, ga) if delayed else (None, None)
-    operands = None
-    if saved.numel() == _SINV_BYTES:  # a header (a saved buffer is larger: m * k >= 256)
-        saved, operands = saved.clone(), (x_t, w_t)
-    dx, dw, db = _bwd_call(dy, saved, (m, k, n), format_of_code(ffmt), format_of_code(bfmt), gs_c, ga_c,
-                           None if delayed else margin, need_dx, need_dw, db_dtype if want_db else None, x_dtype,
-                           w_dtype, operands=operands,
-                           swiglu_da=None if swiglu_da is None else fused.contiguous_aligned(swiglu_da, dy.dtype))
-    empty = lambda: dy.new_empty((0,))  # noqa: E731
-    return (empty() if dx is None else dx, empty() if dw is None else dw, empty() if db is None else db, ga)
-
-
-@_linear_bwd_op.register_fake
-def _(dy, saved, m, k, n, ffmt, bfmt, g_scale, g_amax, margin, need_dx, need_dw, want_db, db_dtype, x_dtype, w_dtype,
-      x_t=None, w_t=None, swiglu_da=None):
-    ga = g_amax.new_empty(g_amax.shape) if g_amax is not None else dy.new_empty((), dtype=torch.float32)
-    return (dy.new_empty((m, k) if need_dx else (0,), dtype=x_dtype if need_dx else dy.dtype),
-            dy.new_empty((n, k) if need_dw else (0,), dtype=w_dtype if need_dw else dy.dtype),
-            dy.new_empty((n,) if want_db else (0,), dtype=db_dtype if want_db else dy.dtype), ga)

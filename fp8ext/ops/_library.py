@@ -1,7 +1,8 @@
 """fp8ext's operations as torch ops (torch.library), with fake implementations for tracing.
 
 torch.ops.fp8ext.{quantize, dequantize, amax, cast_transpose, cast_transpose_dbias, quantize_blocks, gemm} run the
-same code as the eager functions in fp8ext.ops (and torch.ops.fp8ext.{swiglu, rms_norm_train, rope_qkv} with their backward ops,
+same code as the eager functions in fp8ext.ops (torch.ops.fp8ext.{linear_fwd, linear_bwd} FP8Linear's one-call passes
+of fp8ext.ops.linear_pass, and torch.ops.fp8ext.{swiglu, rms_norm_train, rope_qkv} with their backward ops,
 the training kernels of fp8ext.fused, with autograd formulas); the fake implementations give torch.compile / torch.export the outputs'
 shapes and dtypes without running anything, so compiled code calls fp8ext's kernels without graph breaks.
 The public functions in fp8ext.ops switch to these ops while torch.compile traces; eager calls skip the
@@ -20,8 +21,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import _gemm as _gemm_mod
+from . import matmul as _gemm_mod
 from . import fused as _fused
+from . import linear_pass as _linear_pass
 from .. import ops
 from ..core.formats import format_of_code
 
@@ -160,6 +162,56 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_i
 @_gemm.register_fake
 def _(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, use_fast_accum, acc_in, out_scale, want_amax):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype), a.new_empty((), dtype=torch.float32)
+
+
+# FP8Linear's one-call passes (fp8ext.ops.linear_pass) under torch.compile: ONE_CALL_OP in
+# fp8ext.modules.linear_autograd calls these. The slots' scales and amaxes cross as tensors, and an updated amax comes
+# back as an output that the caller copies into its slot (as for the ops above).
+@torch.library.custom_op("fp8ext::linear_fwd", mutates_args=())
+def _linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], x_scale: Optional[torch.Tensor],
+                x_amax: Optional[torch.Tensor], w_scale: Optional[torch.Tensor], w_amax: Optional[torch.Tensor],
+                fmt: int, margin: float, out_dtype: torch.dtype, keep: bool = True, prologue: int = 0
+                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, the saved buffer (its header only with keep=False), the input's amax, the weight's amax): see
+    fp8ext.ops.linear_pass.linear_fwd_eager."""
+    return _linear_pass.linear_fwd_eager(x, weight, bias, x_scale, x_amax, w_scale, w_amax, format_of_code(fmt),
+                                         margin, out_dtype, keep, prologue)
+
+
+@_linear_fwd.register_fake
+def _(x, weight, bias, x_scale, x_amax, w_scale, w_amax, fmt, margin, out_dtype, keep=True, prologue=0):
+    (m, k), n = (x.shape[0], weight.shape[1]), weight.shape[0]
+    amax = [a.new_empty(a.shape) if a is not None else x.new_empty((), dtype=torch.float32) for a in (x_amax, w_amax)]
+    return (x.new_empty((m, n), dtype=out_dtype),
+            x.new_empty((_linear_pass.forward_bytes(m, k, n, keep)[1],), dtype=torch.uint8), *amax)
+
+
+# Declared pure although the C call writes dy's scale_inv (with current scaling also its amax and scale) into the
+# saved buffer's header, as the eager call does: those bytes are written before they are read within this one call,
+# and nothing else reads them (the forward's bytes, x8^T, W8^T and their scale_invs, are left as they were), so a
+# repeated backward or any reuse of the buffer sees what it would see without the write. torch.library.opcheck's
+# schema test reports the write; declaring it (mutates_args=("saved",)) passed the CPU tests but was not measured on
+# a GPU, where functionalization could copy the buffer.
+@torch.library.custom_op("fp8ext::linear_bwd", mutates_args=())
+def _linear_bwd(dy: torch.Tensor, saved: torch.Tensor, m: int, k: int, n: int, ffmt: int, bfmt: int,
+                g_scale: Optional[torch.Tensor], g_amax: Optional[torch.Tensor], margin: float, need_dx: bool,
+                need_dw: bool, want_db: bool, db_dtype: torch.dtype, x_dtype: torch.dtype, w_dtype: torch.dtype,
+                x_t: Optional[torch.Tensor] = None, w_t: Optional[torch.Tensor] = None,
+                swiglu_da: Optional[torch.Tensor] = None
+                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dW, db, the gradient's amax), a gradient not wanted empty: see fp8ext.ops.linear_pass.linear_bwd_eager."""
+    return _linear_pass.linear_bwd_eager(dy, saved, m, k, n, format_of_code(ffmt), format_of_code(bfmt), g_scale,
+                                         g_amax, margin, need_dx, need_dw, want_db, db_dtype, x_dtype, w_dtype, x_t,
+                                         w_t, swiglu_da)
+
+
+@_linear_bwd.register_fake
+def _(dy, saved, m, k, n, ffmt, bfmt, g_scale, g_amax, margin, need_dx, need_dw, want_db, db_dtype, x_dtype, w_dtype,
+      x_t=None, w_t=None, swiglu_da=None):
+    ga = g_amax.new_empty(g_amax.shape) if g_amax is not None else dy.new_empty((), dtype=torch.float32)
+    return (dy.new_empty((m, k) if need_dx else (0,), dtype=x_dtype if need_dx else dy.dtype),
+            dy.new_empty((n, k) if need_dw else (0,), dtype=w_dtype if need_dw else dy.dtype),
+            dy.new_empty((n,) if want_db else (0,), dtype=db_dtype if want_db else dy.dtype), ga)
 
 
 # The training kernels of fp8ext.fused (SwiGLU and RMSNorm, forward and backward) as torch ops with autograd

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from .. import _C
-from ..core._boundary import dl, dl_fp8, refuse_broadcast, stream_of
+from ..core.boundary import dl, dl_fp8, refuse_broadcast, stream_of
 from ..core.formats import E4M3
 from . import quantize, quantize_rowwise
 
@@ -52,8 +52,8 @@ __all__ = ["rms_norm", "rms_norm_fp8", "rms_norm_train", "swiglu", "swiglu_fp8",
 # debugging).
 TRAINING = True
 
-_RMSNORM, _SWIGLU = 0, 1
-_OUT_HP, _OUT_FP8, _OUT_FP8_ROWS = 0, 1, 2
+_RMSNORM, _SWIGLU = _C.FUSED_RMSNORM, _C.FUSED_SWIGLU  # the row kernel's ops and outputs (csrc/norm.h)
+_OUT_HP, _OUT_FP8, _OUT_FP8_ROWS = _C.FUSED_OUT_HP, _C.FUSED_OUT_FP8, _C.FUSED_OUT_FP8_ROWS
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CUDA = bool(_C.WITH_CUDA)  # a CUDA tensor implies a visible device
 

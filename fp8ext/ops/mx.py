@@ -52,7 +52,7 @@ from typing import Tuple
 import torch
 
 from .. import _C
-from ..core._boundary import check_device, dl, dl_fp8, refuse_broadcast, stream_of
+from ..core.boundary import check_device, dl, dl_fp8, refuse_broadcast, stream_of
 from ..core.formats import E2M1, E2M3, E3M2, E4M3, E5M2, E8M0
 from . import dequantize, dequantize_eager, fp8_empty, quantize
 

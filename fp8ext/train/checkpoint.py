@@ -13,13 +13,14 @@ unpickled) is refused, not loaded.
 from __future__ import annotations
 
 import errno
-import os
 import pathlib
 import pickle
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+
+from .._io import atomic_write
 
 __all__ = ["save", "load", "read", "remove_stale_tmp", "CheckpointError", "CHECKPOINT_NAME"]
 
@@ -39,22 +40,6 @@ def _state_dicts(model, optimizer):
     return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def fsync(path: pathlib.Path) -> None:
-    """Flushes a file, or a folder's entries (which makes a rename in it durable), to the disk. A file system that
-    cannot (Windows cannot open a folder; some file systems refuse fsync on one: EINVAL) is left as it is: the
-    write or rename itself has happened either way."""
-    try:
-        fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if os.path.isdir(path) else 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def save(out_dir: str, model, optimizer, step: int, args: Dict[str, Any], extra: Optional[dict] = None) -> str:
     """Writes out_dir/checkpoint.pt (every rank must call it under FSDP2; rank 0 writes): into checkpoint.tmp,
     flushed to the disk, then renamed over checkpoint.pt, so that a crash or power loss at any point leaves the
@@ -66,30 +51,18 @@ def save(out_dir: str, model, optimizer, step: int, args: Dict[str, Any], extra:
                  "rng": {"torch": torch.get_rng_state(),
                          "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
                  **(extra or {})}
-        tmp = path.with_name(_TMP_NAME)
         try:
-            with open(tmp, "wb") as f:
+            with atomic_write(path, "wb", tmp_name=_TMP_NAME) as f:
                 torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
         except (OSError, RuntimeError) as e:  # a full disk: torch.save says "unexpected pos", the OS ENOSPC
-            _remove_quietly(tmp)
             kept = (f"{path} is the last complete checkpoint, unchanged" if path.is_file()
                     else "no checkpoint was written")
-            raise OSError(f"could not write the checkpoint {path} (is the disk full?): writing {tmp} failed: "
-                          f"{' '.join(str(e).split()) or type(e).__name__}; {kept}") from e
-        os.replace(tmp, path)
-        fsync(path.parent)
+            raise OSError(f"could not write the checkpoint {path} (is the disk full?): writing "
+                          f"{path.with_name(_TMP_NAME)} failed: {' '.join(str(e).split()) or type(e).__name__}; "
+                          f"{kept}") from e
     if dist.is_initialized():
         dist.barrier()
     return str(path)
-
-
-def _remove_quietly(path: pathlib.Path) -> None:
-    try:
-        path.unlink()
-    except OSError:
-        pass
 
 
 def remove_stale_tmp(out_dir: str) -> None:
@@ -143,7 +116,7 @@ def _check_state(p: pathlib.Path, state: Dict[str, Any], option: str) -> None:
     if not isinstance(args, dict):
         raise CheckpointError(f"{option}: {p} is not a usable fp8ext.train checkpoint: its args are a "
                               f"{type(args).__name__}, not the dict of the training run's options")
-    from .cli import parser
+    from .options import parser
     for action in parser()._actions:
         if action.dest in args and action.dest not in ("help", "debug"):
             problem = _arg_problem(action, args[action.dest])

@@ -10,7 +10,7 @@ import pathlib
 import sys
 from typing import Optional
 
-from .._cli import add_debug, one_line_errors
+from .._cli import OneLineParser, add_debug, one_line_errors
 
 __all__ = ["compare", "main", "parser"]
 
@@ -104,7 +104,6 @@ def _default_plot(dir_a: str, dir_b: str) -> pathlib.Path:
 
 def parser() -> argparse.ArgumentParser:
     """The command line's parser (tests/project/test_docs.py parses the documented commands with it)."""
-    from .cli import OneLineParser
     p = OneLineParser(prog="python -m fp8ext.train.compare", description=__doc__.split("\n")[0])
     p.add_argument("dir_a")
     p.add_argument("dir_b")

@@ -10,8 +10,8 @@ from argparse import Namespace
 
 import torch
 
-import fp8ext
 from ..models.transformer import Transformer, TransformerBlock
+from ..modules.fsdp import precompute_fp8_weight_scales
 
 __all__ = ["wrap", "release_meshes", "checkpoint_blocks", "checkpointed_blocks", "check_fp8_all_gather",
            "precompute_fp8_scales"]
@@ -100,4 +100,4 @@ def precompute_fp8_scales(model, args: Namespace, world: int) -> None:
     """--fp8_all_gather with current scaling: every weight's scale for the next gathers, from one all-reduce (after
     each change of the weights: the optimizer's step, loading a checkpoint)."""
     if args.fp8_all_gather and world > 1 and args.fp8_recipe == "current":
-        fp8ext.precompute_fp8_weight_scales(model)
+        precompute_fp8_weight_scales(model)

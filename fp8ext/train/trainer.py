@@ -24,8 +24,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-import fp8ext
 from ..models.transformer import Transformer, preset
+from ..core.build import VERSION, build_info, cuda_available
+from ..core.context import fp8_autocast, get_scaling_manager
+from ..modules.convert import prepare_fp8
+from ..modules.fsdp import enable_fp8_all_gather
+from ..ops import fused
 from ..core.recipe import CurrentScaling, DelayedScaling, Float8BlockScaling, Float8RowwiseScaling, Format
 from . import checkpoint
 from .data import batch, load_corpus
@@ -64,9 +68,9 @@ def _setup_distributed(device_arg: Optional[str]):
 def _check_fp8(device: torch.device, rank: int) -> None:
     """No silent fallback: FP8 asked for on a GPU that cannot run it is an error."""
     if device.type == "cuda":
-        if not fp8ext.cuda_available():
+        if not cuda_available():
             raise RuntimeError("--use_fp8: this build of fp8ext has no CUDA kernels "
-                               f"({fp8ext.build_info()['no_cuda_reason']}); rebuild with FP8EXT_CUDA=1")
+                               f"({build_info()['no_cuda_reason']}); rebuild with FP8EXT_CUDA=1")
         cc = torch.cuda.get_device_capability(device)
         if cc < (9, 0):
             raise RuntimeError(f"--use_fp8: {torch.cuda.get_device_name(device)} (compute capability "
@@ -112,7 +116,7 @@ def _fp8_scope(fwd_kw):
     model's own context then inherits this one (no graph break)."""
     if not fwd_kw["fp8"]:
         return contextlib.nullcontext()
-    return fp8ext.fp8_autocast(fp8_recipe=fwd_kw["fp8_recipe"], fp8_group=fwd_kw["fp8_group"])
+    return fp8_autocast(fp8_recipe=fwd_kw["fp8_recipe"], fp8_group=fwd_kw["fp8_group"])
 
 
 @torch.no_grad()
@@ -131,9 +135,9 @@ def _evaluate(model, corpus, args, device, fwd_kw, rank, world) -> float:
 
 def _fp8_state_check(recipe, device, world) -> dict:
     """How many FP8 tensors are scaled, and (with several ranks) whether every rank holds the same scales."""
-    if not isinstance(recipe, DelayedScaling):
+    if not recipe.stateful:
         return {}
-    mgr = fp8ext.get_scaling_manager(recipe, device)
+    mgr = get_scaling_manager(recipe, device)
     out = {"fp8_scaled_tensors": mgr.num_slots}
     if world > 1:
         mine = torch.cat([mgr.scale, mgr.scale_inv])
@@ -157,12 +161,12 @@ def train(args: Namespace) -> dict:
 def _train(args: Namespace, device: torch.device, rank: int, world: int) -> dict:
     if args.use_fp8:
         _check_fp8(device, rank)
-    fused_before = fp8ext.fused.TRAINING
-    fp8ext.fused.TRAINING = not getattr(args, "no_fused_kernels", False)
+    fused_before = fused.TRAINING
+    fused.TRAINING = not getattr(args, "no_fused_kernels", False)
     try:
         return _train_loop(args, device, rank, world)
     finally:
-        fp8ext.fused.TRAINING = fused_before
+        fused.TRAINING = fused_before
 
 
 def _train_loop(args: Namespace, device: torch.device, rank: int, world: int) -> dict:
@@ -229,11 +233,11 @@ def _build(args: Namespace, device: torch.device, world: int):
     raw = Transformer(cfg, device=device)
     recipe = _recipe(args)
     if args.use_fp8 and args.compile:  # every FP8 slot now: a compiled forward never registers one (a graph break)
-        fp8ext.prepare_fp8(raw, recipe)
+        prepare_fp8(raw, recipe)
     if args.fp8_all_gather:
         check_fp8_all_gather(args)
         if world > 1:  # (one process gathers nothing)
-            fp8ext.enable_fp8_all_gather(raw, recipe)  # before fully_shard (wrap)
+            enable_fp8_all_gather(raw, recipe)  # before fully_shard (wrap)
     checkpoint_blocks(raw, args.activation_checkpointing)
     model = wrap(raw, args, device, world)
     opt = _optimizer(model, args, device)
@@ -250,10 +254,10 @@ def _run_info(args: Namespace, raw, corpus, device: torch.device, rank: int, wor
     info = {"args": vars(args), "config": asdict(raw.cfg), "device": str(device), "world_size": world,
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "precision": precision, "parameters": raw.num_parameters(), "corpus": corpus.description,
-            "torch": torch.__version__, "fp8ext": fp8ext.__version__, "start_step": start,
+            "torch": torch.__version__, "fp8ext": VERSION, "start_step": start,
             # which of fp8ext's fused kernels ran (a GPU, fp8ext built with CUDA): RMSNorm, RoPE and SwiGLU, eager
             # or compiled (as torch ops there)
-            "fused_kernels": ([] if not (fp8ext.fused.TRAINING and device.type == "cuda" and fp8ext.cuda_available())
+            "fused_kernels": ([] if not (fused.TRAINING and device.type == "cuda" and cuda_available())
                               else ["rms_norm", "rope", "swiglu"]),
             # --activation_checkpointing, and how many blocks its wrapper holds (each one, or none)
             "activation_checkpointing": args.activation_checkpointing,

@@ -39,6 +39,7 @@ import torch
 __all__ = ["main", "validate", "parser", "SECTIONS", "TITLES", "titles"]
 
 from .._cli import OneLineParser, add_debug, one_line_errors  # noqa: E402
+from ..core.build import cuda_available  # noqa: E402
 from ._run import SECTIONS, TITLES, Run, environment, titles  # noqa: E402
 from ._report import speed_cells  # noqa: E402
 
@@ -73,8 +74,7 @@ def parser() -> argparse.ArgumentParser:
 
 def pick_device() -> torch.device:
     """The GPU where fp8ext has CUDA kernels and a device, else the CPU (fp8ext's reference)."""
-    import fp8ext
-    return torch.device("cuda", torch.cuda.current_device()) if fp8ext.cuda_available() else torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if cuda_available() else torch.device("cpu")
 
 
 def tasks(run: Run) -> List[Tuple[str, str, Callable[[Run], None]]]:

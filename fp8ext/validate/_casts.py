@@ -6,13 +6,14 @@ import math
 
 import torch
 
-import fp8ext
-from fp8ext._bench import bench_ms, copy_tbps
+from .._bench import bench_ms, copy_tbps
+from ..core.formats import E4M3, E5M2
+from ..ops import cast_transpose, dequantize, quantize
 
 from ._run import Run
 
 SECTION = "casts"
-FORMATS = (fp8ext.E4M3, fp8ext.E5M2)
+FORMATS = (E4M3, E5M2)
 
 
 def all_bf16(device="cpu") -> torch.Tensor:
@@ -44,14 +45,14 @@ def check(run: Run) -> None:
         if run.on_gpu:
             _check_against_cpu_reference(run, fmt, x, x_cpu)
         codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fmt.torch_dtype)
-        got = fp8ext.dequantize(codes.to(run.device), 1.0, torch.float32).cpu()
+        got = dequantize(codes.to(run.device), 1.0, torch.float32).cpu()
         want = codes.float()
         bad = int(((got != want) & ~(got.isnan() & want.isnan())).sum())
         run.check(SECTION, f"dequantize {fmt.name} -> float32 equals torch's own decoding on all 256 codes",
                   bad == 0, value=bad, limit=0, unit="codes that differ", shape=(256,))
     _check_cast_transpose_and_amax(run)
     run.trace(SECTION, "quantize all bf16 patterns", {
-        f"quantize {f.name}": (lambda f=f: fp8ext.quantize(x, f)) for f in FORMATS})
+        f"quantize {f.name}": (lambda f=f: quantize(x, f)) for f in FORMATS})
     run.note(SECTION, f"The codec is checked on all {n:,} bf16 bit patterns (every finite value, both infinities, "
                       "zeros and every NaN) for E4M3 and E5M2.")
 
@@ -62,7 +63,7 @@ def _check_against_torch(run: Run, fmt, x: torch.Tensor, x_cpu: torch.Tensor) ->
     sat = torch_saturates(fmt)
     for scale in (1.0, 0.37):
         want = (x_cpu.float() * scale).to(fmt.torch_dtype)
-        got = fp8ext.quantize(x, fmt, scale, saturate=sat)
+        got = quantize(x, fmt, scale, saturate=sat)
         bad = mismatches(got, want, fmt, any_nan_equal=True)
         rule = "saturating" if sat else "overflowing"
         run.check(SECTION, f"quantize bf16 -> {fmt.name} (scale {scale}, {rule}) equals torch's "
@@ -74,8 +75,8 @@ def _check_against_cpu_reference(run: Run, fmt, x: torch.Tensor, x_cpu: torch.Te
     """The GPU kernels against fp8ext's bit-exact CPU reference, byte for byte (NaN codes included)."""
     for sat in (True, False):
         for scale in (1.0, 0.37):
-            got = fp8ext.quantize(x, fmt, torch.tensor(scale, device=x.device), saturate=sat)
-            want = fp8ext.quantize(x_cpu, fmt, scale, saturate=sat)
+            got = quantize(x, fmt, torch.tensor(scale, device=x.device), saturate=sat)
+            want = quantize(x_cpu, fmt, scale, saturate=sat)
             bad = mismatches(got, want, fmt, any_nan_equal=False)
             run.check(SECTION, f"quantize bf16 -> {fmt.name} on the GPU (scale {scale}, saturate={sat}) equals "
                                "the CPU reference byte for byte", bad == 0, value=bad, limit=0,
@@ -87,9 +88,9 @@ def _check_cast_transpose_and_amax(run: Run) -> None:
     shape = (256, 384)
     x = torch.randn(shape, dtype=torch.bfloat16, device=run.device) * 40
     acc = torch.zeros((), device=run.device)
-    q, qt = fp8ext.cast_transpose(x, fp8ext.E4M3, 2.0, amax_out=acc)
-    want = fp8ext.quantize(x.cpu(), fp8ext.E4M3, 2.0)
-    bad = mismatches(q, want, fp8ext.E4M3, False) + mismatches(qt, want.t().contiguous(), fp8ext.E4M3, False)
+    q, qt = cast_transpose(x, E4M3, 2.0, amax_out=acc)
+    want = quantize(x.cpu(), E4M3, 2.0)
+    bad = mismatches(q, want, E4M3, False) + mismatches(qt, want.t().contiguous(), E4M3, False)
     run.check(SECTION, "cast_transpose gives quantize's bytes and their transpose", bad == 0, value=bad, limit=0,
               unit="bytes that differ", shape=shape)
     want_amax = x.float().abs().max().item()
@@ -108,15 +109,15 @@ def speed(run: Run) -> None:
     x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     scale = torch.tensor(2.0, device="cuda")
     acc = torch.zeros((), device="cuda")
-    q = fp8ext.quantize(x, fp8ext.E4M3, scale)
+    q = quantize(x, E4M3, scale)
     side = math.isqrt(n)
     x2 = x[: side * side].view(side, side)
     cases = {  # name: (function, bytes read + written, shape)
-        "quantize bf16 -> E4M3 with amax": (lambda: fp8ext.quantize(x, fp8ext.E4M3, scale, amax_out=acc), 3 * n,
+        "quantize bf16 -> E4M3 with amax": (lambda: quantize(x, E4M3, scale, amax_out=acc), 3 * n,
                                             (n,)),
-        "dequantize E4M3 -> bf16": (lambda: fp8ext.dequantize(q, scale, torch.bfloat16), 3 * n, (n,)),
+        "dequantize E4M3 -> bf16": (lambda: dequantize(q, scale, torch.bfloat16), 3 * n, (n,)),
         "cast_transpose bf16 -> E4M3 and its transpose": (
-            lambda: fp8ext.cast_transpose(x2, fp8ext.E4M3, scale, amax_out=acc), 4 * side * side, (side, side)),
+            lambda: cast_transpose(x2, E4M3, scale, amax_out=acc), 4 * side * side, (side, side)),
     }
     for name, (fn, nbytes, shape) in cases.items():
         tbps = nbytes / bench_ms(fn) / 1e9

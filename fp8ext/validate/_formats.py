@@ -6,9 +6,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import fp8ext
-from fp8ext.ops import mx
-from fp8ext._bench import bench_ms
+from .._bench import bench_ms
+from ..core.formats import E2M1, E2M3, E3M2, E4M3, E5M2, SmallFormat
+from ..lowp.weight_only import WeightOnlyLinear
+from ..ops import dequantize, mx, quantize
+from ..ops.mx import dequantize_mx, dequantize_nvfp4, quantize_mx, quantize_nvfp4
 
 from ._run import Run
 
@@ -20,26 +22,26 @@ NOT_AVAILABLE = "not available in this build (fp8ext.WeightOnlyLinear does not e
 def _per_tensor(x: torch.Tensor, fmt) -> torch.Tensor:
     """x scaled so that max|x| lands on the format's largest value, quantized, and scaled back."""
     scale = fmt.max / x.abs().max().item()
-    q = fp8ext.quantize(x, fmt, scale)
-    return fp8ext.dequantize(q, 1.0 / scale, fmt=fmt if isinstance(fmt, fp8ext.SmallFormat) else None)
+    q = quantize(x, fmt, scale)
+    return dequantize(q, 1.0 / scale, fmt=fmt if isinstance(fmt, SmallFormat) else None)
 
 
 def _mx(x: torch.Tensor, elem) -> torch.Tensor:
-    q, s = fp8ext.quantize_mx(x, elem)
-    return fp8ext.dequantize_mx(q, s, elem)
+    q, s = quantize_mx(x, elem)
+    return dequantize_mx(q, s, elem)
 
 
 def _nvfp4(x: torch.Tensor) -> torch.Tensor:
-    return fp8ext.dequantize_nvfp4(*fp8ext.quantize_nvfp4(x))
+    return dequantize_nvfp4(*quantize_nvfp4(x))
 
 
 def round_trips():
     """{label: x -> x rounded through the format}, per-tensor scaled formats first, then block-scaled ones."""
     out = {"bf16": lambda x: x.bfloat16().float()}
-    for f in (fp8ext.E4M3, fp8ext.E5M2, fp8ext.E3M2, fp8ext.E2M3, fp8ext.E2M1):
+    for f in (E4M3, E5M2, E3M2, E2M3, E2M1):
         out[f"{f.name} per tensor"] = lambda x, f=f: _per_tensor(x, f)
-    for family, elems in (("MXFP8", (fp8ext.E4M3, fp8ext.E5M2)), ("MXFP6", (fp8ext.E3M2, fp8ext.E2M3)),
-                          ("MXFP4", (fp8ext.E2M1,))):
+    for family, elems in (("MXFP8", (E4M3, E5M2)), ("MXFP6", (E3M2, E2M3)),
+                          ("MXFP4", (E2M1,))):
         for e in elems:
             out[f"{family} {e.name}"] = lambda x, e=e: _mx(x, e)
     out["NVFP4"] = _nvfp4
@@ -68,8 +70,8 @@ def check(run: Run) -> None:
     _check_mx_idempotent(run, sets["normal"], shape)
     x = sets["normal"]
     run.trace(SECTION, "block-scaled quantization", {
-        "quantize_mx E2M1": lambda: fp8ext.quantize_mx(x, fp8ext.E2M1),
-        "quantize_nvfp4": lambda: fp8ext.quantize_nvfp4(x)})
+        "quantize_mx E2M1": lambda: quantize_mx(x, E2M1),
+        "quantize_nvfp4": lambda: quantize_nvfp4(x)})
     run.note(SECTION, "Quantization error = ||x - dequantize(quantize(x))|| / ||x|| on the CPU (block-scaled formats "
                       "run on the CPU in this version). Per tensor: one scale mapping max|x| to the format's largest "
                       "value. MX: blocks of 32 with a power-of-two E8M0 scale. NVFP4: blocks of 16 with an E4M3 "
@@ -78,9 +80,9 @@ def check(run: Run) -> None:
 
 def _check_small_codecs(run: Run) -> None:
     """Every code of E2M1 (FP4), E2M3 and E3M2 (FP6) decodes to a value that encodes back to the same code."""
-    for f in (fp8ext.E2M1, fp8ext.E2M3, fp8ext.E3M2):
+    for f in (E2M1, E2M3, E3M2):
         codes = torch.arange(1 << f.bits, dtype=torch.int32).to(torch.uint8)
-        back = fp8ext.quantize(fp8ext.dequantize(codes, fmt=f), f)
+        back = quantize(dequantize(codes, fmt=f), f)
         bad = int((back != codes).sum())
         run.check(SECTION, f"every {f.name} code decodes and encodes back to itself", bad == 0, value=bad, limit=0,
                   unit="codes that differ", shape=(1 << f.bits,), device="cpu")
@@ -96,8 +98,8 @@ def _check_mx_idempotent(run: Run, x: torch.Tensor, shape) -> None:
 
 
 def weight_only_linear():
-    """fp8ext.WeightOnlyLinear where this version has it, else None (looked up on use: it is newer than this)."""
-    return getattr(fp8ext, "WeightOnlyLinear", None)
+    """fp8ext.WeightOnlyLinear where this version has it, else None (every version since fp8ext.lowp has it)."""
+    return WeightOnlyLinear
 
 
 def speed(run: Run) -> None:

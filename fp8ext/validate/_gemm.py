@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch
 
-import fp8ext
-from fp8ext._bench import fp8_gemm_operands, rounds
-from fp8ext.testing import gemm_error_bound, gemm_reference
+from .._bench import fp8_gemm_operands, rounds
+from ..core.formats import E4M3, E5M2
+from ..ops import quantize
+from ..ops.matmul import gemm
+from ..testing import gemm_error_bound, gemm_reference
 
 from ._run import Run
 
@@ -39,7 +41,7 @@ def check(run: Run) -> None:
     for (m, k, n) in check_shapes(run.quick):
         _, _, x8, w8, sx, sw = fp8_gemm_operands(m, k, n, device=run.device)
         for out_dtype in (torch.float32, torch.bfloat16):
-            out = fp8ext.gemm(x8, w8, a_scale_inv=sx, b_scale_inv=sw, out_dtype=out_dtype)
+            out = gemm(x8, w8, a_scale_inv=sx, b_scale_inv=sw, out_dtype=out_dtype)
             ratio = _worst_ratio(out, x8, w8, sx, sw, on_gpu=run.on_gpu)
             run.check(SECTION, f"E4M3 x E4M3 -> {str(out_dtype).replace('torch.', '')} within the error bound of "
                                "the float64 product", ratio <= 1.0, value=ratio, limit=1.0,
@@ -50,12 +52,12 @@ def check(run: Run) -> None:
     bias = torch.randn(n, device=run.device, dtype=torch.bfloat16)
     one = torch.ones((), device=run.device)
     sx, sg = torch.tensor(0.25, device=run.device), torch.tensor(4096.0, device=run.device)
-    a8, b8 = fp8ext.quantize(x, fp8ext.E4M3, sx.reciprocal()), fp8ext.quantize(g, fp8ext.E5M2, sg)
-    out = fp8ext.gemm(a8, b8, a_scale_inv=sx, b_scale_inv=sg.reciprocal(), bias=bias, out_dtype=torch.bfloat16)
+    a8, b8 = quantize(x, E4M3, sx.reciprocal()), quantize(g, E5M2, sg)
+    out = gemm(a8, b8, a_scale_inv=sx, b_scale_inv=sg.reciprocal(), bias=bias, out_dtype=torch.bfloat16)
     ratio = _worst_ratio(out, a8, b8, sx, sg.reciprocal(), bias=bias, on_gpu=run.on_gpu)
     run.check(SECTION, "E4M3 x E5M2 with bias -> bf16 within the error bound of the float64 product",
               ratio <= 1.0, value=ratio, limit=1.0, unit="largest error / bound", shape=(m, k, n))
-    run.trace(SECTION, f"gemm {m}x{k}x{n}", {"fp8ext.gemm": lambda: fp8ext.gemm(a8, a8, a_scale_inv=one,
+    run.trace(SECTION, f"gemm {m}x{k}x{n}", {"fp8ext.gemm": lambda: gemm(a8, a8, a_scale_inv=one,
                                                                                  b_scale_inv=one)})
     run.note(SECTION, "Correctness: every output element against the float64 product of the same FP8 inputs, "
                       "inside the rounding-error bound of fp8ext.testing.gemm_error_bound ("
@@ -73,7 +75,7 @@ def speed(run: Run) -> None:
         flop = 2 * m * n * k
         impls = {
             "bf16 torch.matmul": lambda: torch.matmul(xb, wb.t()),
-            "fp8ext.gemm E4M3": lambda: fp8ext.gemm(x8, w8, a_scale_inv=sxi, b_scale_inv=swi, out=out),
+            "fp8ext.gemm E4M3": lambda: gemm(x8, w8, a_scale_inv=sxi, b_scale_inv=swi, out=out),
         }
         t = rounds(impls, reps=10 if flop > 2e12 else 30)
         shape = (m, k, n)

@@ -8,8 +8,11 @@ import copy
 import torch
 from torch import nn
 
-import fp8ext
-from fp8ext._bench import cuda_memory, rounds, saved_bytes
+from .._bench import cuda_memory, rounds, saved_bytes
+from ..core.context import fp8_autocast
+from ..core.formats import E4M3, E5M2
+from ..core.recipe import DelayedScaling
+from ..modules.linear import Linear
 
 from ._run import Run
 
@@ -34,7 +37,7 @@ def _float64_step(lin: nn.Linear, x: torch.Tensor, gy: torch.Tensor):
 
 def _step(layer: nn.Module, x: torch.Tensor, gy: torch.Tensor, fp8: bool):
     xx = x.detach().clone().requires_grad_()
-    with fp8ext.fp8_autocast(enabled=fp8):
+    with fp8_autocast(enabled=fp8):
         y = layer(xx)
     y.backward(gy.to(y.dtype))
     return y.detach(), xx.grad, layer.weight.grad
@@ -42,11 +45,11 @@ def _step(layer: nn.Module, x: torch.Tensor, gy: torch.Tensor, fp8: bool):
 
 def check(run: Run) -> None:
     torch.manual_seed(0)
-    u_fwd, u_bwd = 2.0 ** -(fp8ext.E4M3.mant_bits + 1), 2.0 ** -(fp8ext.E5M2.mant_bits + 1)
+    u_fwd, u_bwd = 2.0 ** -(E4M3.mant_bits + 1), 2.0 ** -(E5M2.mant_bits + 1)
     for (m, k, n) in ([(64, 128, 96), (256, 512, 256)] if run.quick else [(64, 128, 96), (256, 512, 256),
                                                                           (512, 1024, 768)]):
         lin = nn.Linear(k, n, device=run.device)
-        f8 = fp8ext.Linear(k, n, device=run.device)
+        f8 = Linear(k, n, device=run.device)
         f8.load_state_dict(lin.state_dict())
         x = torch.randn(m, k, device=run.device)
         gy = torch.randn(m, n, device=run.device)
@@ -74,9 +77,9 @@ def _check_saved_memory(run: Run) -> None:
     m, k, n = 512, 1024, 1024
     x = torch.randn(m, k, device=run.device, dtype=torch.bfloat16, requires_grad=True)
     lin = nn.Linear(k, n, bias=False, device=run.device, dtype=torch.bfloat16)
-    f8 = fp8ext.Linear(k, n, bias=False, device=run.device, params_dtype=torch.bfloat16)
+    f8 = Linear(k, n, bias=False, device=run.device, params_dtype=torch.bfloat16)
     b16, _ = saved_bytes(lambda: lin(x), n * k)
-    with fp8ext.fp8_autocast(enabled=True):
+    with fp8_autocast(enabled=True):
         act8, w8 = saved_bytes(lambda: f8(x), n * k)
     # FP8Linear also keeps the weight's FP8 copy (one byte per weight, for the input gradient): a tensor of its own on
     # the composed path, part of the one buffer the fast path keeps; it is not activation memory
@@ -95,19 +98,19 @@ def speed(run: Run) -> None:
     if run.speed_skipped(SECTION, "training-step time and GPU memory of FP8Linear against nn.Linear in bf16"):
         return
     torch.manual_seed(0)
-    recipe = fp8ext.DelayedScaling()
+    recipe = DelayedScaling()
     shapes = [(4096, 1024, 1024), (4096, 4096, 4096)] if run.quick else [
         (4096, 1024, 1024), (8192, 4096, 4096), (8192, 4096, 16384)]
     for (m, k, n) in shapes:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         gy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
         lin = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-        f8 = fp8ext.Linear(k, n, bias=False, device="cuda", params_dtype=torch.bfloat16)
+        f8 = Linear(k, n, bias=False, device="cuda", params_dtype=torch.bfloat16)
         f8.load_state_dict(lin.state_dict())
 
         def fp8_forward():
             f8._weight_cache = None  # the weight changes every training step: recast it, as a real step would
-            with fp8ext.fp8_autocast(fp8_recipe=recipe):
+            with fp8_autocast(fp8_recipe=recipe):
                 return f8(x)
 
         steps = {"bf16": (lambda: lin(x), lambda y: y.backward(gy)),

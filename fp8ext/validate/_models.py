@@ -8,10 +8,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from fp8ext import inference
-from fp8ext._bench import bench_ms, cuda_memory, rounds
-from fp8ext.models.transformer import Transformer, default_recipe, preset
-from fp8ext.core.recipe import CurrentScaling
+from .. import inference
+from .._bench import bench_ms, cuda_memory, rounds
+from ..core.recipe import CurrentScaling
+from ..models.transformer import Transformer, default_recipe, preset
 
 from ._linear import rel_error
 from ._run import Run

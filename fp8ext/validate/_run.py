@@ -16,7 +16,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-import fp8ext
+from ..core.build import VERSION, build_info
+from ..core.profiling import profiling_enabled, set_profiling
 
 SECTIONS = ("casts", "gemm", "linear", "block", "train", "inference", "fp4")
 
@@ -118,8 +119,8 @@ class Run:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.on_gpu:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        was = fp8ext.profiling_enabled()
-        fp8ext.set_profiling(True)
+        was = profiling_enabled()
+        set_profiling(True)
         try:
             with torch.profiler.profile(activities=activities) as prof:
                 for label, fn in impls.items():
@@ -129,7 +130,7 @@ class Run:
                 if self.on_gpu:
                     torch.cuda.synchronize()
         finally:
-            fp8ext.set_profiling(was)
+            set_profiling(was)
         os.makedirs(os.path.join(self.out_dir, "traces"), exist_ok=True)
         rel = os.path.join("traces", f"{section}_{re.sub(r'[^A-Za-z0-9]+', '_', name).strip('_')}.json")
         prof.export_chrome_trace(os.path.join(self.out_dir, rel))
@@ -157,12 +158,12 @@ def _driver_version() -> Optional[str]:
 
 def environment(run: Run) -> dict:
     """Versions and the machine: what every figure of the report was measured with."""
-    info = fp8ext.build_info()
+    info = build_info()
     env = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
         "device": run.device_name,
         "device_type": run.device.type,
-        "fp8ext": fp8ext.__version__,
+        "fp8ext": VERSION,
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
@@ -187,5 +188,5 @@ def no_gpu_reason() -> str:
     """Why the run is on the CPU: torch sees no CUDA device, or fp8ext has no CUDA kernels."""
     if not torch.cuda.is_available():
         return "torch sees no CUDA device" + ("" if torch.version.cuda else "; this torch is a CPU-only build")
-    info = fp8ext.build_info()
+    info = build_info()
     return f"fp8ext was built without CUDA kernels: {info.get('no_cuda_reason') or 'no reason recorded'}"

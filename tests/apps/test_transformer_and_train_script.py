@@ -168,7 +168,7 @@ def test_fp8_and_bf16_checkpoints_resume_each_other(tmp_path, first, second):
 
 
 def test_fp8_on_a_gpu_without_fp8_tensor_cores_raises(monkeypatch):
-    monkeypatch.setattr(fp8ext, "cuda_available", lambda: True)
+    monkeypatch.setattr(trainer, "cuda_available", lambda: True)  # the name _check_fp8 reads
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
     with pytest.raises(RuntimeError, match=r"--use_fp8: NVIDIA A100 \(compute capability 8.0\) has no FP8"):

@@ -16,7 +16,7 @@ import dlpack_craft
 import fp8ext
 from conftest import DEVICES
 from fp8ext import _C
-from fp8ext.core._boundary import stream_of
+from fp8ext.core.boundary import stream_of
 
 BAD_SCALES = [float("nan"), 0.0, -1.0, float("inf")]
 dl = torch.utils.dlpack.to_dlpack
@@ -70,47 +70,47 @@ def test_cpu_fmt_max_of_scale_update_must_be_finite_and_positive(bad):
 
 
 def linear_fwd_args(**changes):
-    """The 13 arguments of _C.linear_fwd for M = K = N = 16 on the CPU (py_linear.c's buffer layout)."""
+    """_C.linear_fwd's arguments, as keywords, for M = K = N = 16 on the CPU (py_linear.c's buffer layout)."""
     a = dict(x=torch.ones(16, 16), w=torch.ones(16, 16), saved=torch.zeros(768 + 512, dtype=torch.uint8),
              scratch=torch.zeros(512, dtype=torch.uint8), y=torch.zeros(16, 16), x_scale=torch.ones(()),
              x_amax=torch.zeros(()), w_scale=torch.ones(()), w_amax=torch.zeros(()), fmt=0, bias=None,
              workspace=None, stream=0)
     a.update(changes)
-    return [dl(v) if isinstance(v, torch.Tensor) else v for v in a.values()]
+    return {k: dl(v) if isinstance(v, torch.Tensor) else v for k, v in a.items()}
 
 
 def linear_bwd_args(**changes):
-    """The 16 arguments of _C.linear_bwd for M = K = N = 16 on the CPU, no dx, dw or db."""
+    """_C.linear_bwd's arguments, as keywords, for M = K = N = 16 on the CPU, no dx, dw or db."""
     a = dict(dy=torch.ones(16, 16), saved=torch.zeros(768 + 512, dtype=torch.uint8),
              scratch=torch.zeros(512, dtype=torch.uint8), m=16, k=16, n=16, fwd_fmt=0, g_scale=torch.ones(()),
              g_amax=torch.zeros(()), bwd_fmt=1, dx=None, dw=None, accumulate=False, workspace=None, stream=0, db=None)
     a.update(changes)
-    return [dl(v) if isinstance(v, torch.Tensor) else v for v in a.values()]
+    return {k: dl(v) if isinstance(v, torch.Tensor) else v for k, v in a.items()}
 
 
 @pytest.mark.parametrize("bad", BAD_SCALES, ids=str)
 @pytest.mark.parametrize("arg", ["x_scale", "w_scale"])
 def test_cpu_scales_of_linear_fwd_must_be_finite_and_positive(arg, bad):
-    assert _C.linear_fwd(*linear_fwd_args()) is False, "with a scale of 1 the casts run (the GEMM is the caller's)"
+    assert _C.linear_fwd(**linear_fwd_args()) is False, "with a scale of 1 the casts run (the GEMM is the caller's)"
     with pytest.raises(ValueError, match=rf"linear_fwd\(\): {arg} must be finite and positive, got {bad:g}"):
-        _C.linear_fwd(*linear_fwd_args(**{arg: torch.tensor(bad)}))
+        _C.linear_fwd(**linear_fwd_args(**{arg: torch.tensor(bad)}))
 
 
 @pytest.mark.parametrize("bad", BAD_SCALES, ids=str)
 def test_cpu_scale_of_linear_bwd_must_be_finite_and_positive(bad):
-    assert _C.linear_bwd(*linear_bwd_args()) is False, "with a scale of 1 the cast runs (the GEMMs are the caller's)"
+    assert _C.linear_bwd(**linear_bwd_args()) is False, "with a scale of 1 the cast runs (the GEMMs are the caller's)"
     with pytest.raises(ValueError, match=rf"linear_bwd\(\): g_scale must be finite and positive, got {bad:g}"):
-        _C.linear_bwd(*linear_bwd_args(g_scale=torch.tensor(bad)))
+        _C.linear_bwd(**linear_bwd_args(g_scale=torch.tensor(bad)))
 
 
 def test_linear_fwd_format_past_int_range_is_refused():
     with pytest.raises(ValueError, match=r"linear_fwd\(\): fmt must be 0 \(E4M3\) or 1 \(E5M2\), got 4294967296"):
-        _C.linear_fwd(*linear_fwd_args(fmt=2**32))
+        _C.linear_fwd(**linear_fwd_args(fmt=2**32))
 
 
 def test_linear_bwd_sizes_whose_buffers_overflow_are_refused():
     with pytest.raises(ValueError, match=r"linear_bwd\(\): M=16, K=1152921504606846976, N=16 give buffers too large"):
-        _C.linear_bwd(*linear_bwd_args(k=2**60))
+        _C.linear_bwd(**linear_bwd_args(k=2**60))
 
 
 # ---- GPU-only buffers, checked before anything runs (hand-made CUDA capsules: never dereferenced) -------------
@@ -152,11 +152,11 @@ def test_linear_fwd_workspace_overlapping_x_is_refused():
     buf, o = aligned_buffer(1 << 16)
     v = lambda shape, dtype, at: cuda_view(buf, shape, dtype, o + at)  # noqa: E731
     args = [v((16, 16), "float32", 0), v((16, 16), "float32", 1024), v((1280,), "uint8", 2048),
-            v((512,), "uint8", 4096), v((16, 16), "float32", 5120), v((1,), "float32", 6144),
-            v((1,), "float32", 6148), v((1,), "float32", 6152), v((1,), "float32", 6156), 0, None,
-            v((1024,), "uint8", 0), 0]
+            v((512,), "uint8", 4096), v((16, 16), "float32", 5120), 0]
+    kw = dict(x_scale=v((1,), "float32", 6144), x_amax=v((1,), "float32", 6148), w_scale=v((1,), "float32", 6152),
+              w_amax=v((1,), "float32", 6156), workspace=v((1024,), "uint8", 0))
     with pytest.raises(ValueError, match=r"linear_fwd\(\): workspace and x share memory"):
-        _C.linear_fwd(*args)
+        _C.linear_fwd(*args, **kw)
 
 
 def decode_attention_args(buf, o, **at):

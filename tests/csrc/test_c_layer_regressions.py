@@ -72,7 +72,7 @@ def test_gemm_out_sharing_memory_with_its_bias_is_refused(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_scale_update_buffers_sharing_memory_are_refused(device):
-    from fp8ext.core._boundary import stream_of
+    from fp8ext.core.boundary import stream_of
     hist = torch.zeros(4, 2, device=device)
     both = torch.ones(4, device=device)
     fmt_max = torch.full((4,), 448.0, device=device)
@@ -86,7 +86,7 @@ def test_scale_update_buffers_sharing_memory_are_refused(device):
 def test_quantize_blocks_scale_inv_inside_x_is_refused(device):
     x = torch.randn(4, 256, device=device)
     q = torch.empty(4, 256, dtype=torch.uint8, device=device)
-    from fp8ext.core._boundary import stream_of
+    from fp8ext.core.boundary import stream_of
     dl = torch.utils.dlpack.to_dlpack
     with pytest.raises(ValueError, match=r"quantize_blocks\(\): scale_inv and x share memory"):
         _C.quantize_blocks(dl(x), dl(q), dl(x[0, :4]), fp8ext.E4M3.code, 1, 256, 1, 0,

@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 import fp8ext
 from fp8ext import _C
-from fp8ext.core._boundary import dl
+from fp8ext.core.boundary import dl
 from fp8ext.mx import MX_ELEMENT_FORMATS
 
 EXAMPLES = int(os.environ.get("FP8EXT_FUZZ_EXAMPLES", "40"))
@@ -149,10 +149,11 @@ RAW = {
                         "splits:int | stream:stream length_dev:one?",
     "fused_rows": "x:x gamma:vec out=xo scale:one scale_inv:one eps:margin op:int out_mode:int | stream:stream",
     "kv_store": "x:x scale:one cache=q pos:int | stream:stream pos_dev:one?",
-    "linear_fwd": "x:x w:x saved=u8 scratch=u8 y=xo x_scale:one x_amax=one w_scale:one w_amax=one fmt:code "
-                  "bias:vec? workspace=ws stream:stream",
-    "linear_bwd": "dy:x saved:u8 scratch=u8 m:int k:int n:int fwd_fmt:code g_scale:one g_amax=one bwd_fmt:code "
-                  "dx=xo dw=xo accumulate:bool workspace=ws stream:stream db=vec?",
+    "linear_fwd": "x:x w:x saved=u8 scratch=u8 y=xo fmt:code | x_scale:one x_amax=one w_scale:one w_amax=one "
+                  "bias:vec? workspace=ws stream:stream margin:margin? keep:bool prologue:int",
+    "linear_bwd": "dy:x saved:u8 scratch=u8 m:int k:int n:int fwd_fmt:code bwd_fmt:code | g_scale:one g_amax=one "
+                  "dx=xo dw=xo db=vec? accumulate:bool workspace=ws stream:stream margin:margin? x_t=u8? w_t=u8? "
+                  "d_a:x?",
     "rms_norm_fwd": "x:x gamma:vec y=xo rstd=vecR eps:margin | stream:stream",
     "rms_norm_bwd": "x:x dy:x gamma:vec rstd:vecR dx=xo partial=ws dgamma=vec | stream:stream",
     "rope_qkv": "qkv:x cos:x sin:x q=xo k=xo v=xo n_heads:int n_kv:int start_pos:int | stream:stream backward:bool",

@@ -117,7 +117,7 @@ def test_kernel_equals_the_reference(b, h, kv, hd, max_len, length, dtype):
 @pytest.mark.parametrize("hd", [64, 128, 256])
 def test_any_split_of_the_positions_gives_the_same_attention(dtype, splits, hd):
     from fp8ext import _C
-    from fp8ext.core._boundary import dl, dl_fp8
+    from fp8ext.core.boundary import dl, dl_fp8
     b, h, kv, length = 2, 16, 4, 1500
     q, k, v, ks, vs = make(b, h, kv, 1600, hd, dtype, "cuda", seed=splits + hd)
     out = torch.empty_like(q)
@@ -168,7 +168,7 @@ def test_kernel_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="k_cache is on cpu"):
         decode_attention(q, k.cpu(), v, 10, ks, vs)
     from fp8ext import _C
-    from fp8ext.core._boundary import dl, dl_fp8
+    from fp8ext.core.boundary import dl, dl_fp8
     q, k, v, ks, vs = make(1, 4, 2, 128, 128, torch.bfloat16, "cuda")
     shifted = torch.empty(k.numel() + 8, dtype=torch.uint8, device="cuda")[8:].view(torch.float8_e4m3fn).view(k.shape)
     out, ws = torch.empty_like(q), torch.empty(4 * 130, device="cuda")

@@ -136,7 +136,7 @@ def test_graphed_decoding_is_refused_where_it_cannot_run():
 @pytest.mark.cuda
 def test_device_position_and_length_give_the_int_paths_bytes():
     from fp8ext import _C
-    from fp8ext.core._boundary import dl, dl_fp8, stream_of
+    from fp8ext.core.boundary import dl, dl_fp8, stream_of
     torch.manual_seed(0)
     b, h, kv, hd, max_len = 2, 8, 2, 128, 700
     q = torch.randn(b, h, hd, device="cuda", dtype=torch.bfloat16)
@@ -287,7 +287,7 @@ def test_rope_append_leaves_cpu_and_bf16_caches_to_rope_qkv_and_append():
 
 def test_rope_qkv_cache_arguments_are_checked():
     from fp8ext import _C
-    from fp8ext.core._boundary import dl
+    from fp8ext.core.boundary import dl
     x = torch.zeros(1, 1, 64)
     args = (dl(x), dl(torch.ones(4, 8)), dl(torch.ones(4, 8)), dl(torch.zeros(1, 2, 1, 16)), dl(torch.zeros(1)),
             dl(torch.zeros(1)), 2, 1, 0)

@@ -13,7 +13,7 @@ from safetensors import safe_open
 import fp8ext
 from fp8ext import inference
 from fp8ext.inference import KVCache, generate
-from fp8ext.inference import attention as attention_mod
+from fp8ext.ops import attention as attention_mod  # where the decode step looks decode_attention up
 from fp8ext.models.transformer import Transformer, TransformerConfig, preset
 
 CFG = preset("tiny")

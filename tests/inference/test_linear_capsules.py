@@ -1,5 +1,5 @@
 """FP8InferenceLinear's decode path on the GPU: the weight side of its GEMM crosses to C as capsules made once
-(fp8ext.ops._gemm.gemm_with_weight). The output must be gemm()'s, bit for bit, and follow every change of the
+(fp8ext.ops.matmul.gemm_with_weight). The output must be gemm()'s, bit for bit, and follow every change of the
 weight, its scale and the bias; the kept capsules must not stop a copy, a pickle or a move to another device."""
 import copy
 import io
@@ -13,7 +13,7 @@ from conftest import requires_cuda
 from fp8ext.core.tensor import FP8Tensor
 from fp8ext.inference import FP8InferenceLinear
 from fp8ext.inference.layers import _layout
-from fp8ext.ops._gemm import gemm
+from fp8ext.ops.matmul import gemm
 
 SCHEMES = [("tensor", "static"), ("tensor", "dynamic"), ("channel", "static"), ("channel", "dynamic")]
 

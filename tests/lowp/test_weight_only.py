@@ -130,7 +130,7 @@ def _raw_call(layer, x, splits, workspace=None):
     m, n = x.shape[0], layer.out_features
     out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     ws = torch.empty(splits * m * n, device="cuda") if workspace is None else workspace
-    from fp8ext.core._boundary import dl, dl_opt
+    from fp8ext.core.boundary import dl, dl_opt
     weight_only(dl(x), dl(layer.codes), dl_opt(layer.block_scales), dl_opt(layer.channel_scale),
                 dl_opt(layer.tensor_scale), dl(ws), dl(layer._counters), dl(out), _FORMATS[layer.fmt][0], splits,
                 torch.cuda.current_stream().cuda_stream)

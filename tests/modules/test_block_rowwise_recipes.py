@@ -453,7 +453,7 @@ def test_block_scaled_fused_cast_reference_path_is_the_separate_steps(op):
     """On the CPU the fused path (reference=True) computes the step with the reference definitions and casts it with
     the block quantizer: the output and the weight's gradient of the step followed by FP8Linear, bit for bit."""
     from fp8ext import fused
-    from fp8ext.modules import _fused_linear as FL
+    from fp8ext.modules import fused_linear as FL
     torch.manual_seed(10)
     k = 256
     lin_a = fp8ext.Linear(k, 128, params_dtype=torch.bfloat16)
@@ -482,7 +482,7 @@ def test_block_scaled_fused_cast_reference_path_is_the_separate_steps(op):
 def test_layernorm_modules_on_the_gpu_fuse_the_block_casts_and_equal_their_separate_steps(kind, monkeypatch):
     """LayerNormLinear and LayerNormMLP under Float8BlockScaling compute RMSNorm and SwiGLU inside the block casts of
     the next GEMM's input on a GPU, and give the output and every gradient of the same module run step by step."""
-    from fp8ext.modules import _fused_linear as FL
+    from fp8ext.modules import fused_linear as FL
     fused_m, sep_m = _norm_modules(kind, "cuda")
     calls = []
     real = FL._cast_with_prologue
@@ -514,7 +514,7 @@ def test_block_scaled_fused_mlp_reference_path_is_the_separate_steps():
     """LayerNormMLP's one-node path (RMSNorm, fc1, SwiGLU, fc2) under Float8BlockScaling on the CPU (reference=True):
     the output and both weights' gradients of the steps run one after the other, bit for bit."""
     from fp8ext import fused
-    from fp8ext.modules import _fused_linear as FL
+    from fp8ext.modules import fused_linear as FL
     torch.manual_seed(11)
     layers = [(fp8ext.Linear(256, 768, bias=False, params_dtype=torch.bfloat16),
                fp8ext.Linear(384, 256, params_dtype=torch.bfloat16)) for _ in range(2)]

@@ -1,4 +1,4 @@
-"""RMSNorm and SwiGLU computed inside the FP8 cast of the next GEMM's input (fp8ext._fused_linear, used by
+"""RMSNorm and SwiGLU computed inside the FP8 cast of the next GEMM's input (fp8ext.modules.fused_linear, used by
 LayerNormLinear and LayerNormMLP): the same bytes as the separate steps (the step's output rounded to the input's
 dtype, then FP8Linear), forward, backward and the scaling state, on the CPU reference and on a GPU's kernels."""
 import pytest
@@ -7,8 +7,8 @@ import torch
 import fp8ext
 import fp8ext as te
 from fp8ext import _C, fused
-from fp8ext.modules import _fused_linear as FL
-from fp8ext.core._boundary import dl, dl_fp8, stream_of
+from fp8ext.modules import fused_linear as FL
+from fp8ext.core.boundary import dl, dl_fp8, stream_of
 from conftest import requires_cuda
 
 EPS = 1e-5
@@ -33,7 +33,8 @@ def _count_prologue_casts(monkeypatch):
     calls = []
     real, real_fwd = FL._cast_with_prologue, _C.linear_fwd
     monkeypatch.setattr(FL, "_cast_with_prologue", lambda op, *a, **kw: calls.append(op) or real(op, *a, **kw))
-    monkeypatch.setattr(_C, "linear_fwd", lambda *a: (len(a) == 16 and a[15] and calls.append(a[15])) or real_fwd(*a))
+    monkeypatch.setattr(_C, "linear_fwd", lambda *a, **kw: (kw.get("prologue") and calls.append(kw["prologue"])) or
+                        real_fwd(*a, **kw))
     return calls
 
 
@@ -447,7 +448,7 @@ def test_swiglu_in_the_one_call_passes_eager_and_compiled_equal_the_separate_ste
     prologue_calls = []
     real = fp8ext._C.linear_fwd
     monkeypatch.setattr(fp8ext._C, "linear_fwd",
-                        lambda *a: prologue_calls.append(len(a) == 16 and a[15] == FL.SWIGLU) or real(*a))
+                        lambda *a, **kw: prologue_calls.append(kw.get("prologue") == FL.SWIGLU) or real(*a, **kw))
     runs = {}
     for name, lin, r in zip(("separate", "eager", "compiled"), layers, recipes):
         mod = _SwiGLULinear(lin, ref)
@@ -521,7 +522,7 @@ def test_swiglu_mlp_node_eager_and_compiled_equals_the_separate_steps(device, bi
     under torch.compile: over three steps with SGD between them, the output, every gradient and the scaling state equal
     those of w13, SwiGLU and w2 run separately, bit for bit. On the CPU SwiGLU and its gradient are fp8ext.fused's
     reference definitions (the GPU computes them inside the casts)."""
-    from fp8ext.modules import linear_autograd as LA
+    from fp8ext.ops import linear_pass as LA
     torch._dynamo.reset()
     ref = device == "cpu"
     dt = torch.bfloat16
@@ -534,8 +535,8 @@ def test_swiglu_mlp_node_eager_and_compiled_equals_the_separate_steps(device, bi
 
     runs = {}
     fused_bwd = []
-    real = LA._bwd_call
-    monkeypatch.setattr(LA, "_bwd_call", lambda *a, swiglu_da=None, **kw:
+    real = LA.linear_bwd_call
+    monkeypatch.setattr(LA, "linear_bwd_call", lambda *a, swiglu_da=None, **kw:
                         fused_bwd.append(swiglu_da is not None) or real(*a, swiglu_da=swiglu_da, **kw))
     g = torch.Generator().manual_seed(3)
     xs = [(torch.randn(2, 16, k, generator=g) * (1 + i)).to(device, dt) for i in range(3)]
@@ -578,15 +579,15 @@ def test_c_backward_call_checks_swiglus_gradient_argument():
     one, dl_ = torch.ones(()), torch._C._to_dlpack
     m, k, n = 32, 64, 48
     saved = torch.empty(768 + m * k + n * k + 256, dtype=torch.uint8)
-    args = [dl_(torch.randn(m, n)), dl_(saved), dl_(torch.empty(2 * m * n + 4096, dtype=torch.uint8)), m, k, n, 0,
-            dl_(one), dl_(torch.zeros(())), 1, dl_(torch.empty(m, k)), dl_(torch.empty(n, k)), False, None, 0, None]
+    args = [dl_(torch.randn(m, n)), dl_(saved), dl_(torch.empty(2 * m * n + 4096, dtype=torch.uint8)), m, k, n, 0, 1]
+    kw = dict(g_scale=dl_(one), g_amax=dl_(torch.zeros(())), dx=dl_(torch.empty(m, k)), dw=dl_(torch.empty(n, k)))
     d_a = dl_(torch.randn(m, n // 2))
     with pytest.raises(ValueError, match="runs on a GPU"):
-        _C.linear_bwd(*args, None, None, None, d_a)
+        _C.linear_bwd(*args, **kw, d_a=d_a)
     with pytest.raises(ValueError, match="delayed scaling"):
-        _C.linear_bwd(*args[:7], None, None, *args[9:], 0.0, None, None, d_a)
+        _C.linear_bwd(*args, **dict(kw, g_scale=None, g_amax=None), margin=0.0, d_a=d_a)
     with pytest.raises(ValueError, match="no db"):
-        _C.linear_bwd(*args[:15], dl_(torch.empty(n)), None, None, None, d_a)
-    with pytest.raises(TypeError, match="20 with SwiGLU's output gradient"):
-        _C.linear_bwd(*args, None, None, None, d_a, None)
-    assert _C.linear_bwd(*args, None, None, None, None) is False  # d_a None: the plain call (the casts ran)
+        _C.linear_bwd(*args, **kw, db=dl_(torch.empty(n)), d_a=d_a)
+    with pytest.raises(TypeError, match="positional arguments"):  # the options are keywords only
+        _C.linear_bwd(*args, None, None, **kw, d_a=d_a)
+    assert _C.linear_bwd(*args, **kw, d_a=None) is False  # d_a None: the plain call (the casts ran)

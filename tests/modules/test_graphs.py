@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import fp8ext
-from fp8ext.core._graph_state import FP8Replay, ManagerState, UpdateGate
+from fp8ext.core.graph_state import FP8Replay, ManagerState, UpdateGate
 from fp8ext.graphs import _check_like, make_graphed_callables
 from conftest import requires_cuda
 

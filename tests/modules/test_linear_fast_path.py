@@ -68,7 +68,7 @@ def test_current_scaling_fast_path_matches_composed_path_bit_for_bit(device, dty
     gys = [(torch.randn(2, 24, 32, generator=g) * 1e-3).to(device, dtype) for _ in range(3)]
     calls = []
     real = L._C.linear_fwd
-    monkeypatch.setattr(L._C, "linear_fwd", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(L._C, "linear_fwd", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     outs = {}
     for fast_path, layer in ((True, fast), (False, slow)):
         monkeypatch.setattr(L, "_FAST_PATH", fast_path)
@@ -103,7 +103,7 @@ def test_fast_path_matches_composed_path_bit_for_bit(device, dtype, bias, fuse_w
     gys = [(torch.randn(2, 24, 32, generator=g) * 1e-3).to(device, dtype) for _ in range(4)]
     calls = []
     real = L._C.linear_fwd
-    monkeypatch.setattr(L._C, "linear_fwd", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(L._C, "linear_fwd", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     rf = fp8ext.DelayedScaling(fp8_format=HYBRID, amax_history_len=4)
     rs = fp8ext.DelayedScaling(fp8_format=HYBRID, amax_history_len=4)
     steps_fast, state_fast = run_steps(fast, rf, xs, gys, True, monkeypatch)
@@ -126,7 +126,7 @@ def test_inputs_the_fast_path_leaves_to_the_composed_one(device, monkeypatch):
     recipe = fp8ext.DelayedScaling()
     calls = []
     real = L._C.linear_fwd
-    monkeypatch.setattr(L._C, "linear_fwd", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(L._C, "linear_fwd", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     x = torch.randn(32, 64, device=device)
     with fp8ext.fp8_autocast(fp8_recipe=recipe):
         layer(x)  # registers the slots and takes the fast path
@@ -149,76 +149,87 @@ def test_inputs_the_fast_path_leaves_to_the_composed_one(device, monkeypatch):
 
 
 def _call_args():
-    """Valid arguments of _C.linear_fwd and _C.linear_bwd on the CPU (M=32, K=64, N=48)."""
+    """Valid arguments of _C.linear_fwd and _C.linear_bwd on the CPU (M=32, K=64, N=48): (positional, keywords)
+    of each."""
     dl = torch._C._to_dlpack
     one = dl(torch.ones(()))
     saved = torch.empty(768 + 32 * 64 + 48 * 64, dtype=torch.uint8)
-    fwd = [dl(torch.randn(32, 64)), dl(torch.randn(48, 64)), dl(saved),
-           dl(torch.empty(32 * 64 + 48 * 64 + 256, dtype=torch.uint8)), dl(torch.empty(32, 48)), one,
-           dl(torch.zeros(())), one, dl(torch.zeros(())), 0, None, None, 0]
-    bwd = [dl(torch.randn(32, 48)), dl(saved), dl(torch.empty(32 * 48 * 2, dtype=torch.uint8)), 32, 64, 48, 0,
-           one, dl(torch.zeros(())), 1, dl(torch.empty(32, 64)), dl(torch.empty(48, 64)), False, None, 0, None]
+    fwd = ([dl(torch.randn(32, 64)), dl(torch.randn(48, 64)), dl(saved),
+            dl(torch.empty(32 * 64 + 48 * 64 + 256, dtype=torch.uint8)), dl(torch.empty(32, 48)), 0],
+           dict(x_scale=one, x_amax=dl(torch.zeros(())), w_scale=one, w_amax=dl(torch.zeros(()))))
+    bwd = ([dl(torch.randn(32, 48)), dl(saved), dl(torch.empty(32 * 48 * 2, dtype=torch.uint8)), 32, 64, 48, 0, 1],
+           dict(g_scale=one, g_amax=dl(torch.zeros(())), dx=dl(torch.empty(32, 64)), dw=dl(torch.empty(48, 64))))
     return fwd, bwd
 
 
 def test_c_entry_points_run_the_casts_on_the_cpu():
-    fwd, bwd = _call_args()
-    assert fp8ext._C.linear_fwd(*fwd) is False  # the casts ran; the GEMMs are left to the caller
-    assert fp8ext._C.linear_bwd(*bwd) is False
-    with pytest.raises(TypeError, match="13 arguments"):
-        fp8ext._C.linear_fwd(*fwd[:-1])
+    (fwd, fkw), (bwd, bkw) = _call_args()
+    assert fp8ext._C.linear_fwd(*fwd, **fkw) is False  # the casts ran; the GEMMs are left to the caller
+    assert fp8ext._C.linear_bwd(*bwd, **bkw) is False
+    with pytest.raises(TypeError, match="missing required argument 'fmt'"):
+        fp8ext._C.linear_fwd(*fwd[:-1], **fkw)
 
 
 _dl = torch._C._to_dlpack
-FWD_ERRORS = [
+FWD_ERRORS = [  # changes of the positional arguments (index) or of the keywords (name)
     ({3: _dl(torch.empty(16, dtype=torch.uint8))}, "scratch holds 16 bytes"),
     ({0: _dl(torch.randn(24, 64))}, "multiples of 16"),
-    ({9: 7}, "fmt must be"),
+    ({5: 7}, "fmt must be"),
     ({4: _dl(torch.empty(32, 32))}, r"y must have shape \[32, 48\]"),
-    ({5: _dl(torch.ones(2))}, "x_scale"),
+    ({"x_scale": _dl(torch.ones(2))}, "x_scale"),
     ({3: "saved"}, "overlap"),
 ]
 BWD_ERRORS = [
-    ({6: 1, 9: 1}, "E5M2 x E5M2"),
-    ({11: None, 12: True}, "accumulate=True adds into dw"),
-    ({10: _dl(torch.empty(64, 32))}, r"dx must have shape \[32, 64\]"),
-    ({15: _dl(torch.empty(48))}, "scratch holds 3072 bytes, needs 3264"),  # db needs room for the per-tile sums
-    ({2: _dl(torch.empty(8192, dtype=torch.uint8)), 15: _dl(torch.empty(48, dtype=torch.bfloat16))}, "db must be"),
+    ({6: 1, 7: 1}, "E5M2 x E5M2"),
+    ({"dw": None, "accumulate": True}, "accumulate=True adds into dw"),
+    ({"dx": _dl(torch.empty(64, 32))}, r"dx must have shape \[32, 64\]"),
+    ({"db": _dl(torch.empty(48))}, "scratch holds 3072 bytes, needs 3264"),  # db needs room for the per-tile sums
+    ({2: _dl(torch.empty(8192, dtype=torch.uint8)), "db": _dl(torch.empty(48, dtype=torch.bfloat16))}, "db must be"),
 ]
+
+
+def _changed(args, change):
+    """(positional, keywords) with `change` applied: an int key replaces a positional argument, a str key a keyword;
+    "saved" stands for the call's saved buffer."""
+    pos, kw = list(args[0]), dict(args[1])
+    for key, v in change.items():
+        v = pos[2] if isinstance(v, str) and v == "saved" else v
+        if isinstance(key, int):
+            pos[key] = v
+        else:
+            kw[key] = v
+    return pos, kw
 
 
 @pytest.mark.parametrize("which,change,message", [("fwd", c, m) for c, m in FWD_ERRORS] +
                          [("bwd", c, m) for c, m in BWD_ERRORS])
 def test_c_entry_points_check_their_arguments(which, change, message):
     fwd, bwd = _call_args()
-    args = fwd if which == "fwd" else bwd
-    for i, v in change.items():
-        args[i] = args[2] if v == "saved" else v
+    pos, kw = _changed(fwd if which == "fwd" else bwd, change)
     with pytest.raises((ValueError, TypeError), match=message):
-        (fp8ext._C.linear_fwd if which == "fwd" else fp8ext._C.linear_bwd)(*args)
+        (fp8ext._C.linear_fwd if which == "fwd" else fp8ext._C.linear_bwd)(*pos, **kw)
 
 
 def test_c_entry_points_with_operands_of_their_own_check_them():
     """linear_bwd's x_t and w_t (x8^T and W8^T cast again in backward, `saved` then only its header): each checked
     where its GEMM runs, by size and dtype; linear_fwd with keep=False needs only the header."""
-    fwd, bwd = _call_args()
+    (fwd, fkw), (bwd, bkw) = _call_args()
     header = _dl(torch.empty(768, dtype=torch.uint8))
     x_t, w_t = torch.zeros(64 * 32, dtype=torch.uint8), torch.zeros(64 * 48, dtype=torch.uint8)
     fwd[2] = header
-    assert fp8ext._C.linear_fwd(*fwd, None, False) is False
+    assert fp8ext._C.linear_fwd(*fwd, **fkw, keep=False) is False
     bwd[1] = header
-    assert fp8ext._C.linear_bwd(*bwd, None, _dl(x_t), _dl(w_t)) is False
+    assert fp8ext._C.linear_bwd(*bwd, **bkw, x_t=_dl(x_t), w_t=_dl(w_t)) is False
     with pytest.raises(ValueError, match="x_t holds 2047 bytes, needs 2048"):
-        fp8ext._C.linear_bwd(*bwd, None, _dl(x_t[1:]), _dl(w_t))
+        fp8ext._C.linear_bwd(*bwd, **bkw, x_t=_dl(x_t[1:]), w_t=_dl(w_t))
     with pytest.raises(TypeError, match="w_t"):
-        fp8ext._C.linear_bwd(*bwd, None, _dl(x_t), _dl(w_t.float()))
-    no_dw = list(bwd)
-    no_dw[11] = None
-    assert fp8ext._C.linear_bwd(*no_dw, None, None, _dl(w_t)) is False  # x8^T is not read without dW
+        fp8ext._C.linear_bwd(*bwd, **bkw, x_t=_dl(x_t), w_t=_dl(w_t.float()))
+    no_dw = dict(bkw, dw=None)
+    assert fp8ext._C.linear_bwd(*bwd, **no_dw, w_t=_dl(w_t)) is False  # x8^T is not read without dW
     with pytest.raises(ValueError, match="saved holds 768 bytes"):
-        fp8ext._C.linear_bwd(*bwd)  # without x_t and w_t the header is too small
-    with pytest.raises(TypeError, match="19 with x_t and w_t"):
-        fp8ext._C.linear_bwd(*bwd, None, _dl(x_t))
+        fp8ext._C.linear_bwd(*bwd, **bkw)  # without x_t and w_t the header is too small
+    with pytest.raises(TypeError, match="w_t"):  # dx is wanted: W8^T too
+        fp8ext._C.linear_bwd(*bwd, **bkw, x_t=_dl(x_t))
 
 
 def _slots(saved, i):
@@ -230,16 +241,15 @@ def _slots(saved, i):
 def test_c_entry_points_compute_current_scales_from_the_tensors(margin):
     """With a margin and no scale arguments each tensor's amax, scale and scale_inv are computed by the call
     itself: max|t|, then fmt_max / amax / 2^margin, and the casts use them (the codes of quantize with that scale)."""
-    fwd, bwd = _call_args()
+    (fwd, _), (bwd, bkw) = _call_args()
     torch.manual_seed(0)
     x, w, dy = torch.randn(32, 64) * 3, torch.randn(48, 64) / 7, torch.randn(32, 48) * 1e-4
     saved = torch.full((768 + 32 * 64 + 48 * 64,), 0xFF, dtype=torch.uint8)  # NaNs: nothing read before written
     scratch = torch.empty(32 * 64 + 48 * 64 + 256, dtype=torch.uint8)
     fwd[0], fwd[1], fwd[2], fwd[3] = _dl(x), _dl(w), _dl(saved), _dl(scratch)
-    fwd[5:9] = [None] * 4
-    assert fp8ext._C.linear_fwd(*fwd, margin) is False
-    bwd[0], bwd[1], bwd[7], bwd[8] = _dl(dy), _dl(saved), None, None
-    assert fp8ext._C.linear_bwd(*bwd, margin) is False
+    assert fp8ext._C.linear_fwd(*fwd, margin=margin) is False
+    bwd[0], bwd[1] = _dl(dy), _dl(saved)
+    assert fp8ext._C.linear_bwd(*bwd, **dict(bkw, g_scale=None, g_amax=None), margin=margin) is False
     for i, (t, fmt) in enumerate([(x, fp8ext.E4M3), (w, fp8ext.E4M3), (dy, fp8ext.E5M2)]):
         scale_inv, amax, scale = _slots(saved, i)
         want_amax = t.abs().max().item()
@@ -250,24 +260,23 @@ def test_c_entry_points_compute_current_scales_from_the_tensors(margin):
     assert torch.equal(scratch[:32 * 64].view(32, 64), q.view(torch.uint8)), "x's cast used the computed scale"
 
 
+_NO_X_SCALES = dict(x_scale=None, x_amax=None, w_scale=None, w_amax=None)
 CURRENT_ERRORS = [
-    ("fwd", {13: 1.0}, "x_scale must be None with a margin"),
-    ("fwd", {13: None, 5: None}, "x_scale is required without a margin"),
-    ("fwd", {5: None, 6: None, 7: None, 8: None, 13: -1.0}, r"margin must be in \[0, 64\)"),
-    ("fwd", {5: None, 6: None, 7: None, 8: None, 13: "1"}, "margin must be None or a number"),
-    ("bwd", {16: 0.0}, "g_scale must be None with a margin"),
-    ("bwd", {7: None, 8: None, 16: float("nan")}, r"margin must be in \[0, 64\)"),
+    ("fwd", {"margin": 1.0}, "x_scale must be None with a margin"),
+    ("fwd", {"margin": None, "x_scale": None}, "x_scale is required without a margin"),
+    ("fwd", {**_NO_X_SCALES, "margin": -1.0}, r"margin must be in \[0, 64\)"),
+    ("fwd", {**_NO_X_SCALES, "margin": "1"}, "margin must be None or a number"),
+    ("bwd", {"margin": 0.0}, "g_scale must be None with a margin"),
+    ("bwd", {"g_scale": None, "g_amax": None, "margin": float("nan")}, r"margin must be in \[0, 64\)"),
 ]
 
 
 @pytest.mark.parametrize("which,change,message", CURRENT_ERRORS)
 def test_c_entry_points_check_their_current_scaling_arguments(which, change, message):
     fwd, bwd = _call_args()
-    args = (fwd if which == "fwd" else bwd) + [None]
-    for i, v in change.items():
-        args[i] = v
+    pos, kw = _changed(fwd if which == "fwd" else bwd, change)
     with pytest.raises((ValueError, TypeError), match=message):
-        (fp8ext._C.linear_fwd if which == "fwd" else fp8ext._C.linear_bwd)(*args)
+        (fp8ext._C.linear_fwd if which == "fwd" else fp8ext._C.linear_bwd)(*pos, **kw)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -292,7 +301,7 @@ def test_compiled_fast_path_is_the_eager_one_bit_for_bit(device, recipe, bias, m
     gys = [(torch.randn(2, 24, 32, generator=g) * 1e-3).to(device, torch.bfloat16) for _ in range(3)]
     calls = []
     real = L._C.linear_fwd
-    monkeypatch.setattr(L._C, "linear_fwd", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(L._C, "linear_fwd", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     compiled = torch.compile(comp, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
     runs = {}
     for name, layer, call, r in (("eager", eager, eager, r_eager), ("compiled", comp, compiled, r_comp)):

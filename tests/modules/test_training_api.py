@@ -334,7 +334,7 @@ def test_weight_cast_is_reused_across_micro_batches_only_when_asked(device, monk
     real = L._cast
     monkeypatch.setattr(L, "_cast", lambda t, *a: casts.append(tuple(t.shape)) or real(t, *a))
     real_fwd = L._C.linear_fwd  # the fast path: one C call casts x and the weight
-    monkeypatch.setattr(L._C, "linear_fwd", lambda *a: casts.append((32, 64)) or real_fwd(*a))
+    monkeypatch.setattr(L._C, "linear_fwd", lambda *a, **kw: casts.append((32, 64)) or real_fwd(*a, **kw))
     layer = fp8ext.FP8Linear(64, 32, device=device)
     opt = torch.optim.SGD(layer.parameters(), lr=0.1)
     x = torch.randn(16, 64, device=device)

@@ -11,7 +11,7 @@ import torch
 import fp8ext
 from fp8ext import _C
 from fp8ext.ops import cast_transpose_dbias  # also fp8ext.cast_transpose_dbias once __init__ exports it
-from fp8ext.core._boundary import FP8_DLPACK
+from fp8ext.core.boundary import FP8_DLPACK
 from conftest import DEVICES, requires_cuda
 
 FORMATS = [fp8ext.E4M3, fp8ext.E5M2]

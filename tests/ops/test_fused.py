@@ -214,7 +214,7 @@ def test_second_derivatives_raise_and_learned_rope_tables_get_gradients():
 
 def test_rms_norm_train_kernels_refuse_bad_arguments():
     from fp8ext import _C
-    from fp8ext.core._boundary import dl
+    from fp8ext.core.boundary import dl
     x, g, r = torch.randn(4, 32), torch.ones(32), torch.empty(4)
     with pytest.raises(ValueError, match="x is in host memory"):
         _C.rms_norm_fwd(dl(x), dl(g), dl(torch.empty_like(x)), dl(r), 1e-6)
@@ -273,7 +273,7 @@ def test_swiglu_gradient_of_a_non_contiguous_output_gradient():
 
 def test_gradient_kernels_refuse_host_memory_and_bad_shapes():
     from fp8ext import _C
-    from fp8ext.core._boundary import dl
+    from fp8ext.core.boundary import dl
     h, dy = torch.randn(4, 32), torch.randn(4, 16)
     with pytest.raises(ValueError, match="h is in host memory"):
         _C.swiglu_backward(dl(h), dl(dy), dl(torch.empty_like(h)))

@@ -289,7 +289,7 @@ def test_out_that_is_not_a_tensor_is_a_type_error_naming_it(out):
 
 @pytest.mark.parametrize("value,expected", [(None, 32 << 20), ("4", 4 << 20), ("1", 1 << 20)])
 def test_workspace_size_comes_from_fp8ext_gemm_workspace_mib(monkeypatch, value, expected):
-    from fp8ext.ops import _gemm
+    from fp8ext.ops import matmul as _gemm
     if value is None:
         monkeypatch.delenv("FP8EXT_GEMM_WORKSPACE_MIB", raising=False)
     else:
@@ -299,7 +299,7 @@ def test_workspace_size_comes_from_fp8ext_gemm_workspace_mib(monkeypatch, value,
 
 @pytest.mark.parametrize("value", ["0", "-3", "2.5", "lots", "2048"])
 def test_a_bad_fp8ext_gemm_workspace_mib_is_refused_by_name(monkeypatch, value):
-    from fp8ext.ops import _gemm
+    from fp8ext.ops import matmul as _gemm
     monkeypatch.setenv("FP8EXT_GEMM_WORKSPACE_MIB", value)
     with pytest.raises(ValueError, match="FP8EXT_GEMM_WORKSPACE_MIB"):
         _gemm._workspace_bytes()
@@ -318,7 +318,7 @@ class _FakeC:
 
 
 def test_gemms_borrow_torchs_workspace_when_it_is_found(monkeypatch):
-    from fp8ext.ops import _gemm
+    from fp8ext.ops import matmul as _gemm
     fake = _FakeC()
     monkeypatch.setattr(_gemm, "_C", fake)
     monkeypatch.setattr(_gemm, "_OWN_WORKSPACE", False)
@@ -327,7 +327,7 @@ def test_gemms_borrow_torchs_workspace_when_it_is_found(monkeypatch):
 
 
 def test_fp8ext_gemm_workspace_mib_keeps_a_workspace_of_fp8exts_own(monkeypatch):
-    from fp8ext.ops import _gemm
+    from fp8ext.ops import matmul as _gemm
     fake = _FakeC()
     monkeypatch.setattr(_gemm, "_C", fake)
     monkeypatch.setattr(_gemm, "_OWN_WORKSPACE", True)
@@ -335,7 +335,7 @@ def test_fp8ext_gemm_workspace_mib_keeps_a_workspace_of_fp8exts_own(monkeypatch)
 
 
 def test_a_workspace_torch_cannot_lend_is_a_warning_not_a_silent_fallback(monkeypatch):
-    from fp8ext.ops import _gemm
+    from fp8ext.ops import matmul as _gemm
     monkeypatch.setattr(_gemm, "_C", _FakeC("libtorch_cuda.so has no _ZN2at4cuda22getCUDABlasLtWorkspaceEv"))
     monkeypatch.setattr(_gemm, "_OWN_WORKSPACE", False)
     with pytest.warns(RuntimeWarning, match=r"workspace of their own \(\d+ MiB .*could not be borrowed: "
@@ -344,7 +344,7 @@ def test_a_workspace_torch_cannot_lend_is_a_warning_not_a_silent_fallback(monkey
 
 
 def test_torchs_library_is_also_looked_for_by_name(monkeypatch):
-    from fp8ext.ops import _gemm
+    from fp8ext.ops import matmul as _gemm
 
     class Fake(_FakeC):
         def bind_torch_workspace(self, path):
@@ -361,7 +361,7 @@ def test_torchs_library_is_also_looked_for_by_name(monkeypatch):
 @pytest.mark.parametrize("torch_device, borrowed", [(0, True), (1, False)])
 def test_a_gemm_off_torchs_current_device_takes_a_workspace_of_its_own(monkeypatch, torch_device, borrowed):
     # torch makes its workspace on its own current device: a call on another device must not borrow it
-    from fp8ext.ops import _gemm
+    from fp8ext.ops import matmul as _gemm
     own = (object(), "own capsule")
     monkeypatch.setattr(_gemm, "_workspaces", {})
     monkeypatch.setattr(_gemm, "_borrow", True)
@@ -419,7 +419,7 @@ def test_gemm_and_torch_scaled_mm_share_one_workspace_per_stream():
 @pytest.mark.cuda
 @needs_borrowing
 def test_borrowed_workspace_gives_the_bytes_of_an_own_one_of_its_size(monkeypatch):
-    from fp8ext.ops import _gemm
+    from fp8ext.ops import matmul as _gemm
     a, b, sa, sb, _ = make(512, 1024, 768, fp8ext.E4M3, fp8ext.E5M2, "tensor", "cuda", seed=3)
     borrowed = fp8ext.gemm(a, b, a_scale_inv=sa, b_scale_inv=sb, out_dtype=torch.bfloat16)
     nbytes = fp8ext.gemm_workspace_info()["bytes"]

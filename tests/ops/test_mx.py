@@ -9,7 +9,7 @@ import torch
 
 import fp8ext
 from conftest import requires_cuda
-from fp8ext.core._boundary import FP8_DLPACK
+from fp8ext.core.boundary import FP8_DLPACK
 
 ML = {"E4M3": ml_dtypes.float8_e4m3fn, "E5M2": ml_dtypes.float8_e5m2, "E3M2": ml_dtypes.float6_e3m2fn,
       "E2M3": ml_dtypes.float6_e2m3fn, "E2M1": ml_dtypes.float4_e2m1fn}

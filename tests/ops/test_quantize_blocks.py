@@ -8,7 +8,7 @@ import torch
 import fp8ext
 import reference
 from conftest import requires_cuda
-from fp8ext.core._boundary import FP8_DLPACK
+from fp8ext.core.boundary import FP8_DLPACK
 from fp8ext.testing import assert_fp8_equal
 
 FORMATS = [fp8ext.E4M3, fp8ext.E5M2]

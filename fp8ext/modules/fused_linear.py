@@ -44,16 +44,16 @@ from torch.autograd.function import once_differentiable
 from .. import _C
 from ..core import debug
 from ..ops import fused, quantize_blocks_t_eager
-from ..core._boundary import dl, dl_fp8, stream_of
+from ..core.boundary import dl, dl_fp8, stream_of
+from ..core.casts import PROLOGUE_DSWIGLU, PROLOGUE_RMSNORM, PROLOGUE_SWIGLU
 from ..core.context import activation_dtype
 from .checkpoint import forward_context
-from .linear import FP8Linear
-from .linear_autograd import LinearFunction, forward_gemm, linear_backward
+from .linear import FP8Linear, one_call_plan
+from .linear_autograd import ONE_CALL_OP, LinearFunction, forward_gemm, linear_backward
 from ..core.profiling import profiled
-from ..core.recipe import DelayedScaling, Float8BlockScaling
-from ..core.tensor import BLOCK_1x128, FP8Tensor, Quantizer
+from ..core.tensor import BLOCK_1x128, Float8BlockQuantizer, FP8Tensor, Quantizer, role_quantizers
 
-RMSNORM, SWIGLU, DSWIGLU = 1, 2, 3  # csrc/cast.h's FP8EXT_PROLOGUE_RMSNORM, _SWIGLU, _DSWIGLU
+RMSNORM, SWIGLU, DSWIGLU = PROLOGUE_RMSNORM, PROLOGUE_SWIGLU, PROLOGUE_DSWIGLU  # csrc/cast.h's, from fp8ext._C
 ENABLED = True  # False: the layer-norm modules run their steps separately (for comparisons and debugging)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -144,8 +144,9 @@ def _eligible(x: torch.Tensor, width: int, linears, reference: bool, block_ok: b
         ctx = forward_context(lin)
     if ctx is None or not ctx.enabled or ctx.calibrating:
         return None
-    block = block_ok and isinstance(ctx.recipe, Float8BlockScaling) and ctx.recipe.x_block_scaling_dim == 1
-    if not (block or isinstance(ctx.recipe, DelayedScaling)):
+    q = None if ctx.recipe.stateful else role_quantizers(ctx.recipe)[0]  # a stateful recipe's: its layers' slots
+    block = block_ok and type(q) is Float8BlockQuantizer and q.granularity == BLOCK_1x128
+    if not (block or ctx.recipe.stateful):
         return None
     if block and getattr(x, "dtype", None) not in (torch.bfloat16, torch.float16) and not reference:
         return None
@@ -177,7 +178,7 @@ def fused_input_linear(linear: FP8Linear, op: int, x: torch.Tensor, gamma: Optio
     two as torch ops under torch.compile), SwiGLU inside its input's cast."""
     k = linear.in_features
     ctx = _eligible(x, 2 * k, (linear,), reference, compiled=True) if op == SWIGLU else None
-    if ctx is not None and isinstance(ctx.recipe, DelayedScaling):
+    if ctx is not None and ctx.recipe.stateful:
         y = linear.fast_forward(ctx, x, is_first_microbatch, Prologue(SWIGLU))
         if y is not None:
             return y
@@ -354,13 +355,14 @@ def swiglu_mlp(w13: FP8Linear, w2: FP8Linear, x: torch.Tensor, is_first_microbat
         return None
     k = w13.in_features
     ctx = _eligible(x, k, (w13, w2), reference, compiled=True)
-    if ctx is None or not x.is_contiguous() or not isinstance(ctx.recipe, DelayedScaling):
+    if ctx is None or not x.is_contiguous() or not ctx.recipe.stateful:
         return None
     p13 = w13.fast_plan(ctx, x, is_first_microbatch)
-    q2 = w2._fast_quantizers(ctx, is_first_microbatch)
-    if p13 is None or q2 is None or p13.out_dtype != x.dtype or p13.recast:
+    if p13 is None or p13.out_dtype != x.dtype or p13.recast:
         return None
-    p2 = w2.lean_plan(q2, Prologue(SWIGLU), x.dtype, x.dtype, x.device, x.numel() // k)
+    compiling = p13.backend is ONE_CALL_OP
+    p2 = one_call_plan(w2, w2.quantizers(ctx.recipe, _compiling=compiling), x.dtype, x.dtype, x.device, x.numel() // k,
+                       is_first_microbatch, Prologue(SWIGLU), compiling)
     if p2 is None or p2.backend is not p13.backend or (p13.main_grad is None) != (p2.main_grad is None):
         return None
     return _FusedMLPFunction.apply(x, None, w13.weight, w2.weight, w2.bias, (_OneCallMLPSteps, p13, p2))

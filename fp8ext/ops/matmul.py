@@ -20,7 +20,7 @@ import torch
 
 from .. import _C
 from ..core import debug
-from ..core._boundary import dl, dl_fp8, raw_stream, stream_of
+from ..core.boundary import dl, dl_fp8, raw_stream, stream_of
 from ..core.formats import E4M3, E5M2, FP8Format
 from . import amax as _amax
 from . import dequantize, quantize
@@ -55,7 +55,8 @@ _workspaces: Dict[Tuple[int, int], tuple] = {}  # (device, stream) -> (buffer, c
 _FP8 = {torch.float8_e4m3fn: E4M3, torch.float8_e5m2: E5M2}
 _autotune = os.environ.get("FP8EXT_GEMM_AUTOTUNE", "0") == "1"
 _to_dl = torch._C._to_dlpack
-_MODE_TENSOR, _MODE_ROW, _MODE_1x128, _MODE_128x128 = 0, 1, 2, 3
+_MODE_TENSOR, _MODE_ROW, _MODE_1x128, _MODE_128x128 = (_C.SCALE_TENSOR, _C.SCALE_ROW, _C.SCALE_BLOCK_1x128,
+                                                       _C.SCALE_BLOCK_128x128)  # csrc/fp8_tensor.h's scale layouts
 
 
 def set_gemm_autotune(enabled: bool) -> None:
