@@ -26,7 +26,8 @@ its scale layout and, per tensor, its scaling slot. One subclass per kind of sca
     Float8RowwiseQuantizer         per row, by each row's own amax (row-wise scaling)
 Recipes make them (fp8ext.core.recipe: Recipe.make_quantizers); Quantizer(...) with the old arguments picks the
 subclass. role_quantizers(recipe) gives, shared by all layers, the three Quantizers of a recipe that keeps no state.
-This file holds no linear-layer logic (fp8ext/modules/linear.py) and no kernels (fp8ext/core/casts.py, csrc/).
+This file holds no linear-layer logic (fp8ext/modules/linear.py, linear_plan.py) and no kernels
+(fp8ext/core/casts.py, csrc/).
 """
 
 from __future__ import annotations

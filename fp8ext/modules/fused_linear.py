@@ -48,7 +48,8 @@ from ..core.boundary import dl, dl_fp8, stream_of
 from ..core.casts import PROLOGUE_DSWIGLU, PROLOGUE_RMSNORM, PROLOGUE_SWIGLU
 from ..core.context import activation_dtype
 from .checkpoint import forward_context
-from .linear import FP8Linear, one_call_plan
+from .linear import FP8Linear
+from .linear_plan import one_call_plan
 from .linear_autograd import ONE_CALL_OP, LinearFunction, forward_gemm, linear_backward
 from ..core.profiling import profiled
 from ..core.tensor import BLOCK_1x128, Float8BlockQuantizer, FP8Tensor, Quantizer, role_quantizers
