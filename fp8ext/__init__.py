@@ -5,8 +5,9 @@
     x2 = fp8ext.dequantize(q, 1 / scale)
 
 Code written for Transformer Engine ports by its imports: `import fp8ext as te` gives te.Linear,
-te.fp8_autocast / te.autocast, te.RMSNorm and te.LayerNorm; `from fp8ext.recipe import Format,
-DelayedScaling, Float8CurrentScaling, Float8BlockScaling` (and Float8RowwiseScaling, torchao's row-wise recipe).
+te.fp8_autocast / te.autocast, te.RMSNorm, te.LayerNorm and te.DotProductAttention; `from fp8ext.recipe import
+Format, DelayedScaling, Float8CurrentScaling, Float8BlockScaling` (and Float8RowwiseScaling, torchao's row-wise
+recipe).
 
 The native core (fp8ext._C, C and CUDA C) defines the FP8 numerics once; this package decides what to
 compute and allocates outputs with torch. See README.md.
@@ -24,6 +25,7 @@ from .core.context import autocast, fp8_autocast, get_fp8_recipe, get_scaling_ma
 from .core.debug import debug_checks_enabled, set_debug_checks
 from .core.profiling import profiling_enabled, set_profiling
 from .core.formats import E2M1, E2M3, E3M2, E4M3, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0, FP8Format, Format, SmallFormat
+from .modules.attention import DotProductAttention
 from .modules.normalization import LayerNorm, RMSNorm
 from .ops.mx import dequantize_mx, dequantize_nvfp4, quantize_mx, quantize_nvfp4
 from .lowp.weight_only import WEIGHT_ONLY_FORMATS, WeightOnlyLinear
@@ -154,6 +156,7 @@ __all__ = [
     "LayerNorm",
     "LayerNormLinear",
     "LayerNormMLP",
+    "DotProductAttention",
     "convert_to_fp8",
     "prepare_fp8",
     "checkpoint",

@@ -30,12 +30,18 @@ __all__ = ["Format", "Recipe", "DelayedScaling", "CurrentScaling", "Float8Curren
            "Float8RowwiseScaling", "QParams", "MMParams"]
 
 
-def _refuse_fp8_attention(recipe) -> None:
-    """Transformer Engine's fp8_dpa / fp8_mha switch attention itself to FP8, which fp8ext does not have."""
-    for field in ("fp8_dpa", "fp8_mha"):
-        if getattr(recipe, field):
-            raise NotImplementedError(f"{type(recipe).__name__}: {field}=True (FP8 attention) is not supported by "
-                                      f"fp8ext; leave it False (attention then runs in high precision)")
+def _refuse_fp8_attention(recipe, dpa: bool) -> None:
+    """Transformer Engine's fp8_mha (FP8 QKV and output projections feeding attention) is refused; fp8_dpa (FP8
+    attention in fp8ext.DotProductAttention) is accepted where `dpa` says the recipe has it (per-tensor scales)."""
+    name = type(recipe).__name__
+    if recipe.fp8_mha:
+        raise NotImplementedError(f"{name}: fp8_mha=True (FP8 QKV and output projections feeding attention without a "
+                                  f"bf16 round trip) is not supported by fp8ext yet; fp8_dpa=True is (FP8 attention "
+                                  f"in fp8ext.DotProductAttention), with fp8_mha=False")
+    if recipe.fp8_dpa and not dpa:
+        raise NotImplementedError(f"{name}: fp8_dpa=True (FP8 attention) is not supported with this recipe; "
+                                  f"fp8ext.DotProductAttention computes in FP8 under DelayedScaling or "
+                                  f"Float8CurrentScaling with fp8_dpa=True")
 
 
 class Recipe:
@@ -51,7 +57,8 @@ class Recipe:
         per_tensor True: one scale per tensor in every role (prepare_fp8's recast_in_backward and FSDP's FP8
                    all-gather take only such recipes)
 
-    The fp8_dpa / fp8_mha fields of Transformer Engine's recipes (FP8 attention) are refused as True."""
+    Transformer Engine's fp8_dpa field (FP8 attention in fp8ext.DotProductAttention) is accepted as True by the
+    per-tensor recipes; fp8_mha (FP8 projections feeding attention) is refused as True."""
 
     stateful = False
     per_tensor = False  # one scale per tensor in every role (recast in backward and FSDP's FP8 all-gather need it)
@@ -89,7 +96,8 @@ class DelayedScaling(Recipe):
     Scales are recomputed every `interval` steps, for all tensors in one fused kernel. reduce_amax: with
     an fp8_group, the amaxes are max-reduced across it before the update. fp8_format: Format.HYBRID (E4M3
     forward, E5M2 gradients, the default) or Format.E4M3; pure E5M2 training is refused, as TE does.
-    fp8_dpa / fp8_mha (TE's FP8 attention) are accepted only as False.
+    fp8_dpa=True: fp8ext.DotProductAttention computes in FP8 (with current scales of its own, as
+    fp8ext.ops.attention_fp8 says); fp8_mha (FP8 projections feeding attention) is accepted only as False.
     Note on margin: a multiplicative "margin 2.0" is margin=1 here (2**1).
     """
 
@@ -110,7 +118,7 @@ class DelayedScaling(Recipe):
         return tuple(Float8Quantizer(f, self.margin, manager, s) for f, s in zip(self.role_formats(), slots))
 
     def __post_init__(self):
-        _refuse_fp8_attention(self)
+        _refuse_fp8_attention(self, dpa=True)
         if not isinstance(self.fp8_format, Format):
             raise TypeError(f"DelayedScaling: fp8_format must be a fp8ext.Format, got {self.fp8_format!r}")
         if self.fp8_format is Format.E5M2:
@@ -137,7 +145,9 @@ class DelayedScaling(Recipe):
 @dataclass(frozen=True)
 class CurrentScaling(Recipe):
     """Current (just-in-time) scaling: each tensor's scale comes from its own amax, computed on the device
-    right before it is cast (one extra pass over the tensor): scale = fmt.max / amax / 2**margin."""
+    right before it is cast (one extra pass over the tensor): scale = fmt.max / amax / 2**margin.
+    fp8_dpa=True: fp8ext.DotProductAttention computes in FP8 (fp8ext.ops.attention_fp8); fp8_mha (FP8 projections
+    feeding attention) is accepted only as False."""
 
     fp8_format: Format = Format.HYBRID
     margin: int = 0
@@ -151,7 +161,7 @@ class CurrentScaling(Recipe):
         return tuple(Float8CurrentScalingQuantizer(f, self.margin) for f in self.role_formats())
 
     def __post_init__(self):
-        _refuse_fp8_attention(self)
+        _refuse_fp8_attention(self, dpa=True)
         if self.fp8_format is Format.E5M2:
             raise ValueError("CurrentScaling: pure E5M2 training is not supported; use Format.HYBRID or Format.E4M3")
         if not (0 <= self.margin < 64):
@@ -209,7 +219,7 @@ class Float8BlockScaling(Recipe):
     gradients E5M2). fp8_quant_fwd_inp / fp8_quant_fwd_weight / fp8_quant_bwd_grad: QParams per role
     (power_2_scale True by default; NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 makes it False, as in TE).
     fp8_gemm_fprop / fp8_gemm_dgrad / fp8_gemm_wgrad: MMParams, split accumulation only. fp8_dpa / fp8_mha (FP8
-    attention) are accepted only as False.
+    attention) are accepted only as False (FP8 attention needs DelayedScaling or Float8CurrentScaling).
     Layers need in_features and out_features that are multiples of 16 (as with every recipe); tiles at the edges
     of a dimension that is not a multiple of 128 are partial.
     """
@@ -238,7 +248,7 @@ class Float8BlockScaling(Recipe):
 
     def __post_init__(self):
         name = "Float8BlockScaling"
-        _refuse_fp8_attention(self)
+        _refuse_fp8_attention(self, dpa=False)
         _check_format(self.fp8_format, name)
         for field in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
             if getattr(self, field) not in (1, 2):
@@ -268,7 +278,8 @@ class Float8RowwiseScaling(Recipe):
     fp8_format: Format.E4M3 (the default, as torchao's rowwise casts gradients to E4M3 too) or Format.HYBRID.
     amax_epsilon: each row's amax is raised to at least this first. The forward GEMM uses fast accumulation (as
     torchao's and fp8ext's per-tensor recipes do), the backward GEMMs do not. fp8_dpa / fp8_mha accepted only as
-    False. Name: Transformer Engine has no row-wise recipe; this follows TE's Float8*Scaling names."""
+    False (FP8 attention needs DelayedScaling or Float8CurrentScaling). Name: Transformer Engine has no row-wise
+    recipe; this follows TE's Float8*Scaling names."""
 
     fp8_format: Format = Format.E4M3
     power_2_scale: bool = True
@@ -282,7 +293,7 @@ class Float8RowwiseScaling(Recipe):
                                             amax_epsilon=self.amax_epsilon) for f in self.role_formats())
 
     def __post_init__(self):
-        _refuse_fp8_attention(self)
+        _refuse_fp8_attention(self, dpa=False)
         _check_format(self.fp8_format, "Float8RowwiseScaling")
         _check_epsilon(self.amax_epsilon, "Float8RowwiseScaling")
 
