@@ -44,7 +44,7 @@ _LAZY = {
     "FP8Linear": ".modules.linear", "Linear": ".modules.linear",
     "FP8ConversionWarning": ".modules.convert", "convert_to_fp8": ".modules.convert", "prepare_fp8": ".modules.convert",
     "make_graphed_callables": ".modules.graphs", "checkpoint": ".modules.checkpoint",
-    "load_fp8_state": ".modules.pretrained",
+    "load_fp8_state": ".modules.pretrained", "register_hf_attention": ".modules.hf_attention",
     "enable_fp8_all_gather": ".modules.fsdp", "precompute_fp8_weight_scales": ".modules.fsdp",
     "LayerNormLinear": ".modules.layernorm_modules", "LayerNormMLP": ".modules.layernorm_modules",
 }
@@ -157,6 +157,7 @@ __all__ = [
     "LayerNormLinear",
     "LayerNormMLP",
     "DotProductAttention",
+    "register_hf_attention",
     "convert_to_fp8",
     "prepare_fp8",
     "checkpoint",

@@ -49,3 +49,14 @@ def progress(request):
         with capture.global_and_fixture_disabled():
             reporter.write_line(f"    {request.node.name}: {text}")
     return say
+
+
+@pytest.fixture
+def fp8_attention_calls(monkeypatch):
+    """The CPU engine of FP8 attention (fp8ext.modules.attention.FP8_ATTENTION_ENGINES['cpu']), counting its calls:
+    the keyword arguments of each call."""
+    from fp8ext.modules import attention
+    calls = []
+    cpu = attention.FP8_ATTENTION_ENGINES["cpu"]
+    monkeypatch.setitem(attention.FP8_ATTENTION_ENGINES, "cpu", lambda *a, **kw: calls.append(kw) or cpu(*a, **kw))
+    return calls

@@ -27,6 +27,8 @@ from torch import nn
 from ..core.build import build_info, cuda_available
 from ..core.context import current_context, fp8_autocast
 from ..core.recipe import DelayedScaling, Format
+from ..modules.attention import DotProductAttention, fp8_attention_recipe
+from ..modules.checkpoint import forward_context
 from ..modules.fused_linear import SWIGLU, fused_input_linear, swiglu_mlp
 from ..modules.linear import Linear
 from ..modules.normalization import RMSNorm
@@ -186,6 +188,8 @@ class GroupedQueryAttention(nn.Module):
             self.v_proj = Linear(cfg.d_model, kv * hd, bias=False, device=device, init_method=init)
         self.o_proj = Linear(h * hd, cfg.d_model, bias=False, device=device,
                                 init_method=_init_out(0.02 / math.sqrt(2 * cfg.n_layers)))
+        # FP8 attention (no parameters): taken in training and prefill when the fp8_autocast's recipe has fp8_dpa=True
+        self.core_attention = DotProductAttention(h, hd, num_gqa_groups=kv, qkv_format="bshd")
         # An FP8 KV cache's calibrated scales, [n_kv_heads] float32, dequantizing (K ~= k_byte * k_scale): None
         # unless fp8ext.inference.quantize_model set them from calibration; then in the state dict as
         # blocks.N.attn.k_scale / v_scale, which KVCache.from_model and generate use.
@@ -245,6 +249,10 @@ class GroupedQueryAttention(nn.Module):
                         k, v = k.repeat_interleave(h // kv, dim=1), v.repeat_interleave(h // kv, dim=1)
                     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
             return self.o_proj(y.transpose(1, 2).reshape(b, s, h * hd), **mb)
+        if fp8_attention_recipe(forward_context(self.core_attention)) is not None:  # the recipe's fp8_dpa=True
+            y = self.core_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                    attn_mask_type="causal" if s > 1 else "no_mask")
+            return self.o_proj(y, **mb)
         if kv != h and _SDPA_GQA and (no_grad or fused.TRAINING and fused.train_available(q)):  # K/V read in place
             y = F.scaled_dot_product_attention(q, k, v, is_causal=s > 1, enable_gqa=True)
             return self.o_proj(y.transpose(1, 2).reshape(b, s, h * hd), **mb)

@@ -6,8 +6,9 @@ heads, head_dim] or [batch, seq, heads, head_dim] tensors), in FP8 where a recip
         out = attn(q, k, v)                     # [seq, batch, 8 * 64]
 
 Inside an fp8_autocast whose recipe has fp8_dpa=True the attention computes in FP8: on the CPU by
-fp8ext.ops.attention_fp8 (an exact emulation of cuDNN's FP8 fused attention, which TE runs); on a GPU it raises
-NotImplementedError, since fp8ext has no GPU engine for it yet. Everywhere else it is
+fp8ext.ops.attention_fp8 (an exact emulation of cuDNN's FP8 fused attention, which TE runs), on a GPU by cuDNN's FP8
+fused attention itself (fp8ext.ops.attention_cudnn; needs `pip install nvidia-cudnn-frontend`, and takes the causal
+mask or none). Everywhere else it is
 torch.nn.functional.scaled_dot_product_attention with the same mask. This file holds the module, its arguments and
 its masks; the numerics are in fp8ext/ops/attention_fp8.py.
 """
@@ -22,18 +23,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.attention_cudnn import cudnn_fp8_attention
 from ..ops.attention_fp8 import fp8_scaled_dot_product_attention
 from .checkpoint import forward_context
 
-__all__ = ["DotProductAttention", "FP8_ATTENTION_ENGINES", "attention_engine"]
+__all__ = ["DotProductAttention", "FP8_ATTENTION_ENGINES", "attention_engine", "fp8_attention_recipe"]
 
 MASK_TYPES = ("no_mask", "causal", "padding", "padding_causal", "causal_bottom_right", "padding_causal_bottom_right",
               "arbitrary")
 QKV_FORMATS = ("sbhd", "bshd")
 
-# The FP8 attention of each device type. A GPU engine registers itself here: {"cuda": its function}, called as
-# the CPU one is.
-FP8_ATTENTION_ENGINES = {"cpu": fp8_scaled_dot_product_attention}
+# The FP8 attention of each device type, each called as fp8_scaled_dot_product_attention is.
+FP8_ATTENTION_ENGINES = {"cpu": fp8_scaled_dot_product_attention, "cuda": cudnn_fp8_attention}
 
 # Transformer Engine's arguments that fp8ext takes only at their defaults: what each would need.
 _TE_INIT_DEFAULTS = {
@@ -83,11 +84,10 @@ def attention_engine(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
                                               enable_gqa=gqa)
     engine = FP8_ATTENTION_ENGINES.get(q.device.type)
     if engine is None:
-        where = "a GPU (cuDNN's FP8 fused attention)" if q.device.type == "cuda" else f"{q.device.type} tensors"
         raise NotImplementedError(
-            f"DotProductAttention: FP8 attention (fp8_dpa=True) has no engine for {where} in fp8ext yet; it runs on "
-            f"the CPU only (an emulation). For high-precision attention on {q.device}, run it outside "
-            "fp8_autocast or with a recipe whose fp8_dpa is False")
+            f"DotProductAttention: FP8 attention (fp8_dpa=True) has no engine for {q.device.type} tensors in fp8ext; "
+            f"it runs on the CPU (an emulation) and on CUDA GPUs (cuDNN). For high-precision attention on "
+            f"{q.device}, run it outside fp8_autocast or with a recipe whose fp8_dpa is False")
     return engine(q, k, v, mask, is_causal=is_causal, scale=scale, enable_gqa=gqa, fp8_format=recipe.fp8_format,
                   margin=getattr(recipe, "margin", 0))
 
@@ -206,7 +206,7 @@ def _allowed(mask_type: str, window: Tuple[int, int], bottom_right: bool, paddin
     """(mask, is_causal) for torch's SDPA convention (mask True where a query attends to a key; None for none):
     query i sees keys [i + off - left, i + off + right] (-1: unbounded), off = seq_kv - seq_q aligned bottom right
     (per sequence with padding), else 0; and, with padding, only the tokens of its own sequence."""
-    (b, sq, sk), device = shape[:3], shape[3]
+    (_, sq, sk), device = shape[:3], shape[3]
     left, right = window
     if padding is None and arbitrary is None and left < 0:
         if right < 0:
@@ -245,9 +245,10 @@ class DotProductAttention(nn.Module):
     arguments are accepted at their defaults only. The module has no parameters.
 
     Inside fp8_autocast with a recipe whose fp8_dpa is True (DelayedScaling or Float8CurrentScaling) attention
-    computes in FP8: Q, K, V and the softmax output P in E4M3, dO and dS in E5M2, each with a per-tensor current
-    scale (P: the fixed scale 448), as fp8ext.ops.attention_fp8 describes; on a CPU only for now (a CUDA tensor
-    raises NotImplementedError). Otherwise it is torch.nn.functional.scaled_dot_product_attention. Under activation
+    computes in FP8: Q, K, V, the softmax output P and O in E4M3, dO, dS and dQ/dK/dV in E5M2, as
+    fp8ext.ops.attention_fp8 describes: on the CPU that emulation, on a GPU cuDNN's FP8 fused attention (causal or no
+    mask; other masks raise NotImplementedError). Otherwise it is torch.nn.functional.scaled_dot_product_attention.
+    Under activation
     checkpointing a recomputed forward computes as the original did (fp8ext/modules/checkpoint.py).
     """
 

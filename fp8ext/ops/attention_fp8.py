@@ -1,34 +1,46 @@
-"""FP8 scaled dot-product attention, emulated with torch on the CPU: what Transformer Engine's fp8_dpa computes.
+"""FP8 scaled dot-product attention as cuDNN's FP8 fused attention computes it on Hopper (what Transformer Engine
+runs for a recipe with fp8_dpa=True), emulated with torch: the CPU engine of fp8ext.DotProductAttention, and the
+definition the GPU engine (fp8ext.ops.attention_cudnn) is tested against.
 
     out = fp8_scaled_dot_product_attention(q, k, v, is_causal=True)      # q, k, v: [batch, heads, seq, head_dim]
 
-The steps are those of cuDNN's FP8 fused attention, which TE runs for a recipe with fp8_dpa=True, with every FP8
-value the cast of fp8ext's C core gives (round to nearest even, saturating to the format's largest value):
+Every FP8 value is the cast of fp8ext's C core (round to nearest even, saturating to the format's largest value):
 
     forward   Q8, K8, V8 = E4M3 casts of Q, K, V, each with its own per-tensor scale (fmt.max / amax, current scaling)
               S  = Q8 K8^T dequantized * softmax_scale, float32; masked entries -inf
-              M  = rowmax(S), ZInv = 1 / rowsum(exp(S - M)), float32 (cuDNN's softmax statistics, kept for backward)
-              P  = exp(S - M) * ZInv, float32; P8 = E4M3 cast of P with the fixed scale 448 (P is in [0, 1], so
-                   scale = the E4M3 maximum uses the whole range; TE derives it from P's amax, which is about 1)
-              O  = P8 V8 dequantized, float32, returned in the input's dtype
+              M  = rowmax(S), ZInv = 1 / rowsum(exp(S - M)), float32 (the softmax statistics kept for backward)
+              P  = exp(S - M) * ZInv, float32; P8 = E4M3 cast of P with the fixed scale 448 (P is in [0, 1])
+              O8 = E4M3 cast of P8 V8 (float32) with scale_o; the output is O8 dequantized, in the input's dtype
     backward  dO8 = E5M2 cast of dO (per-tensor current scale)
               dV = P8^T dO8; dP = dO8 V8^T                                  (float32)
-              D  = rowsum(dO8 * O), with dO8 dequantized and the float32 O (not the output rounded to its dtype)
-              dS = P * (dP - D), float32, with the unrounded P recomputed from S, M and ZInv (as cuDNN does)
-              dS8 = E5M2 cast of dS (per-tensor current scale)
-              dQ = dS8 K8 * softmax_scale; dK = dS8^T Q8 * softmax_scale   (float32, returned in the input's dtype)
+              D  = rowsum(dO8 * O8), both dequantized
+              dS = P * (dP - D), float32, with P recomputed from S, M and ZInv; dS8 = E5M2 cast with scale_ds
+              dQ = dS8 K8 * softmax_scale; dK = dS8^T Q8 * softmax_scale   (float32)
+              dQ8, dK8, dV8 = E5M2 casts with scale_dq, scale_dk, scale_dv; the gradients are them dequantized
 
-Every product of two FP8 values is exact in float32; the sums run in float32 (a GPU's order of addition differs,
-and with it the last bits). Precision is lost where values become FP8: Q, K, V and P in E4M3 (3 mantissa bits),
-dO and dS in E5M2 (2 mantissa bits). With fp8_format=Format.E4M3 (a recipe's choice) dO and dS are E4M3 too.
-Grouped-query attention: query head i reads K/V head i // (heads / kv_heads); dK and dV sum over each group.
+Why O, dS, dQ, dK and dV have scales of their own that are not their amaxes: cuDNN computes them inside one fused
+kernel, which must know each scale before it runs (on Hopper it writes O and dQ/dK/dV only in FP8). fp8ext derives
+each from bounds that hold for any inputs, given the amaxes of Q, K, V and dO (attention_scales): |O| <= c * amax(V)
+(a row of P8 sums to at most c = 1.0625 + seq_kv / 2^19), |dP|, |D| <= head_dim * amax(dO) * amax(V) * (1, c), and
+dQ, dK, dV follow from those with sums over keys (dQ: sum_j P_ij <= 1) or queries (dK, dV: at most seq_q, times the
+query heads sharing a KV head). A bound can sit far above the values (dK's by up to seq_q), which costs exponent
+range, not precision: E4M3 keeps 3 mantissa bits from 2^-6 of its maximum down, E5M2 2 bits across 2^30.
 
-This is a reference: it holds the [seq_q, seq_kv] scores of every head in memory. fp8ext.DotProductAttention runs
-it for CPU tensors; the GPU engine (cuDNN's fused kernels) is not in fp8ext yet.
+Every product of two FP8 values is exact in float32; the sums run in float32. cuDNN differs in two ways that keep its
+bytes from being these: it sums in another order, and (flash attention) it rounds the unnormalised exp(S - running
+max) to E4M3 block by block and divides by the row sum at the end, where this rounds the normalised P. Its P8
+roundings are therefore independent of these, and the two results differ by about their own FP8 errors (measured
+by tests/modules/test_attention_cudnn.py). Precision is lost where values
+become FP8: Q, K, V, P and O in E4M3 (3 mantissa bits), dO, dS and dQ/dK/dV in E5M2 (2 mantissa bits). With
+fp8_format=Format.E4M3 (a recipe's choice) the backward's casts are E4M3 too. Grouped-query attention: query head i
+reads K/V head i // (heads / kv_heads); dK and dV sum over each group.
+
+This is a reference: it holds the [seq_q, seq_kv] scores of every head in memory.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Tuple
@@ -41,7 +53,7 @@ from ..core.tensor import FP8Tensor
 from . import quantize
 
 __all__ = ["fp8_scaled_dot_product_attention", "FP8AttentionOptions", "FP8AttentionState", "FP8AttentionGrads",
-           "attention_forward", "attention_probs", "attention_backward"]
+           "attention_forward", "attention_probs", "attention_backward", "attention_scales", "check_attention"]
 
 _FN = "fp8_scaled_dot_product_attention"
 
@@ -60,14 +72,15 @@ class FP8AttentionOptions:
 
 
 class FP8AttentionState(NamedTuple):
-    """What the forward keeps for the backward (cuDNN's saved tensors): the FP8 operands, the float32 output and
-    the softmax statistics. row_max and zinv are [batch, heads, seq_q, 1] float32 (0 for a row with every key
-    masked, whose P and output are then 0)."""
+    """What the forward keeps for the backward (cuDNN's saved tensors): the FP8 operands and output, the amaxes
+    of Q, K and V ([3] float32) and the softmax statistics. row_max and zinv are [batch, heads, seq_q, 1] float32 (0
+    for a row with every key masked, whose P and output are then 0)."""
 
     q8: FP8Tensor
     k8: FP8Tensor
     v8: FP8Tensor
-    out: torch.Tensor
+    o8: FP8Tensor
+    amaxes: torch.Tensor
     row_max: torch.Tensor
     zinv: torch.Tensor
     attn_mask: Optional[torch.Tensor]
@@ -75,21 +88,70 @@ class FP8AttentionState(NamedTuple):
 
 
 class FP8AttentionGrads(NamedTuple):
-    """The backward's results: dq, dk, dv in float32, and the FP8 casts of dO and dS they were computed from."""
+    """The backward's results: dq, dk, dv (their FP8 casts dequantized, float32), the FP8 casts themselves, and
+    the FP8 casts of dO and dS they were computed from."""
 
     dq: torch.Tensor
     dk: torch.Tensor
     dv: torch.Tensor
     do8: FP8Tensor
     ds8: FP8Tensor
+    dq8: FP8Tensor
+    dk8: FP8Tensor
+    dv8: FP8Tensor
 
 
-def _cast(x: torch.Tensor, fmt: FP8Format, margin: float) -> FP8Tensor:
-    """x cast to fmt with a per-tensor current scale, fmt.max / amax(x) / 2**margin (1 when amax is 0 or not
-    finite): fp8ext's own cast and scale rule (fp8ext.quantize, fp8ext.scale_from_amax)."""
+def _cast(x: torch.Tensor, fmt: FP8Format, margin: float) -> Tuple[FP8Tensor, torch.Tensor]:
+    """(x cast to fmt with a per-tensor current scale, fmt.max / amax(x) / 2**margin (1 when amax is 0 or not
+    finite), amax(x)): fp8ext's own cast and scale rule (fp8ext.quantize, fp8ext.scale_from_amax)."""
     x = x.contiguous()
-    scale, scale_inv = scale_from_amax(amax(x), fmt, margin)
-    return FP8Tensor(quantize(x, fmt, scale), None, scale_inv, fmt, scale=scale)
+    a = amax(x)
+    scale, scale_inv = scale_from_amax(a, fmt, margin)
+    return FP8Tensor(quantize(x, fmt, scale), None, scale_inv, fmt, scale=scale), a
+
+
+def _cast_by(x: torch.Tensor, fmt: FP8Format, scale: torch.Tensor) -> FP8Tensor:
+    """x cast to fmt with a given scale (a 0-d float32 tensor; attention_scales')."""
+    return FP8Tensor(quantize(x.contiguous(), fmt, scale), None, scale.reciprocal(), fmt, scale=scale)
+
+
+_F32_TINY, _F32_MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
+
+
+@functools.lru_cache(maxsize=256)
+def _rule_tensors(rules: tuple, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """attention_scales' rules as float64 tensors on `device`, made once per shape (a tensor made from Python
+    numbers on a GPU is a copy the host waits for)."""
+    exps = torch.tensor([r[1] for r in rules], dtype=torch.float64, device=device)
+    return exps, torch.tensor([[r[0], r[2]] for r in rules], dtype=torch.float64, device=device)
+
+
+def attention_scales(amaxes: torch.Tensor, amax_do: Optional[torch.Tensor], q_shape, k_shape,
+                     opts: "FP8AttentionOptions") -> dict:
+    """The scales of the tensors a fused kernel writes in FP8, from bounds over any inputs (the module docstring):
+    {'o': ...} from amaxes = [amax(Q), amax(K), amax(V)], and with amax_do also 'ds', 'dq', 'dk', 'dv'. q_shape:
+    [batch, heads, seq_q, head_dim], k_shape: [batch, kv_heads, seq_kv, head_dim]. Each a 0-d float32 tensor on
+    amaxes' device: fmt.max / bound, or 1 where the bound is 0 or not finite. Each bound is a constant times a
+    product of amaxes, computed in float64 by a handful of vector operations (this runs on every call)."""
+    _, h, sq, d = q_shape
+    # a row of P8 sums to at most c: 1 + E4M3's relative rounding (2^-4), plus half the smallest step (2^-10 / 448)
+    # for each key whose probability rounds in the subnormal range
+    c = 1.0625 + k_shape[2] / (1024 * 448)
+    ds = (1 + c) * d  # |dS| <= P |dP - D| <= (1 + c) d amax(dO) amax(V)
+    g, sm = h // k_shape[1], opts.softmax_scale
+    #        name  constant                  exponents of amax(Q), amax(K), amax(V), amax(dO)   format
+    rules = [("o", c, (0, 0, 1, 0), opts.fwd)]
+    if amax_do is not None:
+        rules += [("ds", ds, (0, 0, 1, 1), opts.bwd), ("dq", 1.25 * sm * ds, (0, 1, 1, 1), opts.bwd),
+                  ("dk", 1.25 * sm * g * sq * ds, (1, 0, 1, 1), opts.bwd), ("dv", 1.25 * g * sq * c, (0, 0, 0, 1),
+                                                                            opts.bwd)]
+    a = amaxes.double() if amax_do is None else torch.cat([amaxes.double(), amax_do.double().reshape(1)])
+    exps, consts = _rule_tensors(tuple((r[1], r[2][:a.numel()], r[3].max) for r in rules), amaxes.device)
+    bound = a.pow(exps).prod(-1) * consts[:, 0]  # 0 ** 0 is 1: an amax not in a rule drops out
+    ok = (bound > 0) & (bound < float("inf"))
+    scale = (consts[:, 1] / torch.where(ok, bound, 1.0)).clamp(_F32_TINY, _F32_MAX)
+    scale = torch.where(ok, scale, 1.0).float()
+    return {r[0]: scale[i] for i, r in enumerate(rules)}
 
 
 def _dequantize(t: FP8Tensor) -> torch.Tensor:
@@ -143,53 +205,57 @@ def attention_probs(state: FP8AttentionState) -> Tuple[torch.Tensor, FP8Tensor]:
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
                       opts: FP8AttentionOptions) -> FP8AttentionState:
-    """The forward pass (see the module docstring) on checked [b, h, s, d] tensors; state.out is O in float32."""
-    q8, k8, v8 = (_cast(x, opts.fwd, opts.margin) for x in (q, k, v))
+    """The forward pass (see the module docstring) on checked [b, h, s, d] tensors; the output is state.o8
+    dequantized (_dequantize)."""
+    (q8, a_q), (k8, a_k), (v8, a_v) = (_cast(x, opts.fwd, opts.margin) for x in (q, k, v))
+    amaxes = torch.stack([a_q.reshape(()), a_k.reshape(()), a_v.reshape(())])
     s = _scores(q8, k8, attn_mask, opts)
     row_max, zinv = _softmax_stats(s)
-    state = FP8AttentionState(q8, k8, v8, None, row_max, zinv, attn_mask, opts)
+    state = FP8AttentionState(q8, k8, v8, None, amaxes, row_max, zinv, attn_mask, opts)
     _, p8 = attention_probs(state)
     groups = q.shape[1] // k.shape[1]
     out = (p8.data.float() @ _heads(v8.data.float(), groups)) * (p8.scale_inv * v8.scale_inv)
-    return state._replace(out=out)
+    scale_o = attention_scales(amaxes, None, q.shape, k.shape, opts)["o"]
+    return state._replace(o8=_cast_by(out, opts.fwd, scale_o))
 
 
 def attention_backward(state: FP8AttentionState, grad_out: torch.Tensor) -> FP8AttentionGrads:
-    """The backward pass (see the module docstring): float32 gradients of Q, K and V for grad_out = dO."""
+    """The backward pass (see the module docstring): the gradients of Q, K and V for grad_out = dO."""
     opts, q8, k8, v8 = state.opts, state.q8, state.k8, state.v8
     groups = q8.shape[1] // k8.shape[1]
     p, p8 = attention_probs(state)
-    do8 = _cast(grad_out, opts.bwd, opts.margin)
+    do8, a_do = _cast(grad_out, opts.bwd, opts.margin)
+    sc = attention_scales(state.amaxes, a_do, q8.shape, k8.shape, opts)
     do = _dequantize(do8)
     dv = (p8.data.float().transpose(-2, -1) @ do8.data.float()) * (p8.scale_inv * do8.scale_inv)
     dp = (do8.data.float() @ _heads(v8.data.float(), groups).transpose(-2, -1)) * (do8.scale_inv * v8.scale_inv)
-    delta = (do * state.out).sum(-1, keepdim=True)
-    ds8 = _cast(p * (dp - delta), opts.bwd, opts.margin)
+    delta = (do * _dequantize(state.o8)).sum(-1, keepdim=True)
+    ds8 = _cast_by(p * (dp - delta), opts.bwd, sc["ds"])
     ds = ds8.data.float()
     dq = (ds @ _heads(k8.data.float(), groups)) * (ds8.scale_inv * k8.scale_inv * opts.softmax_scale)
     dk = (ds.transpose(-2, -1) @ q8.data.float()) * (ds8.scale_inv * q8.scale_inv * opts.softmax_scale)
-    return FP8AttentionGrads(dq, _group_sum(dk, groups), _group_sum(dv, groups), do8, ds8)
+    dq8, dk8, dv8 = (_cast_by(x, opts.bwd, sc[n]) for x, n in ((dq, "dq"), (_group_sum(dk, groups), "dk"),
+                                                               (_group_sum(dv, groups), "dv")))
+    return FP8AttentionGrads(_dequantize(dq8), _dequantize(dk8), _dequantize(dv8), do8, ds8, dq8, dk8, dv8)
 
 
 class FP8AttentionFunction(torch.autograd.Function):
-    """Autograd for the emulation: the forward keeps the FP8 operands, O and the statistics, not P."""
+    """Autograd for the emulation: the forward keeps the FP8 operands and output and the statistics, not P."""
 
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, opts: FP8AttentionOptions):
-        state = attention_forward(q, k, v, attn_mask, opts)
+        st = attention_forward(q, k, v, attn_mask, opts)
         ctx.opts, ctx.dtype, ctx.has_mask = opts, q.dtype, attn_mask is not None
-        ctx.save_for_backward(state.q8.data, state.k8.data, state.v8.data, state.q8.scale_inv, state.k8.scale_inv,
-                              state.v8.scale_inv, state.out, state.row_max, state.zinv,
-                              attn_mask if attn_mask is not None else torch.empty(0))
-        return state.out.to(q.dtype)
+        ctx.save_for_backward(*(t for x in (st.q8, st.k8, st.v8, st.o8) for t in (x.data, x.scale_inv)), st.amaxes,
+                              st.row_max, st.zinv, attn_mask if attn_mask is not None else torch.empty(0))
+        return _dequantize(st.o8).to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, q_si, k_si, v_si, out, row_max, zinv, mask = ctx.saved_tensors
+        *fp8, amaxes, row_max, zinv, mask = ctx.saved_tensors
         opts = ctx.opts
-        state = FP8AttentionState(FP8Tensor(q, None, q_si, opts.fwd), FP8Tensor(k, None, k_si, opts.fwd),
-                                  FP8Tensor(v, None, v_si, opts.fwd), out, row_max, zinv,
-                                  mask if ctx.has_mask else None, opts)
+        q8, k8, v8, o8 = (FP8Tensor(fp8[2 * i], None, fp8[2 * i + 1], opts.fwd) for i in range(4))
+        state = FP8AttentionState(q8, k8, v8, o8, amaxes, row_max, zinv, mask if ctx.has_mask else None, opts)
         g = attention_backward(state, grad_out)
         return g.dq.to(ctx.dtype), g.dk.to(ctx.dtype), g.dv.to(ctx.dtype), None, None
 
@@ -209,7 +275,7 @@ def fp8_scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, val
     (E4M3 forward, E5M2 backward) or Format.E4M3; margin: as a recipe's. Returns [batch, heads, seq_q, head_dim] in
     query's dtype; a query whose keys are all masked gives 0 (as torch's SDPA does).
     """
-    _check(query, key, value, attn_mask, is_causal, enable_gqa)
+    check_attention(query, key, value, attn_mask, is_causal, enable_gqa)
     if not isinstance(fp8_format, Format):
         raise TypeError(f"{_FN}(): fp8_format must be a fp8ext.Format, got {fp8_format!r}")
     if scale is None:
@@ -221,7 +287,9 @@ def fp8_scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, val
     return FP8AttentionFunction.apply(query, key, value, attn_mask, opts)
 
 
-def _check(q, k, v, attn_mask, is_causal: bool, enable_gqa: bool) -> None:
+def check_attention(q, k, v, attn_mask, is_causal: bool, enable_gqa: bool) -> None:
+    """The checks of fp8_scaled_dot_product_attention's tensors and mask (every engine's), raising with the argument
+    named."""
     for name, t in (("query", q), ("key", k), ("value", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{_FN}(): {name} must be a 4-D tensor [batch, heads, seq, head_dim], got "

@@ -27,6 +27,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     (exit status 1; --debug shows the traceback)."""
     p = parser()
     args = p.parse_args(argv)
+    if args.fp8_attention and not (args.use_fp8 or args.compare) or args.fp8_attention and \
+            args.fp8_recipe not in ("delayed", "current"):
+        p.error("--fp8_attention needs --use_fp8 (or --compare) and --fp8_recipe delayed or current (per-tensor "
+                "scales)")
     with one_line_errors(p.prog, args.debug):
         _check_paths(args)
         _check_device(args.device)

@@ -57,6 +57,10 @@ def parser() -> argparse.ArgumentParser:
                         "power-of-two scales); rowwise: Float8RowwiseScaling (one scale per row, E4M3)")
     p.add_argument("--amax_history_len", type=amax_history_type, default=16,
                    help=f"delayed scaling: steps of amax history (1 to {_MAX_AMAX_HISTORY})")
+    p.add_argument("--fp8_attention", action="store_true",
+                   help="with --use_fp8 and the delayed or current recipe: attention in FP8 too (the recipe's "
+                        "fp8_dpa; cuDNN's FP8 fused attention on a GPU, which needs `pip install "
+                        "nvidia-cudnn-frontend` and, to train, head_dim 128 (the 1b preset); an emulation on a CPU)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--separate_qkv", action="store_true", help="three Q/K/V projections instead of one fused")
     p.add_argument("--no_fused_kernels", action="store_true",

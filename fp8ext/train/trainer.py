@@ -81,13 +81,15 @@ def _check_fp8(device: torch.device, rank: int) -> None:
 
 
 def _recipe(args):
+    dpa = getattr(args, "fp8_attention", False)  # the options checked that the recipe is per-tensor then
     if args.fp8_recipe == "current":
-        return CurrentScaling(fp8_format=Format.HYBRID)
+        return CurrentScaling(fp8_format=Format.HYBRID, fp8_dpa=dpa)
     if args.fp8_recipe == "block":
         return Float8BlockScaling()
     if args.fp8_recipe == "rowwise":
         return Float8RowwiseScaling()
-    return DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=args.amax_history_len, amax_compute_algo="max")
+    return DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=args.amax_history_len, amax_compute_algo="max",
+                          fp8_dpa=dpa)
 
 
 def _optimizer(model, args, device):

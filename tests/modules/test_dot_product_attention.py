@@ -7,6 +7,7 @@ against torch's scaled_dot_product_attention (bit for bit where it computes in h
 here, position by position, from Transformer Engine's mask conventions."""
 
 import math
+import sys
 
 import pytest
 import torch
@@ -38,6 +39,34 @@ def torch_cast(x: torch.Tensor, dtype, scale) -> torch.Tensor:
 def f64(data: torch.Tensor, scale) -> torch.Tensor:
     """FP8 bytes dequantized in float64 by the exact scale (not its float32 reciprocal)."""
     return data.double() / torch.as_tensor(scale, dtype=torch.float64)
+
+
+def bound_scales(q, k, v, do, softmax_scale) -> dict:
+    """The scales of O, dS, dQ, dK and dV (fmt.max / bound, float64), from the amaxes of the inputs: the bounds of
+    fp8ext/ops/attention_fp8.py's docstring, written out again here."""
+    _, h, sq, d = q.shape
+    hk, sk = k.shape[1], k.shape[2]
+    a_q, a_k, a_v = (x.double().abs().max() for x in (q, k, v))
+    c = 1.0625 + sk / (1024 * 448)
+    bounds = {"o": c * a_v}
+    if do is not None:
+        a_do, g = do.double().abs().max(), h // hk
+        ds = (1 + c) * d * a_do * a_v
+        bounds.update(ds=ds, dq=1.25 * softmax_scale * ds * a_k, dk=1.25 * softmax_scale * g * sq * ds * a_q,
+                      dv=1.25 * g * sq * c * a_do)
+    return {n: (448.0 if n == "o" else 57344.0) / b for n, b in bounds.items()}
+
+
+def assert_rounds(t8, exact64: torch.Tensor, scale, msg: str) -> None:
+    """The FP8 tensor t8 (scale `scale`) holds exact64 rounded to its format: within half a step (relative 2^-4
+    for E4M3, 2^-3 for E5M2; half the smallest subnormal step near 0), with float32's slack for exact64 having been
+    summed in float32 before the cast."""
+    e4 = t8.data.dtype == E4M3
+    scale = torch.as_tensor(scale, dtype=torch.float64)
+    torch.testing.assert_close(t8.scale.double(), scale, rtol=1e-6, atol=0, msg=f"{msg}: its scale")
+    err = (f64(t8.data, scale) - exact64).abs()
+    tol = exact64.abs() * (2**-4 if e4 else 2**-3) + (2**-10 if e4 else 2**-17) / scale + 1e-5 * exact64.abs().max()
+    assert (err <= tol).all(), f"{msg}: worst error {err.max().item():.3g}"
 
 
 def expand(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -86,10 +115,11 @@ def test_forward_matches_float64_from_torch_casts(heads, kv_heads, mask, dtype):
     torch.testing.assert_close(p.double(), p64, rtol=1e-5, atol=1e-7, msg="P: float32 softmax")
     assert_same_bytes(p8.data, torch_cast(p, E4M3, 448.0), "P8: torch's cast of P with the fixed scale 448")
     o64 = f64(p8.data, 448.0) @ expand(f64(state.v8.data, scales[2]), heads)
-    torch.testing.assert_close(state.out.double(), o64, rtol=1e-5, atol=1e-6, msg="O = P8 V8 in float32")
+    assert_rounds(state.o8, o64, bound_scales(q, k, v, None, 0.3)["o"], "O8: P8 V8 cast to E4M3")
     out = fp8_scaled_dot_product_attention(q, k, v, None if mask == "causal" else allowed, is_causal=mask == "causal",
                                            scale=0.3, enable_gqa=True)
-    assert out.dtype == dtype and torch.equal(out, state.out.to(dtype)), "the autograd function returns O"
+    o = state.o8.data.float() * state.o8.scale_inv
+    assert out.dtype == dtype and torch.equal(out, o.to(dtype)), "the autograd function returns O8 dequantized"
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(2, 2), (4, 2)], ids=["MHA", "GQA"])
@@ -105,20 +135,19 @@ def test_backward_matches_float64_from_torch_casts(heads, kv_heads, mask):
     q64, k64, v64 = (f64(t.data, torch_scale(x, E4M3)) for t, x in zip((state.q8, state.k8, state.v8), (q, k, v)))
     p, p8 = attention_probs(state)
     do64 = f64(g.do8.data, s_do)
-    torch.testing.assert_close(g.dv.double(), group_sum(f64(p8.data, 448.0).transpose(-2, -1) @ do64, kv_heads),
-                               rtol=1e-5, atol=1e-6, msg="dV = P8^T dO8, summed over each group")
+    want = bound_scales(q, k, v, do, 0.3)
+    assert_rounds(g.dv8, group_sum(f64(p8.data, 448.0).transpose(-2, -1) @ do64, kv_heads), want["dv"],
+                  "dV8: P8^T dO8, summed over each group")
     dp64 = do64 @ expand(v64, heads).transpose(-2, -1)
-    ds64 = p.double() * (dp64 - (do64 * state.out.double()).sum(-1, keepdim=True))
-    s_ds = 1 / g.ds8.scale_inv.double()
-    torch.testing.assert_close(s_ds, 57344 / ds64.abs().max(), rtol=1e-5, atol=0, msg="dS's scale: 57344 / amax")
-    # dS8 is the cast of the float32 dS: within half a step of E5M2 (2 mantissa bits) of the float64 dS
-    err = (f64(g.ds8.data, s_ds) - ds64).abs()
-    assert (err <= ds64.abs() * 2**-3 + 1e-5 * ds64.abs().max()).all(), f"dS8 rounds dS: worst {err.max()}"
-    ds = f64(g.ds8.data, s_ds)
-    torch.testing.assert_close(g.dq.double(), ds @ expand(k64, heads) * 0.3, rtol=1e-5, atol=1e-6,
-                               msg="dQ = dS8 K8 * softmax_scale")
-    torch.testing.assert_close(g.dk.double(), group_sum(ds.transpose(-2, -1) @ q64, kv_heads) * 0.3, rtol=1e-5,
-                               atol=1e-6, msg="dK = dS8^T Q8 * softmax_scale, summed over each group")
+    o64 = f64(state.o8.data, 1 / state.o8.scale_inv.double())
+    ds64 = p.double() * (dp64 - (do64 * o64).sum(-1, keepdim=True))
+    assert_rounds(g.ds8, ds64, want["ds"], "dS8: P (dP - rowsum(dO8 O8))")
+    ds = f64(g.ds8.data, want["ds"])
+    assert_rounds(g.dq8, ds @ expand(k64, heads) * 0.3, want["dq"], "dQ8: dS8 K8 * softmax_scale")
+    assert_rounds(g.dk8, group_sum(ds.transpose(-2, -1) @ q64, kv_heads) * 0.3, want["dk"],
+                  "dK8: dS8^T Q8 * softmax_scale, summed over each group")
+    for name, t8, grad in (("dq", g.dq8, g.dq), ("dk", g.dk8, g.dk), ("dv", g.dv8, g.dv)):
+        assert torch.equal(grad, t8.data.float() * t8.scale_inv), f"{name}: its FP8 cast dequantized"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
@@ -312,7 +341,7 @@ def test_gpu_engine_missing_is_an_error_not_a_high_precision_run():
     layers = [t.to("meta") for t in module_inputs(6, 6)[0]]
     assert attn(*layers).shape == (6, 2, 64), "high precision runs on any device"
     with fp8ext.fp8_autocast(fp8_recipe=FP8_DPA):
-        with pytest.raises(NotImplementedError, match="fp8_dpa=True.*no engine for meta tensors.*CPU only"):
+        with pytest.raises(NotImplementedError, match="fp8_dpa=True.*no engine for meta tensors.*CPU.*CUDA GPUs"):
             attn(*layers)
 
 
@@ -326,14 +355,21 @@ def test_a_gpu_engine_slots_into_the_dispatch(monkeypatch):
     assert seen == [dict(is_causal=True, scale=0.25, enable_gqa=True, fp8_format=fp8ext.Format.HYBRID, margin=1)]
 
 
-@requires_cuda
-@pytest.mark.cuda
-def test_cuda_tensors_with_fp8_dpa_raise():
-    attn = fp8ext.DotProductAttention(4, 16)
-    q = torch.randn(6, 2, 4, 16, device="cuda")
-    with fp8ext.fp8_autocast(fp8_recipe=FP8_DPA):
-        with pytest.raises(NotImplementedError, match="no engine for a GPU"):
-            attn(q, q, q)
+def test_without_the_cudnn_frontend_a_gpu_run_says_how_to_get_it(monkeypatch):
+    from fp8ext.ops import attention_cudnn
+    monkeypatch.setitem(sys.modules, "cudnn", None)  # as if not installed
+    assert not attention_cudnn.cudnn_available()
+    with pytest.raises(ImportError, match="pip install nvidia-cudnn-frontend"):
+        attention_cudnn._cudnn()
+
+
+def test_the_gpu_engine_refuses_masks_and_cpu_tensors_clearly():
+    from fp8ext.ops.attention_cudnn import cudnn_fp8_attention
+    q, k, v, _ = inputs()
+    with pytest.raises(NotImplementedError, match="causal mask or none"):
+        cudnn_fp8_attention(q, k, v, torch.ones(8, 8, dtype=torch.bool), enable_gqa=True)
+    with pytest.raises(ValueError, match="must be CUDA tensors"):
+        cudnn_fp8_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
 def test_calibration_and_disabled_autocast_compute_in_high_precision():

@@ -3,6 +3,7 @@ all-gather, bit for bit, with one byte per weight element on the wire; and FP8Li
 
 The fixture runs this file under torch.distributed.run; each rank trains a small model of FP8Linear layers sharded
 with fully_shard (weights gathered in high precision, then in FP8) and writes what it saw to a JSON file."""
+import gc
 import json
 import os
 import subprocess
@@ -29,6 +30,9 @@ def _train(recipe, fp8_gather: bool, precompute: bool, mesh, sent: list, reduces
 
     import fp8ext
     from fp8ext.modules.fsdp import enable_fp8_all_gather, precompute_fp8_weight_scales
+    # a model of an earlier run in this process may still hold scaling slots of the same recipe until the garbage
+    # collector frees it (its layers sit in reference cycles); each run starts from the same, empty state
+    gc.collect()
     model = _model(0)
     if fp8_gather:
         enable_fp8_all_gather(model, recipe)

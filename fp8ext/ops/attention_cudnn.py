@@ -1,0 +1,277 @@
+"""FP8 attention on Hopper GPUs: cuDNN's FP8 fused attention (the engine Transformer Engine uses for fp8_dpa),
+through NVIDIA's cudnn frontend, with the numerics of fp8ext.ops.attention_fp8 (which is its definition and its CPU
+engine).
+
+    out = cudnn_fp8_attention(q, k, v, None, is_causal=True, scale=None, enable_gqa=True)   # [b, h, s, d] CUDA
+
+fp8ext casts Q, K and V to E4M3 (and, in backward, dO to E5M2) with its own kernels and per-tensor current scales;
+cuDNN runs the forward (S, the softmax, P8 with the fixed scale 448, O8 = P8 V8) and the backward (dP, dS8, dQ8,
+dK8, dV8) each as one fused kernel; fp8ext dequantizes O8 and dQ8 / dK8 / dV8 into the inputs' dtype. The scales
+of what cuDNN writes in FP8 come from attention_fp8.attention_scales (bounds from the inputs' amaxes, computed on
+the device: no host synchronisation). Graphs are built once per shape, layout, mask and format and kept.
+
+The cudnn frontend is an optional dependency (`pip install nvidia-cudnn-frontend`); without it FP8 attention on a
+GPU raises ImportError saying so. It takes no mask but causal (top-left aligned) or none: a padding, window or
+arbitrary mask raises NotImplementedError, never a silent high-precision run.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Optional, Tuple
+
+import torch
+
+from ..core.casts import amax, scale_from_amax
+from ..core.formats import E4M3, FP8Format, Format
+from ..core.tensor import FP8Tensor
+from . import dequantize, quantize
+from .attention_fp8 import FP8AttentionOptions, attention_scales, check_attention
+
+__all__ = ["cudnn_fp8_attention", "cudnn_available"]
+
+_FN = "FP8 attention on a GPU"
+_graphs: dict = {}
+_handles: dict = {}
+_consts: dict = {}
+_lock = threading.Lock()
+
+
+def _cudnn():
+    """NVIDIA's cudnn frontend module, or the ImportError that says how to get it."""
+    try:
+        import cudnn
+    except ImportError as e:
+        raise ImportError(f"{_FN} (fp8_dpa=True) runs on cuDNN's FP8 fused attention through NVIDIA's cudnn "
+                          f"frontend, which is not installed: pip install nvidia-cudnn-frontend (or fp8ext's "
+                          f"'attention' extra). Without it, run attention outside fp8_autocast or with "
+                          f"fp8_dpa=False") from e
+    return cudnn
+
+
+def cudnn_available() -> bool:
+    """Whether the cudnn frontend imports (FP8 attention's GPU engine can run)."""
+    try:
+        _cudnn()
+        return True
+    except ImportError:
+        return False
+
+
+def _storage_order(x: torch.Tensor) -> Tuple[int, ...]:
+    """The permutation p of x's dimensions such that x.permute(p) is contiguous (x's memory order), or () when x is
+    not a permutation of a contiguous tensor."""
+    p = tuple(sorted(range(x.dim()), key=lambda i: (-x.stride(i), -x.shape[i])))
+    return p if x.permute(p).is_contiguous() else ()
+
+
+def _inverse(p: Tuple[int, ...]) -> Tuple[int, ...]:
+    return tuple(sorted(range(len(p)), key=lambda i: p[i]))
+
+
+def _in_memory_order(x: torch.Tensor) -> Tuple[torch.Tensor, Tuple[int, ...]]:
+    """(x in its memory order, contiguous: x.permute(p), or a copy where x is not a permuted contiguous tensor;
+    the permutation that turns it back into x's dimension order)."""
+    p = _storage_order(x)
+    if not p:
+        return x.contiguous(), tuple(range(x.dim()))
+    return x.permute(p), _inverse(p)
+
+
+def _cast(x: torch.Tensor, fmt: FP8Format, margin: float) -> Tuple[FP8Tensor, torch.Tensor]:
+    """(x cast to fmt with its current scale, with x's strides; amax(x)): attention_fp8._cast's bytes."""
+    xp, back = _in_memory_order(x)
+    a = amax(xp)
+    scale, scale_inv = scale_from_amax(a, fmt, margin)
+    return FP8Tensor(quantize(xp, fmt, scale).permute(back), None, scale_inv, fmt, scale=scale), a
+
+
+def _dequantize(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """FP8 data dequantized into dtype, with data's strides."""
+    dp, back = _in_memory_order(data)
+    return dequantize(dp, scale_inv, dtype).permute(back)
+
+
+def _const(device: torch.device, value: float) -> torch.Tensor:
+    key = (device, value)
+    t = _consts.get(key)
+    if t is None:
+        t = _consts[key] = torch.full((1, 1, 1, 1), value, dtype=torch.float32, device=device)
+    return t
+
+
+def _cell(t: torch.Tensor) -> torch.Tensor:
+    """A one-element float32 tensor as cuDNN's [1, 1, 1, 1] scalar."""
+    return t.reshape(1, 1, 1, 1)
+
+
+def _handle(cudnn, device: torch.device):
+    """The cuDNN handle of `device`, set to torch's current stream there."""
+    h = _handles.get(device.index)
+    if h is None:
+        with _lock, torch.cuda.device(device):
+            h = _handles.get(device.index)
+            if h is None:
+                h = _handles[device.index] = cudnn.create_handle()
+    cudnn.set_stream(handle=h, stream=torch.cuda.current_stream(device).cuda_stream)
+    return h
+
+
+def _types(cudnn, fmt: FP8Format):
+    return cudnn.data_type.FP8_E4M3 if fmt is E4M3 else cudnn.data_type.FP8_E5M2
+
+
+def _tensor(graph, cudnn, name: str, t: torch.Tensor, dtype):
+    return graph.tensor(name=name, dim=list(t.shape), stride=list(t.stride()), data_type=dtype)
+
+
+def _scalars(graph, cudnn, names):
+    return [graph.tensor(name=n, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.FLOAT)
+            for n in names]
+
+
+def _build(graph, cudnn, what: str):
+    """Validates and plans a graph; cuDNN's refusal becomes NotImplementedError naming what was asked."""
+    try:
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        graph.check_support()
+        graph.build_plans()
+    except Exception as e:  # cudnn's errors have no common base class beyond Exception
+        raise NotImplementedError(f"{_FN}: cuDNN {cudnn.backend_version()} has no FP8 fused attention for {what}: "
+                                  f"{e}") from e
+    return graph
+
+
+def _graph(kind: str, build, cudnn, handle, *tensors_and_opts):
+    """The cached graph of (kind, the tensors' shapes and strides, the options, the device), built on first use."""
+    *tensors, opts = tensors_and_opts
+    key = (kind, tuple((t.shape, t.stride()) for t in tensors), opts, tensors[0].device)
+    g = _graphs.get(key)
+    if g is None:
+        with _lock:  # a forward and the autograd thread's backward may build at once
+            g = _graphs.get(key)
+            if g is None:
+                g = _graphs[key] = build(cudnn, handle, *tensors, opts)
+    return g
+
+
+def _fwd_graph(cudnn, handle, q8, k8, v8, o8, opts: FP8AttentionOptions):
+    e4 = _types(cudnn, opts.fwd)
+    graph = cudnn.pygraph(io_data_type=e4, intermediate_data_type=cudnn.data_type.FLOAT,
+                          compute_data_type=cudnn.data_type.FLOAT, handle=handle)
+    tq, tk, tv = (_tensor(graph, cudnn, n, t, e4) for n, t in (("q", q8), ("k", k8), ("v", v8)))
+    sc = _scalars(graph, cudnn, ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o"))
+    o, stats, amax_s, amax_o = graph.sdpa_fp8(tq, tk, tv, *sc, is_inference=False, attn_scale=opts.softmax_scale,
+                                              use_causal_mask=opts.is_causal, name="fp8ext_attention")
+    o.set_output(True).set_dim(list(o8.shape)).set_stride(list(o8.stride())).set_data_type(e4)
+    stats.set_output(True).set_data_type(cudnn.data_type.FLOAT)
+    for a in (amax_s, amax_o):
+        a.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(cudnn.data_type.FLOAT)
+    what = f"Q {list(q8.shape)}, K {list(k8.shape)} ([batch, heads, seq, head_dim]), causal={opts.is_causal}"
+    return _build(graph, cudnn, what), (tq, tk, tv, *sc, o, stats, amax_s, amax_o)
+
+
+def _bwd_graph(cudnn, handle, q8, k8, v8, o8, do8, opts: FP8AttentionOptions):
+    e4, e5 = _types(cudnn, opts.fwd), _types(cudnn, opts.bwd)
+    graph = cudnn.pygraph(io_data_type=e4, intermediate_data_type=cudnn.data_type.FLOAT,
+                          compute_data_type=cudnn.data_type.FLOAT, handle=handle)
+    tq, tk, tv, to = (_tensor(graph, cudnn, n, t, e4) for n, t in (("q", q8), ("k", k8), ("v", v8), ("o", o8)))
+    tdo = _tensor(graph, cudnn, "do", do8, e5)
+    b, h, sq, _ = q8.shape
+    tst = graph.tensor(name="stats", dim=[b, h, sq, 1], stride=[h * sq, sq, 1, 1], data_type=cudnn.data_type.FLOAT)
+    names = ("descale_q", "descale_k", "descale_v", "descale_o", "descale_do", "descale_s", "descale_dp", "scale_s",
+             "scale_dq", "scale_dk", "scale_dv", "scale_dp")
+    sc = _scalars(graph, cudnn, names)
+    outs = graph.sdpa_fp8_backward(tq, tk, tv, to, tdo, tst, *sc, attn_scale=opts.softmax_scale,
+                                   use_causal_mask=opts.is_causal, name="fp8ext_attention_backward")
+    for t, like in zip(outs[:3], (q8, k8, v8)):
+        t.set_output(True).set_dim(list(like.shape)).set_stride(list(like.stride())).set_data_type(e5)
+    for a in outs[3:]:
+        a.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(cudnn.data_type.FLOAT)
+    what = f"the backward of Q {list(q8.shape)}, K {list(k8.shape)}, causal={opts.is_causal}"
+    return _build(graph, cudnn, what), (tq, tk, tv, to, tdo, tst, *sc, *outs)
+
+
+def _run(cudnn, handle, graph, pack: dict, device) -> None:
+    ws = torch.empty(max(graph.get_workspace_size(), 1), dtype=torch.uint8, device=device)
+    graph.execute(pack, ws, handle=handle)
+
+
+class CudnnFP8Attention(torch.autograd.Function):
+    """Autograd over cuDNN's FP8 forward and backward: the forward keeps Q8, K8, V8, O8, their scale_invs, the
+    amaxes of Q, K, V and the softmax statistics (cuDNN's log-sum-exp per row)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, opts: FP8AttentionOptions):
+        cudnn = _cudnn()
+        dev = q.device
+        handle = _handle(cudnn, dev)
+        (q8, a_q), (k8, a_k), (v8, a_v) = (_cast(x, opts.fwd, opts.margin) for x in (q, k, v))
+        amaxes = torch.stack([a_q.reshape(()), a_k.reshape(()), a_v.reshape(())])
+        scale_o = attention_scales(amaxes, None, q.shape, k.shape, opts)["o"]
+        o8 = torch.empty_like(q8.data)
+        b, h, sq, _ = q.shape
+        stats = torch.empty(b, h, sq, 1, dtype=torch.float32, device=dev)
+        graph, (tq, tk, tv, *sc, to, tst, tas, tao) = _graph("fwd", _fwd_graph, cudnn, handle, q8.data, k8.data,
+                                                                   v8.data, o8, opts)
+        scalars = (q8.scale_inv, k8.scale_inv, v8.scale_inv, _const(dev, 1 / opts.fwd.max), _const(dev, opts.fwd.max),
+                   scale_o)
+        pack = {tq: q8.data, tk: k8.data, tv: v8.data, to: o8, tst: stats,
+                tas: torch.empty(1, 1, 1, 1, device=dev), tao: torch.empty(1, 1, 1, 1, device=dev)}
+        pack.update((t, _cell(x)) for t, x in zip(sc, scalars))
+        _run(cudnn, handle, graph, pack, dev)
+        o_inv = scale_o.reciprocal()
+        ctx.opts = opts
+        ctx.save_for_backward(q8.data, k8.data, v8.data, o8, q8.scale_inv, k8.scale_inv, v8.scale_inv, o_inv,
+                              amaxes, stats)
+        return _dequantize(o8, o_inv, q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q8, k8, v8, o8, q_inv, k_inv, v_inv, o_inv, amaxes, stats = ctx.saved_tensors
+        opts, dev, dtype = ctx.opts, q8.device, grad_out.dtype
+        cudnn = _cudnn()
+        handle = _handle(cudnn, dev)
+        do8, a_do = _cast(grad_out, opts.bwd, opts.margin)
+        sc_ = attention_scales(amaxes, a_do, q8.shape, k8.shape, opts)
+        dq8, dk8, dv8 = (torch.empty_like(t, dtype=opts.bwd.torch_dtype) for t in (q8, k8, v8))
+        graph, handles = _graph("bwd", _bwd_graph, cudnn, handle, q8, k8, v8, o8, do8.data, opts)
+        tq, tk, tv, to, tdo, tst, *rest = handles
+        sc, outs = rest[:12], rest[12:]
+        scalars = (q_inv, k_inv, v_inv, o_inv, do8.scale_inv, _const(dev, 1 / opts.fwd.max),
+                   sc_["ds"].reciprocal(), _const(dev, opts.fwd.max), sc_["dq"], sc_["dk"], sc_["dv"], sc_["ds"])
+        pack = {tq: q8, tk: k8, tv: v8, to: o8, tdo: do8.data, tst: stats, outs[0]: dq8, outs[1]: dk8, outs[2]: dv8}
+        pack.update((t, _cell(x)) for t, x in zip(sc, scalars))
+        pack.update((t, torch.empty(1, 1, 1, 1, device=dev)) for t in outs[3:])
+        _run(cudnn, handle, graph, pack, dev)
+        grads = (_dequantize(t, sc_[n].reciprocal(), dtype) for t, n in ((dq8, "dq"), (dk8, "dk"), (dv8, "dv")))
+        return (*grads, None)
+
+
+def cudnn_fp8_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attn_mask: Optional[torch.Tensor] = None, *, is_causal: bool = False,
+                        scale: Optional[float] = None, enable_gqa: bool = False, fp8_format: Format = Format.HYBRID,
+                        margin: float = 0.0) -> torch.Tensor:
+    """fp8ext.ops.attention_fp8.fp8_scaled_dot_product_attention's arguments and numerics, on a CUDA device through
+    cuDNN's FP8 fused attention (see the module docstring): [batch, heads, seq, head_dim] tensors of any strides,
+    returned in query's dtype with query's strides. attn_mask must be None (is_causal gives the causal mask)."""
+    check_attention(query, key, value, attn_mask, is_causal, enable_gqa)
+    if attn_mask is not None:
+        raise NotImplementedError(f"{_FN}: cuDNN's FP8 fused attention takes the causal mask or none; a padding, "
+                                  f"sliding-window or arbitrary mask is not supported yet (attn_mask_type 'causal' "
+                                  f"or 'no_mask', no window_size)")
+    if not query.is_cuda:
+        raise ValueError(f"{_FN}: query, key and value must be CUDA tensors, got {query.device}")
+    d = query.shape[-1]
+    if d % 16 or d > 256:
+        raise NotImplementedError(f"{_FN}: head_dim must be a multiple of 16 up to 256 for cuDNN's FP8 attention, "
+                                  f"got {d}")
+    if d != 128 and torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        raise NotImplementedError(f"{_FN}: cuDNN's FP8 attention backward on Hopper takes head_dim 128 only, got {d} "
+                                  f"(the forward alone, under torch.no_grad(), takes other multiples of 16)")
+    opts = FP8AttentionOptions(1.0 / math.sqrt(d) if scale is None else float(scale), bool(is_causal),
+                               fp8_format.fwd, fp8_format.bwd, float(margin))
+    return CudnnFP8Attention.apply(query, key, value, opts)

@@ -1,0 +1,92 @@
+"""FP8 attention on a GPU (fp8ext/ops/attention_cudnn.py: cuDNN's FP8 fused attention) against its definition, the
+CPU emulation (fp8ext/ops/attention_fp8.py), and against float64 attention.
+
+The GPU sums in another order and rounds the softmax's unnormalised exponentials to E4M3 block by block (flash
+attention) where the emulation rounds the normalised probabilities, so their FP8 roundings are independent: the two
+are compared in norm, within one FP8 step, and the GPU's error against float64 attention must stay within the
+emulation's bounds and within 1.5x the emulation's own error."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fp8ext
+from conftest import requires_cuda
+from fp8ext.ops import attention_cudnn
+from fp8ext.ops.attention_fp8 import fp8_scaled_dot_product_attention
+
+pytestmark = [requires_cuda, pytest.mark.cuda]
+cudnn = pytest.importorskip("cudnn", reason="FP8 attention on a GPU needs NVIDIA's cudnn frontend "
+                                            "(pip install nvidia-cudnn-frontend)")
+
+
+def inputs(b=2, h=4, hk=2, s=128, d=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g) for shape in ((b, h, s, d), (b, hk, s, d), (b, hk, s, d), (b, h, s, d))]
+
+
+def run(fn, tensors, device, dtype, **kw):
+    """(out, dq, dk, dv) of fn over [b, h, s, d] views of bshd tensors (the layout DotProductAttention hands over)."""
+    q, k, v, do = (t.to(device, dtype).transpose(1, 2).contiguous().transpose(1, 2) for t in tensors)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves, **kw)
+    return [out] + list(torch.autograd.grad(out, leaves, do))
+
+
+def rel(a, b) -> float:
+    return ((a.double().cpu() - b.double().cpu()).norm() / b.double().cpu().norm()).item()
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "no_mask"])
+@pytest.mark.parametrize("h, hk", [(4, 4), (4, 2)], ids=["MHA", "GQA"])
+def test_gpu_engine_computes_what_the_emulation_defines(causal, h, hk):
+    x = inputs(h=h, hk=hk)
+    kw = dict(is_causal=causal, enable_gqa=True)
+    gpu = run(attention_cudnn.cudnn_fp8_attention, x, "cuda", torch.bfloat16, **kw)
+    cpu = run(fp8_scaled_dot_product_attention, x, "cpu", torch.bfloat16, **kw)
+    exact = run(F.scaled_dot_product_attention, x, "cpu", torch.float64, **kw)
+    report = {name: (round(rel(g, c), 4), round(rel(g, e), 4), round(rel(c, e), 4))
+              for name, g, c, e in zip(("out", "dq", "dk", "dv"), gpu, cpu, exact)}
+    for name, g, c, e, step in zip(("out", "dq", "dk", "dv"), gpu, cpu, exact, (2**-4, 2**-3, 2**-3, 2**-3)):
+        assert g.dtype == torch.bfloat16 and g.shape == c.shape and g.is_cuda, name
+        assert torch.isfinite(g).all(), name
+        # cuDNN rounds the unnormalised exp(S - running max) to E4M3 block by block (flash attention), the emulation
+        # the normalised P: the two roundings are independent, so the two differ by about their own FP8 errors
+        assert rel(g, c) < step, f"{name}: GPU vs emulation (GPU vs emulation, GPU vs float64, emulation vs " \
+                                 f"float64): {report}"
+        assert rel(g, e) < step and rel(g, e) < 1.5 * rel(c, e) + 1e-3, f"{name}: {report}"
+
+
+def test_module_on_a_gpu_runs_cudnn_in_both_layouts_and_reuses_its_graphs():
+    attn = fp8ext.DotProductAttention(4, 128, num_gqa_groups=2, qkv_format="sbhd")
+    q, k, v, do = inputs()
+    sbhd = [t.permute(2, 0, 1, 3).contiguous().to("cuda", torch.bfloat16).requires_grad_() for t in (q, k, v)]
+    with fp8ext.fp8_autocast(fp8_recipe=fp8ext.DelayedScaling(fp8_dpa=True)):
+        out = attn(*sbhd)
+        built = len(attention_cudnn._graphs)
+        out2 = attn(*sbhd)
+    assert out.shape == (128, 2, 512) and torch.equal(out, out2)
+    assert len(attention_cudnn._graphs) == built, "the second call builds no graph"
+    out.backward(do.permute(2, 0, 1, 3).reshape(128, 2, 512).to("cuda", torch.bfloat16))
+    want = fp8_scaled_dot_product_attention(*(t.to(torch.bfloat16) for t in (q, k, v)), is_causal=True,
+                                            enable_gqa=True)
+    assert rel(out, want.permute(2, 0, 1, 3).reshape(128, 2, 512)) < 2**-4
+    bshd = fp8ext.DotProductAttention(4, 128, num_gqa_groups=2, qkv_format="bshd")
+    with fp8ext.fp8_autocast(fp8_recipe=fp8ext.Float8CurrentScaling(fp8_dpa=True)):
+        out_b = bshd(*(t.detach().transpose(0, 1) for t in sbhd))
+    assert rel(out_b, out.transpose(0, 1)) < 2**-10, "bshd: the same numbers transposed"
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in sbhd)
+
+
+def test_a_mask_cudnn_does_not_take_is_an_error_on_a_gpu():
+    attn = fp8ext.DotProductAttention(4, 128, attn_mask_type="padding", qkv_format="bshd")
+    q = torch.randn(2, 128, 4, 128, device="cuda", dtype=torch.bfloat16)
+    pad = torch.zeros(2, 1, 1, 128, dtype=torch.bool, device="cuda")
+    pad[1, ..., 100:] = True
+    with fp8ext.fp8_autocast(fp8_recipe=fp8ext.DelayedScaling(fp8_dpa=True)):
+        with pytest.raises(NotImplementedError, match="causal mask or none"):
+            attn(q, q, q, attention_mask=pad)
+    q.requires_grad_()
+    with fp8ext.fp8_autocast(fp8_recipe=fp8ext.DelayedScaling(fp8_dpa=True)):
+        with pytest.raises(NotImplementedError, match="backward on Hopper takes head_dim 128 only, got 64"):
+            fp8ext.DotProductAttention(4, 64, qkv_format="bshd")(*(q[..., :64],) * 3)
