@@ -74,10 +74,11 @@ def _check_defaults(kwargs: dict, table: dict, where: str) -> None:
 
 
 def attention_engine(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], *,
-                     is_causal: bool, scale: float, recipe) -> torch.Tensor:
+                     is_causal: bool, scale: float, recipe, fp8_backward: Optional[bool] = None) -> torch.Tensor:
     """The one place that chooses how attention computes: [b, h, s, d] tensors, mask True where a query attends.
     recipe None: torch's scaled_dot_product_attention; else FP8 attention by the engine of the tensors' device, or
-    NotImplementedError where there is none (never a silent high-precision run)."""
+    NotImplementedError where there is none (never a silent high-precision run). fp8_backward: the FP8 engines'
+    (False: the backward in high precision; None: Transformer Engine's NVTE_FP8_DPA_BWD decides)."""
     gqa = q.shape[1] != k.shape[1]
     if recipe is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
@@ -88,8 +89,9 @@ def attention_engine(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
             f"DotProductAttention: FP8 attention (fp8_dpa=True) has no engine for {q.device.type} tensors in fp8ext; "
             f"it runs on the CPU (an emulation) and on CUDA GPUs (cuDNN). For high-precision attention on "
             f"{q.device}, run it outside fp8_autocast or with a recipe whose fp8_dpa is False")
+    extra = {} if fp8_backward is None else {"fp8_backward": fp8_backward}  # None: the engine's default
     return engine(q, k, v, mask, is_causal=is_causal, scale=scale, enable_gqa=gqa, fp8_format=recipe.fp8_format,
-                  margin=getattr(recipe, "margin", 0))
+                  margin=getattr(recipe, "margin", 0), **extra)
 
 
 def fp8_attention_recipe(ctx):
@@ -248,6 +250,10 @@ class DotProductAttention(nn.Module):
     computes in FP8: Q, K, V, the softmax output P and O in E4M3, dO, dS and dQ/dK/dV in E5M2, as
     fp8ext.ops.attention_fp8 describes: on the CPU that emulation, on a GPU cuDNN's FP8 fused attention (causal or no
     mask; other masks raise NotImplementedError). Otherwise it is torch.nn.functional.scaled_dot_product_attention.
+    fp8_backward=False (fp8ext's argument) keeps the forward in FP8 and runs the backward in high precision (torch's
+    SDPA backward at the dequantized FP8 Q, K, V: what Transformer Engine does with NVTE_FP8_DPA_BWD=0); None, the
+    default, leaves it to NVTE_FP8_DPA_BWD (unset: FP8). On fp8ext.train's 1b preset the FP8 backward diverged and
+    this one trained (docs/training.md, "FP8 attention").
     Under activation
     checkpointing a recomputed forward computes as the original did (fp8ext/modules/checkpoint.py).
     """
@@ -257,7 +263,7 @@ class DotProductAttention(nn.Module):
                  attn_mask_type: str = "causal", window_size: Optional[Tuple[int, int]] = None, *,
                  bottom_right_diagonal: Optional[bool] = None, layer_number: Optional[int] = None,
                  attention_type: str = "self", softmax_scale: Optional[float] = None, name: Optional[str] = None,
-                 **kwargs):
+                 fp8_backward: Optional[bool] = None, **kwargs):
         super().__init__()
         where = "DotProductAttention"
         _check_defaults(kwargs, _TE_INIT_DEFAULTS, where)
@@ -289,6 +295,9 @@ class DotProductAttention(nn.Module):
         self.softmax_scale = 1.0 / math.sqrt(kv_channels) if softmax_scale is None else float(softmax_scale)
         self.attention_dropout, self.attention_type = attention_dropout, attention_type
         self.layer_number, self.name = layer_number, name
+        if fp8_backward is not None and not isinstance(fp8_backward, bool):
+            raise TypeError(f"{where}: fp8_backward must be True, False or None, got {fp8_backward!r}")
+        self.fp8_backward = fp8_backward
         self._fp8_forward = None  # the fp8_autocast of the last forward, where a checkpointed rerun computes
 
     def scaling_manager(self, recipe):
@@ -337,7 +346,7 @@ class DotProductAttention(nn.Module):
         mask, is_causal = self._mask(mask_type, window, br, attention_mask, cu_seqlens_q, cu_seqlens_kv,
                                      (b, sq, sk, q.device), where)
         out = attention_engine(q, k, v, mask, is_causal=is_causal, scale=self.softmax_scale,
-                               recipe=fp8_attention_recipe(forward_context(self)))
+                               recipe=fp8_attention_recipe(forward_context(self)), fp8_backward=self.fp8_backward)
         if fmt == "sbhd":
             return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
         return out.permute(0, 2, 1, 3).reshape(b, sq, -1)

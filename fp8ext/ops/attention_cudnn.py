@@ -19,15 +19,16 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
 from ..core.casts import amax, scale_from_amax
-from ..core.formats import E4M3, FP8Format, Format
+from ..core.formats import E4M3, FP8Format, Format, format_of_code
 from ..core.tensor import FP8Tensor
 from . import dequantize, quantize
-from .attention_fp8 import FP8AttentionOptions, attention_scales, check_attention
+from .attention_fp8 import (FP8AttentionOptions, attention_scales, check_attention, fp8_backward_from,
+                            sdpa_backward)
 
 __all__ = ["cudnn_fp8_attention", "cudnn_available"]
 
@@ -200,61 +201,151 @@ def _run(cudnn, handle, graph, pack: dict, device) -> None:
     graph.execute(pack, ws, handle=handle)
 
 
+def _forward(q, k, v, opts: FP8AttentionOptions):
+    """(the output in q's dtype and strides, what the backward needs: Q8, K8, V8, O8 (FP8 data), their scale_invs,
+    the amaxes of Q, K, V and the softmax statistics (cuDNN's log-sum-exp per row))."""
+    cudnn = _cudnn()
+    dev = q.device
+    handle = _handle(cudnn, dev)
+    (q8, a_q), (k8, a_k), (v8, a_v) = (_cast(x, opts.fwd, opts.margin) for x in (q, k, v))
+    amaxes = torch.stack([a_q.reshape(()), a_k.reshape(()), a_v.reshape(())])
+    scale_o = attention_scales(amaxes, None, q.shape, k.shape, opts)["o"]
+    o8 = torch.empty_like(q8.data)
+    b, h, sq, _ = q.shape
+    stats = torch.empty(b, h, sq, 1, dtype=torch.float32, device=dev)
+    graph, (tq, tk, tv, *sc, to, tst, tas, tao) = _graph("fwd", _fwd_graph, cudnn, handle, q8.data, k8.data,
+                                                               v8.data, o8, opts)
+    scalars = (q8.scale_inv, k8.scale_inv, v8.scale_inv, _const(dev, 1 / opts.fwd.max), _const(dev, opts.fwd.max),
+               scale_o)
+    pack = {tq: q8.data, tk: k8.data, tv: v8.data, to: o8, tst: stats,
+            tas: torch.empty(1, 1, 1, 1, device=dev), tao: torch.empty(1, 1, 1, 1, device=dev)}
+    pack.update((t, _cell(x)) for t, x in zip(sc, scalars))
+    _run(cudnn, handle, graph, pack, dev)
+    o_inv = scale_o.reciprocal()
+    saved = (q8.data, k8.data, v8.data, o8, q8.scale_inv, k8.scale_inv, v8.scale_inv, o_inv, amaxes, stats)
+    return _dequantize(o8, o_inv, q.dtype), saved
+
+
+def _flash_backward(q8, k8, v8, q_inv, k_inv, v_inv, grad_out, opts: FP8AttentionOptions):
+    """sdpa_backward's gradients through torch's flash attention ops called directly (inside a torch op, below
+    autograd, where torch.autograd.grad records nothing): its forward recomputed for the log-sum-exp, then its
+    backward, K and V repeated for grouped-query attention and their gradients summed back."""
+    dtype = grad_out.dtype
+    q, k, v = (t.to(dtype) * inv.to(dtype) for t, inv in ((q8, q_inv), (k8, k_inv), (v8, v_inv)))
+    g = q.shape[1] // k.shape[1]
+    if g > 1:
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    out, lse, cq, ck, mq, mk, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, opts.is_causal, False, scale=opts.softmax_scale)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        grad_out, q, k, v, out, lse, cq, ck, mq, mk, 0.0, opts.is_causal, seed, offset, scale=opts.softmax_scale)
+    if g > 1:
+        b, h, s, d = dk.shape
+        dk, dv = (t.reshape(b, h // g, g, s, d).sum(2) for t in (dk, dv))
+    return dq, dk, dv
+
+
+def _backward(grad_out, saved, opts: FP8AttentionOptions, in_op: bool = False):
+    """(dQ, dK, dV) in grad_out's dtype, each with the strides of its FP8 operand, from _forward's saved tensors."""
+    q8, k8, v8, o8, q_inv, k_inv, v_inv, o_inv, amaxes, stats = saved
+    dev, dtype = q8.device, grad_out.dtype
+    if not opts.fp8_backward:  # torch's SDPA backward (its fastest engine) at the dequantized Q8, K8, V8
+        fp8 = (FP8Tensor(t, None, inv, opts.fwd) for t, inv in ((q8, q_inv), (k8, k_inv), (v8, v_inv)))
+        grads = _flash_backward(q8, k8, v8, q_inv, k_inv, v_inv, grad_out, opts) if in_op else \
+            sdpa_backward(*fp8, grad_out, opts)
+        return tuple(g if g.stride() == t.stride() else torch.empty_like(t, dtype=dtype).copy_(g)
+                     for g, t in zip(grads, (q8, k8, v8)))
+    cudnn = _cudnn()
+    handle = _handle(cudnn, dev)
+    do8, a_do = _cast(grad_out, opts.bwd, opts.margin)
+    sc_ = attention_scales(amaxes, a_do, q8.shape, k8.shape, opts)
+    dq8, dk8, dv8 = (torch.empty_like(t, dtype=opts.bwd.torch_dtype) for t in (q8, k8, v8))
+    graph, handles = _graph("bwd", _bwd_graph, cudnn, handle, q8, k8, v8, o8, do8.data, opts)
+    tq, tk, tv, to, tdo, tst, *rest = handles
+    sc, outs = rest[:12], rest[12:]
+    scalars = (q_inv, k_inv, v_inv, o_inv, do8.scale_inv, _const(dev, 1 / opts.fwd.max),
+               sc_["ds"].reciprocal(), _const(dev, opts.fwd.max), sc_["dq"], sc_["dk"], sc_["dv"], sc_["ds"])
+    pack = {tq: q8, tk: k8, tv: v8, to: o8, tdo: do8.data, tst: stats, outs[0]: dq8, outs[1]: dk8, outs[2]: dv8}
+    pack.update((t, _cell(x)) for t, x in zip(sc, scalars))
+    pack.update((t, torch.empty(1, 1, 1, 1, device=dev)) for t in outs[3:])
+    _run(cudnn, handle, graph, pack, dev)
+    return tuple(_dequantize(t, sc_[n].reciprocal(), dtype) for t, n in ((dq8, "dq"), (dk8, "dk"), (dv8, "dv")))
+
+
 class CudnnFP8Attention(torch.autograd.Function):
-    """Autograd over cuDNN's FP8 forward and backward: the forward keeps Q8, K8, V8, O8, their scale_invs, the
-    amaxes of Q, K, V and the softmax statistics (cuDNN's log-sum-exp per row)."""
+    """Autograd over cuDNN's FP8 forward and backward (eager calls; torch.compile traces the torch ops below)."""
 
     @staticmethod
     def forward(ctx, q, k, v, opts: FP8AttentionOptions):
-        cudnn = _cudnn()
-        dev = q.device
-        handle = _handle(cudnn, dev)
-        (q8, a_q), (k8, a_k), (v8, a_v) = (_cast(x, opts.fwd, opts.margin) for x in (q, k, v))
-        amaxes = torch.stack([a_q.reshape(()), a_k.reshape(()), a_v.reshape(())])
-        scale_o = attention_scales(amaxes, None, q.shape, k.shape, opts)["o"]
-        o8 = torch.empty_like(q8.data)
-        b, h, sq, _ = q.shape
-        stats = torch.empty(b, h, sq, 1, dtype=torch.float32, device=dev)
-        graph, (tq, tk, tv, *sc, to, tst, tas, tao) = _graph("fwd", _fwd_graph, cudnn, handle, q8.data, k8.data,
-                                                                   v8.data, o8, opts)
-        scalars = (q8.scale_inv, k8.scale_inv, v8.scale_inv, _const(dev, 1 / opts.fwd.max), _const(dev, opts.fwd.max),
-                   scale_o)
-        pack = {tq: q8.data, tk: k8.data, tv: v8.data, to: o8, tst: stats,
-                tas: torch.empty(1, 1, 1, 1, device=dev), tao: torch.empty(1, 1, 1, 1, device=dev)}
-        pack.update((t, _cell(x)) for t, x in zip(sc, scalars))
-        _run(cudnn, handle, graph, pack, dev)
-        o_inv = scale_o.reciprocal()
+        out, saved = _forward(q, k, v, opts)
         ctx.opts = opts
-        ctx.save_for_backward(q8.data, k8.data, v8.data, o8, q8.scale_inv, k8.scale_inv, v8.scale_inv, o_inv,
-                              amaxes, stats)
-        return _dequantize(o8, o_inv, q.dtype)
+        ctx.save_for_backward(*saved)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q8, k8, v8, o8, q_inv, k_inv, v_inv, o_inv, amaxes, stats = ctx.saved_tensors
-        opts, dev, dtype = ctx.opts, q8.device, grad_out.dtype
-        cudnn = _cudnn()
-        handle = _handle(cudnn, dev)
-        do8, a_do = _cast(grad_out, opts.bwd, opts.margin)
-        sc_ = attention_scales(amaxes, a_do, q8.shape, k8.shape, opts)
-        dq8, dk8, dv8 = (torch.empty_like(t, dtype=opts.bwd.torch_dtype) for t in (q8, k8, v8))
-        graph, handles = _graph("bwd", _bwd_graph, cudnn, handle, q8, k8, v8, o8, do8.data, opts)
-        tq, tk, tv, to, tdo, tst, *rest = handles
-        sc, outs = rest[:12], rest[12:]
-        scalars = (q_inv, k_inv, v_inv, o_inv, do8.scale_inv, _const(dev, 1 / opts.fwd.max),
-                   sc_["ds"].reciprocal(), _const(dev, opts.fwd.max), sc_["dq"], sc_["dk"], sc_["dv"], sc_["ds"])
-        pack = {tq: q8, tk: k8, tv: v8, to: o8, tdo: do8.data, tst: stats, outs[0]: dq8, outs[1]: dk8, outs[2]: dv8}
-        pack.update((t, _cell(x)) for t, x in zip(sc, scalars))
-        pack.update((t, torch.empty(1, 1, 1, 1, device=dev)) for t in outs[3:])
-        _run(cudnn, handle, graph, pack, dev)
-        grads = (_dequantize(t, sc_[n].reciprocal(), dtype) for t, n in ((dq8, "dq"), (dk8, "dk"), (dv8, "dv")))
-        return (*grads, None)
+        return (*_backward(grad_out, ctx.saved_tensors, ctx.opts), None)
+
+
+# torch.compile: the same two passes as torch ops (torch.ops.fp8ext.cudnn_fp8_attention and its backward), with
+# fake implementations giving the outputs' shapes, dtypes and strides, so that compiled code calls cuDNN without a
+# graph break. The options cross as numbers (a format as its code).
+def _opts(softmax_scale: float, is_causal: bool, fwd: int, bwd: int, margin: float, fp8_backward: bool):
+    return FP8AttentionOptions(softmax_scale, is_causal, format_of_code(fwd), format_of_code(bwd), margin,
+                               fp8_backward)
+
+
+# each Format's (forward, backward) format codes, looked up while torch.compile traces (it does not trace FP8Format)
+_CODES = {f: (f.fwd.code, f.bwd.code) for f in Format}
+
+
+@torch.library.custom_op("fp8ext::cudnn_fp8_attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, is_causal: bool, fwd: int,
+                  bwd: int, margin: float, fp8_backward: bool) -> List[torch.Tensor]:
+    out, saved = _forward(q, k, v, _opts(softmax_scale, is_causal, fwd, bwd, margin, fp8_backward))
+    return [out, *saved]
+
+
+@_attention_op.register_fake
+def _(q, k, v, softmax_scale, is_causal, fwd, bwd, margin, fp8_backward):
+    f8 = format_of_code(fwd).torch_dtype
+    q8, k8, v8 = (torch.empty_like(t, dtype=f8) for t in (q, k, v))
+    b, h, sq, _ = q.shape
+    scalar = [q.new_empty((), dtype=torch.float32) for _ in range(4)]
+    return [torch.empty_like(q), q8, k8, v8, torch.empty_like(q8), *scalar, q.new_empty(3, dtype=torch.float32),
+            q.new_empty((b, h, sq, 1), dtype=torch.float32)]
+
+
+@torch.library.custom_op("fp8ext::cudnn_fp8_attention_backward", mutates_args=())
+def _attention_backward_op(grad_out: torch.Tensor, saved: List[torch.Tensor], softmax_scale: float, is_causal: bool,
+                           fwd: int, bwd: int, margin: float, fp8_backward: bool) -> List[torch.Tensor]:
+    return list(_backward(grad_out, saved, _opts(softmax_scale, is_causal, fwd, bwd, margin, fp8_backward), True))
+
+
+@_attention_backward_op.register_fake
+def _(grad_out, saved, softmax_scale, is_causal, fwd, bwd, margin, fp8_backward):
+    return [torch.empty_like(t, dtype=grad_out.dtype) for t in saved[:3]]
+
+
+def _attention_setup(ctx, inputs, output):
+    ctx.op_args = inputs[3:]
+    ctx.save_for_backward(*output[1:])
+
+
+def _attention_grad(ctx, grads):
+    """grads: one per output of the op; only the attention output's (the first) is used (the others are saved
+    tensors, not results)."""
+    dq, dk, dv = torch.ops.fp8ext.cudnn_fp8_attention_backward(grads[0], list(ctx.saved_tensors), *ctx.op_args)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_attention_op.register_autograd(_attention_grad, setup_context=_attention_setup)
 
 
 def cudnn_fp8_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attn_mask: Optional[torch.Tensor] = None, *, is_causal: bool = False,
                         scale: Optional[float] = None, enable_gqa: bool = False, fp8_format: Format = Format.HYBRID,
-                        margin: float = 0.0) -> torch.Tensor:
+                        margin: float = 0.0, fp8_backward: Optional[bool] = None) -> torch.Tensor:
     """fp8ext.ops.attention_fp8.fp8_scaled_dot_product_attention's arguments and numerics, on a CUDA device through
     cuDNN's FP8 fused attention (see the module docstring): [batch, heads, seq, head_dim] tensors of any strides,
     returned in query's dtype with query's strides. attn_mask must be None (is_causal gives the causal mask)."""
@@ -269,9 +360,16 @@ def cudnn_fp8_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     if d % 16 or d > 256:
         raise NotImplementedError(f"{_FN}: head_dim must be a multiple of 16 up to 256 for cuDNN's FP8 attention, "
                                   f"got {d}")
-    if d != 128 and torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+    fp8_backward = fp8_backward_from(fp8_backward, "cudnn_fp8_attention")
+    if d != 128 and fp8_backward and torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         raise NotImplementedError(f"{_FN}: cuDNN's FP8 attention backward on Hopper takes head_dim 128 only, got {d} "
-                                  f"(the forward alone, under torch.no_grad(), takes other multiples of 16)")
-    opts = FP8AttentionOptions(1.0 / math.sqrt(d) if scale is None else float(scale), bool(is_causal),
-                               fp8_format.fwd, fp8_format.bwd, float(margin))
+                                  f"(the forward alone, under torch.no_grad(), and the forward with the backward in high precision, "
+                                  f"NVTE_FP8_DPA_BWD=0, take other multiples of 16)")
+    softmax_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if torch.compiler.is_compiling():
+        fwd, bwd = _CODES[fp8_format]
+        return torch.ops.fp8ext.cudnn_fp8_attention(query, key, value, softmax_scale, bool(is_causal), fwd, bwd,
+                                                    float(margin), fp8_backward)[0]
+    opts = FP8AttentionOptions(softmax_scale, bool(is_causal), fp8_format.fwd, fp8_format.bwd, float(margin),
+                               fp8_backward)
     return CudnnFP8Attention.apply(query, key, value, opts)

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Tuple
 
@@ -53,7 +54,8 @@ from ..core.tensor import FP8Tensor
 from . import quantize
 
 __all__ = ["fp8_scaled_dot_product_attention", "FP8AttentionOptions", "FP8AttentionState", "FP8AttentionGrads",
-           "attention_forward", "attention_probs", "attention_backward", "attention_scales", "check_attention"]
+           "attention_forward", "attention_probs", "attention_backward", "attention_scales", "check_attention",
+           "high_precision_backward", "sdpa_backward", "fp8_backward_from"]
 
 _FN = "fp8_scaled_dot_product_attention"
 
@@ -62,13 +64,16 @@ _FN = "fp8_scaled_dot_product_attention"
 class FP8AttentionOptions:
     """What an FP8 attention call computes besides its tensors: softmax_scale multiplies Q K^T; is_causal masks
     key j > query i (top-left aligned, as torch's scaled_dot_product_attention); fwd is the format of Q, K, V and
-    P, bwd that of dO and dS; margin lowers the current scales by 2**margin (scale = fmt.max / amax / 2**margin)."""
+    P, bwd that of dO and dS; margin lowers the current scales by 2**margin (scale = fmt.max / amax / 2**margin);
+    fp8_backward=False runs the backward in high precision (high_precision_backward), as Transformer Engine does
+    with NVTE_FP8_DPA_BWD=0."""
 
     softmax_scale: float
     is_causal: bool = False
     fwd: FP8Format = E4M3
     bwd: FP8Format = E5M2
     margin: float = 0.0
+    fp8_backward: bool = True  # False: the backward in high precision (high_precision_backward)
 
 
 class FP8AttentionState(NamedTuple):
@@ -219,6 +224,44 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_ma
     return state._replace(o8=_cast_by(out, opts.fwd, scale_o))
 
 
+def high_precision_backward(q8: FP8Tensor, k8: FP8Tensor, v8: FP8Tensor, attn_mask: Optional[torch.Tensor],
+                            grad_out: torch.Tensor, opts: FP8AttentionOptions):
+    """(dQ, dK, dV) in grad_out's dtype: attention's backward in high precision at Q8, K8 and V8 dequantized, dO not
+    cast (the forward's FP8 casts pass gradients straight through). On the CPU (this emulation) it is computed here
+    in float32; a GPU engine runs torch's SDPA backward in grad_out's dtype (sdpa_backward). What an FP8 forward with
+    a high-precision backward computes: the gradients' error is then the forward's (Q and K in E4M3 move the
+    scores), without E5M2's 2 mantissa bits in dO and dS, which the softmax backward's cancellation in dP - D
+    amplifies (benchmarks/attention_accuracy.py measures both)."""
+    groups = q8.shape[1] // k8.shape[1]
+    q, k, v = (_dequantize(t) for t in (q8, k8, v8))
+    do = grad_out.float()
+    s = q @ _heads(k, groups).transpose(-2, -1) * opts.softmax_scale
+    if opts.is_causal:
+        attn_mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf"))
+    row_max, zinv = _softmax_stats(s)
+    p = torch.exp(s - row_max) * zinv
+    dv = p.transpose(-2, -1) @ do
+    dp = do @ _heads(v, groups).transpose(-2, -1)
+    ds = p * (dp - (p * dp).sum(-1, keepdim=True))
+    dq = ds @ _heads(k, groups) * opts.softmax_scale
+    dk = ds.transpose(-2, -1) @ q * opts.softmax_scale
+    return tuple(g.to(grad_out.dtype) for g in (dq, _group_sum(dk, groups), _group_sum(dv, groups)))
+
+
+def sdpa_backward(q8: FP8Tensor, k8: FP8Tensor, v8: FP8Tensor, grad_out: torch.Tensor, opts: FP8AttentionOptions):
+    """high_precision_backward's gradients by torch's scaled_dot_product_attention backward (its fastest engine on a
+    GPU) in grad_out's dtype, at Q8, K8 and V8 dequantized into it; causal or no mask."""
+    dtype = grad_out.dtype
+    q, k, v = ((t.data.to(dtype) * t.scale_inv.to(dtype)).requires_grad_() for t in (q8, k8, v8))
+    with torch.enable_grad():
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=opts.is_causal,
+                                                               scale=opts.softmax_scale,
+                                                               enable_gqa=q.shape[1] != k.shape[1])
+        return torch.autograd.grad(out, (q, k, v), grad_out)
+
+
 def attention_backward(state: FP8AttentionState, grad_out: torch.Tensor) -> FP8AttentionGrads:
     """The backward pass (see the module docstring): the gradients of Q, K and V for grad_out = dO."""
     opts, q8, k8, v8 = state.opts, state.q8, state.k8, state.v8
@@ -255,7 +298,11 @@ class FP8AttentionFunction(torch.autograd.Function):
         *fp8, amaxes, row_max, zinv, mask = ctx.saved_tensors
         opts = ctx.opts
         q8, k8, v8, o8 = (FP8Tensor(fp8[2 * i], None, fp8[2 * i + 1], opts.fwd) for i in range(4))
-        state = FP8AttentionState(q8, k8, v8, o8, amaxes, row_max, zinv, mask if ctx.has_mask else None, opts)
+        mask = mask if ctx.has_mask else None
+        if not opts.fp8_backward:
+            return (*(g.to(ctx.dtype) for g in high_precision_backward(q8, k8, v8, mask, grad_out.to(ctx.dtype),
+                                                                        opts)), None, None)
+        state = FP8AttentionState(q8, k8, v8, o8, amaxes, row_max, zinv, mask, opts)
         g = attention_backward(state, grad_out)
         return g.dq.to(ctx.dtype), g.dk.to(ctx.dtype), g.dv.to(ctx.dtype), None, None
 
@@ -263,7 +310,8 @@ class FP8AttentionFunction(torch.autograd.Function):
 def fp8_scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                      attn_mask: Optional[torch.Tensor] = None, *, is_causal: bool = False,
                                      scale: Optional[float] = None, enable_gqa: bool = False,
-                                     fp8_format: Format = Format.HYBRID, margin: float = 0.0) -> torch.Tensor:
+                                     fp8_format: Format = Format.HYBRID, margin: float = 0.0,
+                                     fp8_backward: Optional[bool] = None) -> torch.Tensor:
     """torch.nn.functional.scaled_dot_product_attention computed in FP8 as cuDNN's FP8 fused attention computes it
     (the module docstring lists the steps), with autograd.
 
@@ -272,7 +320,9 @@ def fp8_scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, val
     where a query attends to a key (torch's convention; Transformer Engine's padding masks are the opposite), or
     None. is_causal: key j > query i masked (top-left aligned); not with attn_mask. scale: softmax_scale, default
     1 / sqrt(head_dim). enable_gqa: kv_heads may divide heads (grouped-query attention). fp8_format: Format.HYBRID
-    (E4M3 forward, E5M2 backward) or Format.E4M3; margin: as a recipe's. Returns [batch, heads, seq_q, head_dim] in
+    (E4M3 forward, E5M2 backward) or Format.E4M3; margin: as a recipe's. fp8_backward: False runs the backward in
+    high precision (high_precision_backward); None reads Transformer Engine's switch, the environment variable
+    NVTE_FP8_DPA_BWD ("0": high precision; unset or "1": FP8). Returns [batch, heads, seq_q, head_dim] in
     query's dtype; a query whose keys are all masked gives 0 (as torch's SDPA does).
     """
     check_attention(query, key, value, attn_mask, is_causal, enable_gqa)
@@ -283,8 +333,23 @@ def fp8_scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, val
     for name, x in (("scale", scale), ("margin", margin)):
         if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
             raise TypeError(f"{_FN}(): {name} must be a finite number, got {x!r}")
-    opts = FP8AttentionOptions(float(scale), bool(is_causal), fp8_format.fwd, fp8_format.bwd, float(margin))
+    opts = FP8AttentionOptions(float(scale), bool(is_causal), fp8_format.fwd, fp8_format.bwd, float(margin),
+                               fp8_backward_from(fp8_backward, _FN))
     return FP8AttentionFunction.apply(query, key, value, attn_mask, opts)
+
+
+def fp8_backward_from(value: Optional[bool], where: str) -> bool:
+    """fp8_backward as given, or where None, from Transformer Engine's environment variable NVTE_FP8_DPA_BWD ("1", the
+    default: FP8; "0": high precision); anything else raises naming the variable."""
+    if value is not None:
+        if not isinstance(value, bool):
+            raise TypeError(f"{where}(): fp8_backward must be True, False or None, got {value!r}")
+        return value
+    env = os.environ.get("NVTE_FP8_DPA_BWD", "1").strip()
+    if env not in ("0", "1"):
+        raise ValueError(f"{where}(): the environment variable NVTE_FP8_DPA_BWD must be 0 (FP8 attention's backward "
+                         f"in high precision) or 1 (in FP8), got {env!r}")
+    return env == "1"
 
 
 def check_attention(q, k, v, attn_mask, is_causal: bool, enable_gqa: bool) -> None:

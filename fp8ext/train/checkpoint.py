@@ -92,6 +92,8 @@ def _arg_problem(action, value) -> Optional[str]:
     if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
         return None if isinstance(value, bool) else "expected true or false"
     if action.choices is not None:
+        if value is None and action.default is None:  # an option with choices that was not given
+            return None
         return None if isinstance(value, str) and value in action.choices else \
             f"expected one of {', '.join(map(str, action.choices))}"
     if action.type is None:  # a path or a device name, or none

@@ -31,6 +31,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             args.fp8_recipe not in ("delayed", "current"):
         p.error("--fp8_attention needs --use_fp8 (or --compare) and --fp8_recipe delayed or current (per-tensor "
                 "scales)")
+    if args.fp8_attention_backward is not None and not args.fp8_attention:
+        p.error("--fp8_attention_backward needs --fp8_attention")
     with one_line_errors(p.prog, args.debug):
         _check_paths(args)
         _check_device(args.device)

@@ -61,6 +61,10 @@ def parser() -> argparse.ArgumentParser:
                    help="with --use_fp8 and the delayed or current recipe: attention in FP8 too (the recipe's "
                         "fp8_dpa; cuDNN's FP8 fused attention on a GPU, which needs `pip install "
                         "nvidia-cudnn-frontend` and, to train, head_dim 128 (the 1b preset); an emulation on a CPU)")
+    p.add_argument("--fp8_attention_backward", choices=["high_precision", "fp8"], default=None,
+                   help="with --fp8_attention: its backward in high precision (bf16 on a GPU; the default: the 1b "
+                        "preset diverged with the FP8 backward) or in FP8 (dO, dS and dQ/dK/dV in E5M2, Transformer "
+                        "Engine's default)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--separate_qkv", action="store_true", help="three Q/K/V projections instead of one fused")
     p.add_argument("--no_fused_kernels", action="store_true",

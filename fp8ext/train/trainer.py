@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..models.transformer import Transformer, preset
+from ..modules.attention import DotProductAttention
 from ..core.build import VERSION, build_info, cuda_available
 from ..core.context import fp8_autocast, get_scaling_manager
 from ..modules.convert import prepare_fp8
@@ -233,6 +234,10 @@ def _build(args: Namespace, device: torch.device, world: int):
     cfg = preset(args.preset, fused_qkv=not args.separate_qkv, max_seq_len=max(base.max_seq_len, args.seq_len))
     torch.manual_seed(args.seed)
     raw = Transformer(cfg, device=device)
+    if getattr(args, "fp8_attention", False):  # FP8 attention's backward: high precision unless asked for in FP8
+        for m in raw.modules():
+            if isinstance(m, DotProductAttention):
+                m.fp8_backward = getattr(args, "fp8_attention_backward", None) == "fp8"
     recipe = _recipe(args)
     if args.use_fp8 and args.compile:  # every FP8 slot now: a compiled forward never registers one (a graph break)
         prepare_fp8(raw, recipe)

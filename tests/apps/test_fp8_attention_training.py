@@ -63,3 +63,18 @@ def test_fp8_attention_needs_fp8_and_a_per_tensor_recipe(tmp_path, capsys, extra
         cli.main(RUN + ["--max_steps", "1", "--out_dir", str(tmp_path / "out")] + extra)
     assert e.value.code == 2 and "--fp8_attention needs --use_fp8" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("extra, fp8_backward", [([], False), (["--fp8_attention_backward", "high_precision"], False),
+                                                 (["--fp8_attention_backward", "fp8"], True)],
+                         ids=["default", "high_precision", "fp8"])
+def test_train_script_chooses_fp8_attentions_backward(tmp_path, fp8_attention_calls, extra, fp8_backward):
+    cli.main(RUN + ["--use_fp8", "--fp8_attention", "--max_steps", "1", "--no_save", "--out_dir",
+                    str(tmp_path / "run")] + extra)
+    assert fp8_attention_calls and all(kw["fp8_backward"] is fp8_backward for kw in fp8_attention_calls)
+
+
+def test_fp8_attention_backward_needs_fp8_attention(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(RUN + ["--use_fp8", "--fp8_attention_backward", "fp8", "--out_dir", str(tmp_path / "out")])
+    assert e.value.code == 2 and "--fp8_attention_backward needs --fp8_attention" in capsys.readouterr().err

@@ -90,3 +90,55 @@ def test_a_mask_cudnn_does_not_take_is_an_error_on_a_gpu():
     with fp8ext.fp8_autocast(fp8_recipe=fp8ext.DelayedScaling(fp8_dpa=True)):
         with pytest.raises(NotImplementedError, match="backward on Hopper takes head_dim 128 only, got 64"):
             fp8ext.DotProductAttention(4, 64, qkv_format="bshd")(*(q[..., :64],) * 3)
+
+
+@pytest.mark.parametrize("fp8_backward", [True, False], ids=["fp8 backward", "high-precision backward"])
+def test_torch_compile_calls_cudnn_as_a_torch_op_without_graph_breaks(fp8_backward):
+    x = [t.to("cuda", torch.bfloat16) for t in inputs()]
+    kw = dict(is_causal=True, enable_gqa=True, fp8_backward=fp8_backward)
+    eager = run(attention_cudnn.cudnn_fp8_attention, x, "cuda", torch.bfloat16, **kw)
+    torch._dynamo.reset()
+    compiled = torch.compile(attention_cudnn.cudnn_fp8_attention, fullgraph=True)  # a graph break raises
+    got = run(compiled, x, "cuda", torch.bfloat16, **kw)
+    assert torch.equal(got[0], eager[0]), "the forward runs the same kernels"
+    for name, g, e in zip(("dq", "dk", "dv"), got[1:], eager[1:]):
+        assert g.shape == e.shape and g.stride() == e.stride() and g.dtype == e.dtype, name
+        assert rel(g, e) < 1e-2, f"{name}: {rel(g, e)}"  # cuDNN's backward sums with atomics: not bitwise
+
+
+def test_the_torch_ops_fake_implementations_match_the_real_ones():
+    q, k, v, _ = (t.to("cuda", torch.bfloat16).transpose(1, 2).contiguous().transpose(1, 2) for t in inputs())
+    for fp8_backward in (True, False):
+        torch.library.opcheck(torch.ops.fp8ext.cudnn_fp8_attention,
+                              (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), 128 ** -0.5, True,
+                               fp8ext.E4M3.code, fp8ext.E5M2.code, 0.0, fp8_backward),
+                              test_utils=("test_faketensor", "test_autograd_registration"))
+
+
+def test_cuda_graph_replays_forward_and_backward():
+    x = [t.to("cuda", torch.bfloat16) for t in inputs()]
+    static = [t.clone().requires_grad_() for t in x[:3]]
+    static_do = x[3].clone()
+    kw = dict(is_causal=True, enable_gqa=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: builds and caches cuDNN's graphs outside the capture
+        for _ in range(2):
+            attention_cudnn.cudnn_fp8_attention(*static, **kw).backward(static_do)
+    torch.cuda.current_stream().wait_stream(side)
+    for t in static:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attention_cudnn.cudnn_fp8_attention(*static, **kw)
+        grads = torch.autograd.grad(out, static, static_do)
+    for seed in (1, 2):
+        new = [t.to("cuda", torch.bfloat16) for t in inputs(seed=seed)]
+        with torch.no_grad():
+            for s, n in zip(static + [static_do], new):
+                s.copy_(n)
+        graph.replay()
+        want = run(attention_cudnn.cudnn_fp8_attention, new, "cuda", torch.bfloat16, **kw)
+        assert torch.equal(out, want[0]), f"replay {seed}: the forward"
+        for name, g, w in zip(("dq", "dk", "dv"), grads, want[1:]):
+            assert rel(g, w) < 1e-2, f"replay {seed}: {name}"
