@@ -4,7 +4,9 @@ the same module in bf16 on torch's fastest SDPA backend, forward and forward + b
 Layout bshd, head dim 128, causal; the bf16 baseline is the fastest of torch's FLASH, CUDNN and EFFICIENT backends
 for each shape and pass. CUDA-event medians after warm-up, random data; and each pass's kernel time on the GPU
 (torch.profiler's sum over its kernels), which is what a step sees when its host runs ahead of the GPU (a single
-attention call timed alone can be bound by its host work). Needs `pip install nvidia-cudnn-frontend`.
+attention call timed alone can be bound by its host work). "fp8/hp" is FP8 attention with its backward in high
+precision (fp8_backward=False: torch's bf16 SDPA backward at the dequantized FP8 inputs, after recomputing its
+forward), what fp8ext.train --fp8_attention runs by default. Needs `pip install nvidia-cudnn-frontend`.
 
     python benchmarks/bench_attention.py
 """
@@ -65,13 +67,19 @@ def main() -> None:
         do = torch.randn(b, s, h * 128, device="cuda", dtype=torch.bfloat16)
         bf_fwd, bf_both = passes(attn, q, k, v, do, None)
         f8_fwd, f8_both = passes(attn, q, k, v, do, recipe)
+        hp = fp8ext.DotProductAttention(h, 128, num_gqa_groups=hk, qkv_format="bshd", fp8_backward=False)
+        _, hp_both = passes(hp, q, k, v, do, recipe)
         t = {"bf16 fwd": best_bf16(bf_fwd), "fp8 fwd": bench_ms(f8_fwd, reps=20),
-             "bf16 fwd+bwd": best_bf16(bf_both), "fp8 fwd+bwd": bench_ms(f8_both, reps=20)}
+             "bf16 fwd+bwd": best_bf16(bf_both), "fp8 fwd+bwd": bench_ms(f8_both, reps=20),
+             "fp8/hp fwd+bwd": bench_ms(hp_both, reps=20)}
         k = {"bf16 fwd": best_bf16(bf_fwd, kernel_ms), "fp8 fwd": kernel_ms(f8_fwd),
-             "bf16 fwd+bwd": best_bf16(bf_both, kernel_ms), "fp8 fwd+bwd": kernel_ms(f8_both)}
+             "bf16 fwd+bwd": best_bf16(bf_both, kernel_ms), "fp8 fwd+bwd": kernel_ms(f8_both),
+             "fp8/hp fwd+bwd": kernel_ms(hp_both)}
         rows.append({"shape (b, s, h, kv h)": f"{b}, {s}, {h}, {hk}", **t,
                      "fwd x": t["bf16 fwd"] / t["fp8 fwd"], "fwd+bwd x": t["bf16 fwd+bwd"] / t["fp8 fwd+bwd"],
+                     "fp8/hp fwd+bwd x": t["bf16 fwd+bwd"] / t["fp8/hp fwd+bwd"],
                      "GPU fwd x": k["bf16 fwd"] / k["fp8 fwd"], "GPU fwd+bwd x": k["bf16 fwd+bwd"] / k["fp8 fwd+bwd"],
+                     "GPU fp8/hp fwd+bwd x": k["bf16 fwd+bwd"] / k["fp8/hp fwd+bwd"],
                      "fp8 GPU fwd": k["fp8 fwd"], "fp8 GPU fwd+bwd": k["fp8 fwd+bwd"]})
         print(rows[-1], flush=True)
     cols = list(rows[0])

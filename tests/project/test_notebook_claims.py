@@ -20,7 +20,7 @@ from test_notebooks import executed_notebook  # noqa: E402 (after the skips: it 
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "notebooks"
 # notebook -> the fewest Check lines a run prints (more on a GPU, where the speed claims are checked too)
-CLAIMED = {"lab_3_2_3_fp8_training_inference.ipynb": 35, "fp8_scaling_strategies.ipynb": 40}
+CLAIMED = {"lab_3_2_3_fp8_training_inference.ipynb": 35, "fp8_scaling_strategies.ipynb": 54}
 GPU_BOX = "> **On the committed GPU run**"
 CHECK = re.compile(r"^Check: (?P<claim>.+): (?P<verdict>holds|does NOT hold on this run)$")
 NUMBER = re.compile(r"(?<![\w.])\d+(?:,\d{3})*(?:\.\d+)?(?:[eE][+-]?\d+)?(?!\w)")
