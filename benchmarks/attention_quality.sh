@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # attention_quality.sh: FP8 attention's training quality and accuracy on one GPU.
 #   1. the preset (default 1b) trained STEPS steps with FP8 linear layers three times, the same seed and batches:
-#      with bf16 attention; with FP8 attention (--fp8_attention); with FP8 attention whose backward runs in bf16
-#      (--fp8_attention, NVTE_FP8_DPA_BWD=0);
+#      with bf16 attention; with FP8 attention forward and backward (--fp8_attention --fp8_attention_backward fp8,
+#      Transformer Engine's fp8_dpa); with FP8 attention whose backward runs in bf16 (--fp8_attention, the default);
+#      FP8_BACKWARD=0 leaves the second out (cuDNN's FP8 backward on Hopper needs head_dim 128: the small preset
+#      has 64);
 #   2. each FP8-attention run compared with the bf16-attention one (python -m fp8ext.train.compare: validation
 #      losses, tokens/s, a plot of both curves);
 #   3. benchmarks/attention_accuracy.py on the first run's trained weights: per-head errors of FP8 and bf16
@@ -10,6 +12,8 @@
 # Run directories and logs (the first holds a checkpoint of several GB) go under RUNS; tables and plots under $OUT.
 #
 #   PRESET=1b STEPS=400 RECIPE=delayed LR=6e-4 bash benchmarks/attention_quality.sh
+#   PRESET=small STEPS=400 BATCH=32 SEQ=512 LR=1e-3 FP8_BACKWARD=0 bash benchmarks/attention_quality.sh
+# ACCURACY_ARGS are appended to attention_accuracy.py's (e.g. "--save DIR --save_layers 1,5,10").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/benchmarks/out}
@@ -33,10 +37,11 @@ train() {  # train DIR ARGS...: one run, its log in DIR.log, its last line print
     tail -1 "$dir.log"
 }
 train "$A"
-train "$B" --fp8_attention --no_save
-NVTE_FP8_DPA_BWD=0 train "$C" --fp8_attention --no_save
-{ $PY -m fp8ext.train.compare "$A" "$B" --plot "$OUT/attention_quality.png"
+[ "${FP8_BACKWARD:-1}" = 1 ] && train "$B" --fp8_attention --fp8_attention_backward fp8 --no_save
+train "$C" --fp8_attention --fp8_attention_backward high_precision --no_save
+{ [ "${FP8_BACKWARD:-1}" = 1 ] && $PY -m fp8ext.train.compare "$A" "$B" --plot "$OUT/attention_quality.png"
   $PY -m fp8ext.train.compare "$A" "$C" --plot "$OUT/attention_quality_bf16_backward.png"; } 2>&1 \
     | tee "$OUT/attention_quality.txt"
+read -r -a ACC <<< "${ACCURACY_ARGS:-}"
 $PY benchmarks/attention_accuracy.py --checkpoint "$A" --preset "$P" --seq_len "${SEQ:-2048}" \
-    --out "$OUT/attention_accuracy.json" --plot "$OUT/attention_accuracy.png" 2>&1 | tee "$OUT/attention_accuracy.txt"
+    --out "$OUT/attention_accuracy.json" --plot "$OUT/attention_accuracy.png" "${ACC[@]}" 2>&1 | tee "$OUT/attention_accuracy.txt"

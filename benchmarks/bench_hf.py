@@ -4,6 +4,9 @@ next to torchao's float8 training where torchao is installed; and fp8ext's own 1
     python benchmarks/bench_hf.py                        # every variant: the ~1B config, 8 x 2048 tokens
     python benchmarks/bench_hf.py --variants bf16-eager fp8ext-eager --steps 10
     python benchmarks/bench_hf.py --preset 1b            # fp8ext.train --preset 1b: bf16 / FP8, eager / compiled
+    python benchmarks/bench_hf.py --preset 1b --fp8_attention   # and FP8 linear layers with FP8 attention
+    python benchmarks/bench_hf.py --variants bf16-compiled fp8ext-compiled fp8ext-attention-compiled
+                                                         # the Llama with FP8 attention too (cudnn frontend)
     python benchmarks/bench_hf.py --tiny --device cpu    # a dry run of every code path (no speed claims)
     python benchmarks/bench_hf.py --activation_checkpointing both --variants bf16-eager fp8ext-eager
                                                          # each variant without and with checkpointing
@@ -36,7 +39,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 VARIANTS = ["bf16-eager", "bf16-compiled", "fp8ext-eager", "fp8ext-current-eager", "fp8ext-compiled",
-            "fp8ext-current-compiled", "fp8ext-recast-compiled", "fp8ext-current-recast-compiled", "torchao-compiled"]
+            "fp8ext-current-compiled", "fp8ext-recast-compiled", "fp8ext-current-recast-compiled", "torchao-compiled",
+            "fp8ext-attention-eager", "fp8ext-attention-compiled"]
+DEFAULT_VARIANTS = VARIANTS[:9]  # the FP8-attention ones need the cudnn frontend: asked for by name
 FULL = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
             num_key_value_heads=8, vocab_size=32000)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -60,8 +65,12 @@ def build(args, variant: str):
     blocks_only = lambda layer, name: "lm_head" not in name  # noqa: E731  (lm_head stays bf16, as torchao's recipes)
     context = contextlib.nullcontext
     if variant.startswith("fp8ext"):
-        recipe = fp8ext.Float8CurrentScaling() if "current" in variant else \
-            fp8ext.DelayedScaling(amax_history_len=args.amax_history)
+        attention = "attention" in variant  # FP8 attention too, its backward in bf16 unless NVTE_FP8_DPA_BWD=1
+        recipe = fp8ext.Float8CurrentScaling(fp8_dpa=attention) if "current" in variant else \
+            fp8ext.DelayedScaling(amax_history_len=args.amax_history, fp8_dpa=attention)
+        if attention:
+            os.environ.setdefault("NVTE_FP8_DPA_BWD", "0")
+            model.set_attn_implementation(fp8ext.register_hf_attention())
         fp8ext.convert_to_fp8(model, filter_fn=blocks_only)
         if "compiled" in variant:  # recast: keep x and W for backward and cast them again there (less memory)
             fp8ext.prepare_fp8(model, recipe, recast_in_backward="recast" in variant)
@@ -166,9 +175,11 @@ def preset_runs(args) -> list:
     """fp8ext.train --preset P in bf16 and FP8, eager and compiled (without and/or with activation checkpointing):
     its own summary (tokens/s, peak memory)."""
     rows = []
-    for compiled, ckpt, fp8 in [(c, a, f) for c in (False, True) for a in _checkpointing(args) for f in (False, True)]:
-        name = _name(f"fp8ext.train {args.preset} {'FP8' if fp8 else 'bf16'} {'compiled' if compiled else 'eager'}",
-                     ckpt)
+    kinds = ("bf16", "FP8", "FP8 + FP8 attention") if args.fp8_attention else ("bf16", "FP8")
+    modes = [m == "compiled" for m in ("eager", "compiled") if m in args.modes]
+    for compiled, ckpt, kind in [(c, a, k) for c in modes for a in _checkpointing(args) for k in kinds]:
+        fp8 = kind != "bf16"
+        name = _name(f"fp8ext.train {args.preset} {kind} {'compiled' if compiled else 'eager'}", ckpt)
         out = os.path.join(os.environ.get("OUT") or os.path.join(HERE, "out"), "bench_hf_runs",
                            name.replace(" ", "_"))
         cmd = [sys.executable, "-m", "fp8ext.train", "--no_progress", "--no_save", "--out_dir", out, "--preset",
@@ -176,6 +187,7 @@ def preset_runs(args) -> list:
                str(args.warmup + args.steps), "--eval_every", "1000000", "--eval_batches", "2",
                "--device", args.device]
         cmd += (["--use_fp8"] if fp8 else []) + (["--compile"] if compiled else [])
+        cmd += ["--fp8_attention"] if "attention" in kind else []  # its backward in bf16 (fp8ext.train's default)
         cmd += ["--activation_checkpointing", ckpt] if ckpt != "none" else []
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
         try:
@@ -234,7 +246,13 @@ def report(rows: list, args) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
+    ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=VARIANTS,
+                    help="fp8ext-attention-*: FP8 linear layers and FP8 attention (register_hf_attention, fp8_dpa; "
+                         "its backward in bf16 unless NVTE_FP8_DPA_BWD=1), which needs the cudnn frontend on a GPU")
+    ap.add_argument("--fp8_attention", action="store_true",
+                    help="with --preset: also FP8 linear layers with FP8 attention (fp8ext.train --fp8_attention)")
+    ap.add_argument("--modes", nargs="+", choices=["eager", "compiled"], default=["eager", "compiled"],
+                    help="with --preset: eager runs, compiled runs or both (one device call may not hold both)")
     ap.add_argument("--preset", default=None, help="instead: fp8ext.train's preset (e.g. 1b)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--batch", type=int, default=8)

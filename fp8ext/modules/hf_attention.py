@@ -84,5 +84,26 @@ def register_hf_attention(name: str = HF_ATTENTION_NAME) -> str:
         raise ImportError("register_hf_attention(): needs transformers >= 4.48 (AttentionInterface and "
                           "AttentionMaskInterface)") from e
     AttentionInterface.register(name, hf_fp8_attention)
-    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS.get("sdpa", sdpa_mask))
+    AttentionMaskInterface.register(name, _causal_mask_as_none(ALL_MASK_ATTENTION_FUNCTIONS.get("sdpa", sdpa_mask)))
     return name
+
+
+def _causal_mask_as_none(sdpa_mask):
+    """transformers' SDPA mask function, except that a plain causal batch (no padding mask, no cache offset, as many
+    queries as keys, the causal pattern alone) gets no mask, None: attention then runs with is_causal=True, the only
+    causal mask cuDNN's FP8 attention takes. transformers skips that mask itself in eager code, but under torch.compile
+    it builds it on torch < 2.14 (where it cannot tell compiling from exporting). The test reads arguments and shapes,
+    never a tensor's values, so a compiled graph has no data-dependent branch. Everything else is sdpa_mask's."""
+    from transformers.masking_utils import causal_mask_function
+
+    def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=causal_mask_function,
+             attention_mask=None, local_size=None, allow_is_causal_skip=True, **kwargs):
+        if (allow_is_causal_skip and attention_mask is None and local_size is None and mask_function is
+                causal_mask_function and q_length == kv_length and not isinstance(q_offset, torch.Tensor) and
+                q_offset == 0 and kv_offset == 0):
+            return None
+        return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                         kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                         local_size=local_size, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+
+    return mask

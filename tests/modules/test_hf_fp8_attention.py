@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import fp8ext
+from conftest import requires_cuda
 
 transformers = pytest.importorskip("transformers")
 
@@ -61,3 +62,45 @@ def test_a_padding_mask_reaches_the_engine_as_a_bool_mask(fp8_attention_calls):
     loss, _ = loss_and_grads(model, IDS, fp8ext.Float8CurrentScaling(fp8_dpa=True), mask)
     assert torch.isfinite(loss) and len(fp8_attention_calls) == 2
     assert not any(kw["is_causal"] for kw in fp8_attention_calls), "the padded batch's mask is given, not is_causal"
+
+
+def test_a_plain_causal_batch_gets_no_mask_also_where_transformers_would_build_one(monkeypatch, fp8_attention_calls):
+    # Under torch.compile (on torch < 2.14, where it cannot tell compiling from exporting) transformers decides not to
+    # skip the causal mask and builds it as a tensor; cuDNN's FP8 attention takes it only as is_causal.
+    from transformers import masking_utils
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    monkeypatch.setattr(masking_utils, "_ignore_causal_mask_sdpa", lambda *args, **kwargs: False)
+    name = fp8ext.register_hf_attention()
+    assert sdpa_mask(batch_size=2, q_length=24, kv_length=24) is not None, "transformers builds the mask here"
+    ours = ALL_MASK_ATTENTION_FUNCTIONS[name]
+    assert ours(batch_size=2, q_length=24, kv_length=24) is None
+    padding = torch.ones(2, 24, dtype=torch.bool)
+    padding[1, :5] = False
+    for kw in (dict(attention_mask=padding), dict(q_offset=3, kv_length=27), dict(allow_is_causal_skip=False),
+               dict(local_size=8)):
+        args = dict(batch_size=2, q_length=24, kv_length=24) | kw
+        assert torch.equal(ours(**args), sdpa_mask(**args)), kw
+    model = tiny_llama("fp8ext")
+    loss, _ = loss_and_grads(model, IDS, fp8ext.DelayedScaling(fp8_dpa=True))
+    assert torch.isfinite(loss) and len(fp8_attention_calls) == 2
+    assert all(kw["is_causal"] for kw in fp8_attention_calls), "the causal batch runs with is_causal, no mask"
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_a_compiled_llama_runs_fp8_attention_on_a_gpu(monkeypatch):
+    pytest.importorskip("cudnn", reason="FP8 attention on a GPU needs NVIDIA's cudnn frontend")
+    monkeypatch.setenv("NVTE_FP8_DPA_BWD", "0")  # head_dim 64: cuDNN's FP8 backward takes 128 only
+    fp8ext.register_hf_attention()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    config._attn_implementation = "fp8ext"
+    model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16)
+    ids = torch.randint(0, 256, (2, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    recipe = fp8ext.DelayedScaling(fp8_dpa=True)
+    eager, eager_grads = loss_and_grads(model, ids, recipe)
+    compiled, grads = loss_and_grads(torch.compile(model), ids, recipe)
+    assert torch.isfinite(compiled) and abs(compiled - eager) < 1e-2 * eager, (compiled, eager)
+    for g, e in zip(grads, eager_grads):
+        assert torch.isfinite(g).all() and (g.float() - e.float()).norm() <= 0.05 * e.float().norm() + 1e-6
