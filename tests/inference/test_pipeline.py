@@ -49,6 +49,19 @@ def test_quantized_model_is_close_to_bf16_and_keeps_head_and_embedding(weights, 
     assert err < 0.08, f"{weights}/{activations}: relative error of the logits {err:.4f}"
 
 
+def test_a_quantized_model_prefills_with_fp8_attention_under_a_recipe_with_fp8_dpa(fp8_attention_calls):
+    # what bench_inference.py's prefill row "+ FP8 attention" runs: the FP8 inference layers, and attention in FP8
+    model, batches, ids = model_and_data()
+    inference.quantize_model(model, "channel", "dynamic")
+    with torch.no_grad():
+        plain = model(ids)
+        assert fp8_attention_calls == [], "no FP8 attention without the recipe"
+        fp8 = model(ids, fp8=True, fp8_recipe=fp8ext.Float8CurrentScaling(fp8_dpa=True))
+    assert len(fp8_attention_calls) == CFG.n_layers and all(kw["is_causal"] for kw in fp8_attention_calls)
+    err = rel_err(fp8.float(), plain.float())
+    assert 0 < err < 0.08, f"relative change of the logits with FP8 attention {err:.4f}"
+
+
 @pytest.mark.parametrize("weights, limit", [("tensor", 0.501), ("channel", 0.52), ("block128", 0.52)])
 def test_weight_memory_is_about_half_of_bf16(weights, limit):
     model, batches, _ = model_and_data()
