@@ -30,6 +30,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.cuda)
 
 
+def run_ranks(script, out, nproc: int, timeout: int = 300) -> None:
+    """Runs `script` as `nproc` processes under torchrun on this host (gloo on the CPU), passing it `out`, the folder
+    its ranks write their results into; a hung collective ends the launcher and its ranks and fails the test, and
+    a failing rank fails it with the end of their stderr."""
+    import subprocess
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
+           str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:  # a collective that some rank never joined: end the launcher and its ranks
+        os.killpg(proc.pid, 9)
+        _, stderr = proc.communicate()
+        pytest.fail(f"the {nproc} ranks did not finish in {timeout} s (a hung collective): {stderr[-4000:]}")
+    assert proc.returncode == 0, stderr[-4000:]
+
+
 def assert_same_bytes(got, want, what: str = "") -> None:
     """Byte-for-byte equality of FP8 tensors or uint8 codes, NaN encodings included (the GPU must give the
     CPU's exact bytes): fp8ext.testing.assert_fp8_equal with strict_nan=True, `what` leading the message."""

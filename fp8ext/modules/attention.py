@@ -251,8 +251,9 @@ class DotProductAttention(nn.Module):
     fp8ext.ops.attention_fp8 describes: on the CPU that emulation, on a GPU cuDNN's FP8 fused attention (causal or no
     mask; other masks raise NotImplementedError). Otherwise it is torch.nn.functional.scaled_dot_product_attention.
     fp8_backward=False (fp8ext's argument) keeps the forward in FP8 and runs the backward in high precision (torch's
-    SDPA backward at the dequantized FP8 Q, K, V: what Transformer Engine does with NVTE_FP8_DPA_BWD=0); None, the
-    default, leaves it to NVTE_FP8_DPA_BWD (unset: FP8). On fp8ext.train's 1b preset the FP8 backward diverged and
+    SDPA backward at the dequantized FP8 Q, K, V, its forward recomputed; Transformer Engine's NVTE_FP8_DPA_BWD=0
+    asks for the same, though TE reuses the FP8 forward's output instead); None, the default, leaves it to
+    NVTE_FP8_DPA_BWD (unset: FP8). On fp8ext.train's 1b preset the FP8 backward diverged and
     this one trained (docs/training.md, "FP8 attention").
     Under activation
     checkpointing a recomputed forward computes as the original did (fp8ext/modules/checkpoint.py).

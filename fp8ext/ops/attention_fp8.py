@@ -65,8 +65,9 @@ class FP8AttentionOptions:
     """What an FP8 attention call computes besides its tensors: softmax_scale multiplies Q K^T; is_causal masks
     key j > query i (top-left aligned, as torch's scaled_dot_product_attention); fwd is the format of Q, K, V and
     P, bwd that of dO and dS; margin lowers the current scales by 2**margin (scale = fmt.max / amax / 2**margin);
-    fp8_backward=False runs the backward in high precision (high_precision_backward), as Transformer Engine does
-    with NVTE_FP8_DPA_BWD=0."""
+    fp8_backward=False runs the backward in high precision (high_precision_backward), what Transformer Engine's
+    NVTE_FP8_DPA_BWD=0 asks for (TE then reuses the FP8 forward's output and statistics; fp8ext recomputes them,
+    which halves dQ's and dK's errors: docs/training.md)."""
 
     softmax_scale: float
     is_causal: bool = False

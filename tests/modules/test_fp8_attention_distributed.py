@@ -6,7 +6,6 @@ layers and FP8 attention) for a few SGD steps on its half of each global batch, 
 DistributedDataParallel and once sharded with fully_shard (each block, then the root); rank 0 also trains the same
 model alone on the same global batches. Each rank saves what it saw (torch.save) for the tests to compare."""
 import os
-import subprocess
 import sys
 
 import pytest
@@ -165,18 +164,9 @@ def _worker(out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Each rank's results (see _worker), two processes."""
+    from conftest import run_ranks  # here, not at the top: the ranks run this file as a script
     out = tmp_path_factory.mktemp("fp8_attention_distributed")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, str(out)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:  # a collective that some rank never joined: end the launcher and its ranks
-        os.killpg(proc.pid, 9)
-        _, stderr = proc.communicate()
-        pytest.fail(f"the 2 ranks did not finish in 300 s (a hung collective): {stderr[-4000:]}")
-    assert proc.returncode == 0, stderr[-4000:]
+    run_ranks(__file__, out, 2)
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 

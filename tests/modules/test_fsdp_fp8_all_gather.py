@@ -6,7 +6,6 @@ with fully_shard (weights gathered in high precision, then in FP8) and writes wh
 import gc
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -139,19 +138,9 @@ def _error_of_a_stale_scale(mesh) -> str:
 def ranks(request, tmp_path_factory):
     """Each rank's results (see _worker) from `request.param` processes. With 3, every weight's rows split
     unevenly (128 = 43 + 43 + 42), so FSDP2 pads the last shard."""
+    from conftest import run_ranks  # here, not at the top: the ranks run this file as a script
     out = tmp_path_factory.mktemp("fsdp_fp8")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={request.param}",
-           __file__, str(out)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:  # a collective that some rank never joined: end the launcher and its ranks
-        os.killpg(proc.pid, 9)
-        _, stderr = proc.communicate()
-        pytest.fail(f"the {request.param} ranks did not finish in 300 s (a hung collective): {stderr[-4000:]}")
-    assert proc.returncode == 0, stderr[-4000:]
+    run_ranks(__file__, out, request.param)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(request.param)]
 
 
