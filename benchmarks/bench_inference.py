@@ -8,7 +8,8 @@ activations "dynamic" (per token) and "static" (calibrated per-tensor input scal
 two random batches); the embedding and output head stay bf16 in both. Rows:
   prefill        forward of 32 x 2048 tokens (no cache): FP8 dynamic and static vs bf16        goal >= 1.4x
                  and each with FP8 attention too (cuDNN's FP8 forward, a recipe with fp8_dpa=True; where the
-                 cudnn frontend is installed)                                                  goal >= 1.7x
+                 cudnn frontend is installed), and with fp8_mha=True as well (attention's E4M3 output
+                 handed to o_proj, no bf16 round trip)                                         goal >= 1.7x
   decode step    one token for each of 128 sequences over a KV cache holding 1024 positions (random K/V),
                  FP8 weights + FP8 cache (decode_attention on the E4M3 bytes) vs bf16 weights + bf16 cache
                  (SDPA); eagerly, and replayed as a CUDA graph (launch overhead out of the way)  goal >= 1.2x
@@ -130,6 +131,7 @@ def main() -> None:
     p.add_argument("--attn_context", type=int, default=32768)
     p.add_argument("--gen_tokens", type=int, default=128, help="new tokens per generate() run")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke test of the script")
+    p.add_argument("--prefill_only", action="store_true", help="the weight-memory and prefill rows alone")
     args = p.parse_args()
     if not torch.cuda.is_available() or not fp8ext.cuda_available():
         sys.exit("bench_inference: needs a CUDA GPU and fp8ext built with CUDA (FP8EXT_CUDA=1); "
@@ -192,8 +194,12 @@ def main() -> None:
         from fp8ext.ops.attention_cudnn import cudnn_available
         if cudnn_available():  # the FP8 models with attention in FP8 as well (the forward only: cuDNN's FP8 kernel)
             dpa = fp8ext.Float8CurrentScaling(fp8_dpa=True)
-            impls.update({f"{name} + FP8 attention": (lambda m=m: m(ids, fp8=True, fp8_recipe=dpa))
-                          for name, m in models.items() if name != "bf16"})
+            mha = fp8ext.Float8CurrentScaling(fp8_mha=True)
+            for name, m in models.items():
+                if name != "bf16":
+                    impls[f"{name} + FP8 attention"] = lambda m=m: m(ids, fp8=True, fp8_recipe=dpa)
+                    impls[f"{name} + FP8 attention, FP8 output (fp8_mha)"] = \
+                        lambda m=m: m(ids, fp8=True, fp8_recipe=mha)
         else:
             row(rows, f"prefill {args.prefill_batch} x {args.prefill_len}, FP8 attention",
                 error="not run: needs NVIDIA's cudnn frontend (pip install nvidia-cudnn-frontend)")
@@ -215,6 +221,9 @@ def main() -> None:
                         note=f"{tokens / t[name][0]:,.0f}k tokens/s FP8, {tokens / t['bf16'][0]:,.0f}k bf16")
         del ids
         torch.cuda.empty_cache()
+
+    if args.prefill_only:
+        return report(rows, head, args)
 
     # decode step (eager), and the KV cache's memory
     with torch.no_grad():
@@ -337,6 +346,11 @@ def main() -> None:
                              f"{args.decode_batch / per_step['bf16'] * 1e3:,.0f} bf16")
         del prompt
 
+    report(rows, head, args)
+
+
+def report(rows, head, args) -> None:
+    """The rows as a markdown table, and the JSON."""
     print()
     print(f"{head['device']}, torch {head['torch']}, CUDA {head['cuda']}, {head['date']}; preset {args.preset}"
           + (" (--quick sizes)" if args.quick else ""))

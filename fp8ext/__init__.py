@@ -35,6 +35,7 @@ from .ops import (amax, cast_transpose, cast_transpose_dbias, dequantize, quanti
 from .core.recipe import (CurrentScaling, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Float8RowwiseScaling,
                           Recipe)
 from .core.scaling import FP8ScalingManager
+from .core.tensor import FP8Tensor
 from .core.build import VERSION as __version__, build_info, cuda_available
 
 
@@ -145,6 +146,7 @@ __all__ = [
     "Float8BlockScaling",
     "Float8RowwiseScaling",
     "FP8ScalingManager",
+    "FP8Tensor",
     "fp8_autocast",
     "autocast",
     "is_fp8_enabled",

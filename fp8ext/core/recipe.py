@@ -31,17 +31,17 @@ __all__ = ["Format", "Recipe", "DelayedScaling", "CurrentScaling", "Float8Curren
 
 
 def _refuse_fp8_attention(recipe, dpa: bool) -> None:
-    """Transformer Engine's fp8_mha (FP8 QKV and output projections feeding attention) is refused; fp8_dpa (FP8
-    attention in fp8ext.DotProductAttention) is accepted where `dpa` says the recipe has it (per-tensor scales)."""
+    """Transformer Engine's attention fields: fp8_dpa (FP8 attention in fp8ext.DotProductAttention) is accepted where
+    `dpa` says the recipe has it (per-tensor scales); fp8_mha=True (attention's FP8 output handed to the output
+    projection) sets fp8_dpa=True, as TE does."""
     name = type(recipe).__name__
-    if recipe.fp8_mha:
-        raise NotImplementedError(f"{name}: fp8_mha=True (FP8 QKV and output projections feeding attention without a "
-                                  f"bf16 round trip) is not supported by fp8ext yet; fp8_dpa=True is (FP8 attention "
-                                  f"in fp8ext.DotProductAttention), with fp8_mha=False")
-    if recipe.fp8_dpa and not dpa:
-        raise NotImplementedError(f"{name}: fp8_dpa=True (FP8 attention) is not supported with this recipe; "
+    if recipe.fp8_mha and not recipe.fp8_dpa and dpa:
+        object.__setattr__(recipe, "fp8_dpa", True)  # TE: "Forcing fp8_dpa=True due to fp8_mha=True"
+    if (recipe.fp8_dpa or recipe.fp8_mha) and not dpa:
+        field = "fp8_mha" if recipe.fp8_mha else "fp8_dpa"
+        raise NotImplementedError(f"{name}: {field}=True (FP8 attention) is not supported with this recipe; "
                                   f"fp8ext.DotProductAttention computes in FP8 under DelayedScaling or "
-                                  f"Float8CurrentScaling with fp8_dpa=True")
+                                  f"Float8CurrentScaling with fp8_dpa=True (or fp8_mha=True)")
 
 
 class Recipe:
@@ -58,7 +58,8 @@ class Recipe:
                    all-gather take only such recipes)
 
     Transformer Engine's fp8_dpa field (FP8 attention in fp8ext.DotProductAttention) is accepted as True by the
-    per-tensor recipes; fp8_mha (FP8 projections feeding attention) is refused as True."""
+    per-tensor recipes, and so is fp8_mha (which sets fp8_dpa too: attention's FP8 output into the output
+    projection, in inference; see DelayedScaling)."""
 
     stateful = False
     per_tensor = False  # one scale per tensor in every role (recast in backward and FSDP's FP8 all-gather need it)
@@ -97,7 +98,10 @@ class DelayedScaling(Recipe):
     an fp8_group, the amaxes are max-reduced across it before the update. fp8_format: Format.HYBRID (E4M3
     forward, E5M2 gradients, the default) or Format.E4M3; pure E5M2 training is refused, as TE does.
     fp8_dpa=True: fp8ext.DotProductAttention computes in FP8 (with current scales of its own, as
-    fp8ext.ops.attention_fp8 says); fp8_mha (FP8 projections feeding attention) is accepted only as False.
+    fp8ext.ops.attention_fp8 says). fp8_mha=True sets fp8_dpa=True as well, and in inference (a model quantized by
+    fp8ext.inference.quantize_model, under torch.no_grad()) fp8ext's transformer hands attention's FP8 output to
+    the output projection without a bf16 round trip; with RoPE between the QKV projection and attention, Q, K and V
+    are cast after it (Transformer Engine's MultiheadAttention does the same). Training refuses it.
     Note on margin: a multiplicative "margin 2.0" is margin=1 here (2**1).
     """
 
@@ -146,8 +150,8 @@ class DelayedScaling(Recipe):
 class CurrentScaling(Recipe):
     """Current (just-in-time) scaling: each tensor's scale comes from its own amax, computed on the device
     right before it is cast (one extra pass over the tensor): scale = fmt.max / amax / 2**margin.
-    fp8_dpa=True: fp8ext.DotProductAttention computes in FP8 (fp8ext.ops.attention_fp8); fp8_mha (FP8 projections
-    feeding attention) is accepted only as False."""
+    fp8_dpa=True: fp8ext.DotProductAttention computes in FP8 (fp8ext.ops.attention_fp8); fp8_mha=True as in
+    DelayedScaling."""
 
     fp8_format: Format = Format.HYBRID
     margin: int = 0

@@ -72,6 +72,14 @@ class FP8Tensor:
             return FP8Tensor(self.data_t, self.data, self.scale_inv, self.fmt)
         return FP8Tensor(self.data_t, self.data, self.scale_inv_t, self.fmt, self.layout, self.scale_inv)
 
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """data times its per-tensor scale_inv in float32, rounded once to dtype (what fp8ext's dequantize kernel
+        computes); per-tensor scales only."""
+        if self.layout != TENSOR or self.scale_inv.numel() != 1:
+            raise ValueError(f"FP8Tensor.dequantize(): takes a per-tensor scale, this one's layout is {self.layout} "
+                             f"with {self.scale_inv.numel()} scales")
+        return (self.data.float() * self.scale_inv.float().reshape(())).to(dtype)
+
     def __repr__(self) -> str:
         return (f"FP8Tensor({self.fmt.name}, shape={list(self.data.shape)}, transposed copy="
                 f"{self.data_t is not None}, scale layout={self.layout}, device={self.data.device})")

@@ -203,9 +203,38 @@ class FP8InferenceLinear(nn.Module):
         return FP8Activation(data, self._x_scale_inv(data.shape[0], sinv), shape, x.dtype,
                              (activations, None if scale is None else self.input_scale))
 
+    def takes_fp8_input(self) -> bool:
+        """Whether fp8_input can hand this layer an E4M3 activation with one per-tensor scale (block weights pair
+        only with 1 x 128 activation tiles)."""
+        return self.weights != "block128"
+
+    def fp8_input(self, x8: FP8Tensor, dtype: torch.dtype = torch.bfloat16) -> FP8Activation:
+        """An E4M3 activation made elsewhere with one per-tensor scale (FP8 attention's output, which fp8_mha hands
+        to the output projection) as this layer's input, the bytes not copied: x8.data [..., in_features]
+        contiguous; dtype: that of the activation it stands for. Its scale is paired with the weight's as the
+        layer's GEMM takes it (one per row, or one element for per-tensor weights with static activations)."""
+        where = "FP8InferenceLinear.fp8_input()"
+        if not self.takes_fp8_input():
+            raise ValueError(f"{where}: block128 weights pair with 1 x 128 activation tiles only; an activation with "
+                             f"one per-tensor scale cannot feed them")
+        data, sinv = x8.data, x8.scale_inv
+        if x8.fmt is not E4M3 or x8.layout != TENSOR or sinv.numel() != 1:
+            raise ValueError(f"{where}: x8 must be E4M3 with one per-tensor scale, got {x8!r}")
+        if data.dim() < 2 or data.shape[-1] != self.in_features or not data.is_contiguous():
+            raise ValueError(f"{where}: x8.data must be a contiguous [..., {self.in_features}] tensor, got "
+                             f"{list(data.shape)} (contiguous: {data.is_contiguous()})")
+        if data.device != self.weight.device:
+            raise ValueError(f"{where}: x8 is on {data.device}, the layer on {self.weight.device}")
+        rows = data.reshape(-1, self.in_features)
+        sinv = sinv.reshape(()).float()
+        if self.activations == "dynamic" or self.weights != "tensor":  # the GEMM pairs one scale per row
+            sinv = sinv.expand(rows.shape[0]).contiguous()
+        act = FP8Activation(rows.view(torch.float8_e4m3fn), sinv, data.shape, dtype, ("per-tensor", None))
+        return act
+
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         """is_first_microbatch is accepted (and ignored) so the layer stands in for fp8ext.Linear. x may be an
-        FP8Activation made by quantize_input of a layer with the same input scheme."""
+        FP8Activation made by quantize_input of a layer with the same input scheme, or by fp8_input."""
         if isinstance(x, FP8Activation):
             self._check_activation(x)
             x8, rows = x, x.data.shape[0]
@@ -278,8 +307,13 @@ class FP8InferenceLinear(nn.Module):
 
     def _check_activation(self, x: FP8Activation) -> None:
         activations, scale = x.scheme
-        if (x.shape[-1] != self.in_features or self.weights == "block128" or activations != self.activations
-                or (scale is not None and scale is not self.input_scale and not torch.equal(scale, self.input_scale))):
+        if activations == "per-tensor":  # fp8_input's: its scale laid out for a layer of this scheme
+            per_row = self.activations == "dynamic" or self.weights != "tensor"
+            bad = x.shape[-1] != self.in_features or not self.takes_fp8_input() or (x.scale_inv.dim() == 1) != per_row
+        else:
+            bad = (x.shape[-1] != self.in_features or self.weights == "block128" or activations != self.activations
+                   or (scale is not None and scale is not self.input_scale and not torch.equal(scale, self.input_scale)))
+        if bad:
             raise ValueError(f"FP8InferenceLinear: this FP8Activation ({activations} scales, {x.shape[-1]} "
                              f"features) was quantized for another layer's input; this one takes {self.activations} "
                              f"activations of {self.in_features} features with {self.weights} weights")

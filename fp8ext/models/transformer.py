@@ -249,9 +249,14 @@ class GroupedQueryAttention(nn.Module):
                         k, v = k.repeat_interleave(h // kv, dim=1), v.repeat_interleave(h // kv, dim=1)
                     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
             return self.o_proj(y.transpose(1, 2).reshape(b, s, h * hd), **mb)
-        if fp8_attention_recipe(forward_context(self.core_attention)) is not None:  # the recipe's fp8_dpa=True
-            y = self.core_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                    attn_mask_type="causal" if s > 1 else "no_mask")
+        recipe = fp8_attention_recipe(forward_context(self.core_attention))
+        if recipe is not None:  # the recipe's fp8_dpa=True
+            mask_type = "causal" if s > 1 else "no_mask"
+            if recipe.fp8_mha:  # attention's FP8 output straight into the FP8 output projection
+                o8 = self.core_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask_type=mask_type, fp8_output=self._fp8_mha_ok(q))
+                return self.o_proj(self.o_proj.fp8_input(o8, q.dtype), **mb)
+            y = self.core_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask_type=mask_type)
             return self.o_proj(y, **mb)
         if kv != h and _SDPA_GQA and (no_grad or fused.TRAINING and fused.train_available(q)):  # K/V read in place
             y = F.scaled_dot_product_attention(q, k, v, is_causal=s > 1, enable_gqa=True)
@@ -261,6 +266,18 @@ class GroupedQueryAttention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=s > 1)  # one new token attends to all before it
         return self.o_proj(y.transpose(1, 2).reshape(b, s, h * hd), **mb)
 
+
+    def _fp8_mha_ok(self, q: torch.Tensor) -> bool:
+        """True where fp8_mha can run (raises where it cannot): inference, an o_proj that takes an FP8 input."""
+        if torch.is_grad_enabled() and q.requires_grad:
+            raise NotImplementedError("fp8_mha=True hands attention's FP8 output to the output projection, which "
+                                      "carries no gradient in fp8ext: it runs in inference (torch.no_grad()); "
+                                      "to train with FP8 attention use fp8_dpa=True with fp8_mha=False")
+        if not (hasattr(self.o_proj, "fp8_input") and self.o_proj.takes_fp8_input()):
+            raise NotImplementedError(f"fp8_mha=True hands attention's FP8 output to an FP8 output projection: "
+                                      f"quantize the model first (fp8ext.inference.quantize_model, weights "
+                                      f"'tensor' or 'channel'); this o_proj is {self.o_proj!r}")
+        return True
 
     def _decode(self, q, k_cache, v_cache, length, k_scale, v_scale, mb):
         """o_proj of decode attention of q [b, n_heads, 1, head_dim] over the cache's positions [0, length)."""

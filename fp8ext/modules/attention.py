@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..core.tensor import FP8Tensor
 from ..ops.attention_cudnn import cudnn_fp8_attention
 from ..ops.attention_fp8 import fp8_scaled_dot_product_attention
 from .checkpoint import forward_context
@@ -58,7 +59,6 @@ _TE_FORWARD_DEFAULTS = {
     "core_attention_bias": (None, "attention bias"),
     "alibi_slopes": (None, "ALiBi"),
     "inference_params": (None, "KV caching (see fp8ext.inference)"),
-    "fp8_output": (False, "FP8 output (fp8_mha)"),
     "num_splits": (1, "split-KV decoding"),
 }
 
@@ -74,12 +74,17 @@ def _check_defaults(kwargs: dict, table: dict, where: str) -> None:
 
 
 def attention_engine(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], *,
-                     is_causal: bool, scale: float, recipe, fp8_backward: Optional[bool] = None) -> torch.Tensor:
+                     is_causal: bool, scale: float, recipe, fp8_backward: Optional[bool] = None,
+                     fp8_output: bool = False):
     """The one place that chooses how attention computes: [b, h, s, d] tensors, mask True where a query attends.
     recipe None: torch's scaled_dot_product_attention; else FP8 attention by the engine of the tensors' device, or
     NotImplementedError where there is none (never a silent high-precision run). fp8_backward: the FP8 engines'
-    (False: the backward in high precision; None: Transformer Engine's NVTE_FP8_DPA_BWD decides)."""
+    (False: the backward in high precision; None: Transformer Engine's NVTE_FP8_DPA_BWD decides). fp8_output: the
+    FP8 engines return O8 as an FP8Tensor (inference only); it needs a recipe."""
     gqa = q.shape[1] != k.shape[1]
+    if fp8_output and recipe is None:
+        raise ValueError("DotProductAttention: fp8_output=True (the output in FP8) needs FP8 attention: call it inside "
+                         "fp8_autocast with a recipe whose fp8_dpa (or fp8_mha) is True")
     if recipe is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
                                               enable_gqa=gqa)
@@ -90,6 +95,8 @@ def attention_engine(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
             f"it runs on the CPU (an emulation) and on CUDA GPUs (cuDNN). For high-precision attention on "
             f"{q.device}, run it outside fp8_autocast or with a recipe whose fp8_dpa is False")
     extra = {} if fp8_backward is None else {"fp8_backward": fp8_backward}  # None: the engine's default
+    if fp8_output:
+        extra["fp8_output"] = True
     return engine(q, k, v, mask, is_causal=is_causal, scale=scale, enable_gqa=gqa, fp8_format=recipe.fp8_format,
                   margin=getattr(recipe, "margin", 0), **extra)
 
@@ -316,7 +323,7 @@ class DotProductAttention(nn.Module):
                 cu_seqlens_kv: Optional[torch.Tensor] = None, max_seqlen_q: Optional[int] = None,
                 max_seqlen_kv: Optional[int] = None, attn_mask_type: Optional[str] = None,
                 window_size: Optional[Tuple[int, int]] = None, bottom_right_diagonal: Optional[bool] = None,
-                fast_zero_fill: bool = True, **kwargs) -> torch.Tensor:
+                fast_zero_fill: bool = True, fp8_output: bool = False, **kwargs):
         """Attention of query_layer over key_layer / value_layer, as te.DotProductAttention.forward.
 
         Layouts (qkv_format, default the module's): "sbhd" [seq, batch, heads, head_dim], "bshd" [batch, seq,
@@ -328,7 +335,11 @@ class DotProductAttention(nn.Module):
         for "arbitrary" a bool tensor broadcastable to [batch, heads, seq_q, seq_kv]; None for the other types.
         A padded query position gives zeros (fast_zero_fill is accepted and changes nothing). attn_mask_type,
         window_size and bottom_right_diagonal override the module's for this call; max_seqlen_q / max_seqlen_kv, when
-        given, must be the sequence lengths. TE's other arguments are accepted at their defaults only.
+        given, must be the sequence lengths. fp8_output=True (Transformer Engine's argument; what fp8_mha uses):
+        inside fp8_autocast with fp8_dpa, under torch.no_grad(), returns the output as an fp8ext.FP8Tensor, its
+        E4M3 bytes (`data`, in the layout above) and their per-tensor dequantizing scale (`scale_inv`), for an FP8
+        output projection to read without a bf16 round trip; it carries no gradient. TE's other arguments are
+        accepted at their defaults only.
         """
         where = "DotProductAttention.forward()"
         _check_defaults(kwargs, _TE_FORWARD_DEFAULTS, where)
@@ -347,7 +358,12 @@ class DotProductAttention(nn.Module):
         mask, is_causal = self._mask(mask_type, window, br, attention_mask, cu_seqlens_q, cu_seqlens_kv,
                                      (b, sq, sk, q.device), where)
         out = attention_engine(q, k, v, mask, is_causal=is_causal, scale=self.softmax_scale,
-                               recipe=fp8_attention_recipe(forward_context(self)), fp8_backward=self.fp8_backward)
+                               recipe=fp8_attention_recipe(forward_context(self)), fp8_backward=self.fp8_backward,
+                               fp8_output=fp8_output)
+        if fp8_output:  # O8's bytes in the module's layout (a view where the engine laid them out so, as cuDNN does)
+            data = out.data.permute(2, 0, 1, 3).reshape(sq, b, -1) if fmt == "sbhd" else \
+                out.data.permute(0, 2, 1, 3).reshape(b, sq, -1)
+            return FP8Tensor(data, None, out.scale_inv, out.fmt)
         if fmt == "sbhd":
             return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
         return out.permute(0, 2, 1, 3).reshape(b, sq, -1)

@@ -58,6 +58,10 @@ def hf_fp8_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
+    if recipe.fp8_mha:
+        raise NotImplementedError("fp8_mha=True hands attention's FP8 output to the output projection, which "
+                                  "transformers calls itself: a Hugging Face model takes fp8_dpa=True with "
+                                  "fp8_mha=False (fp8ext's own transformer, quantized, runs fp8_mha in inference)")
     if dropout:
         raise NotImplementedError(f"fp8ext's FP8 attention has no dropout, got attention dropout {dropout} (set the "
                                   f"model's attention_dropout to 0, or train with fp8_dpa=False)")

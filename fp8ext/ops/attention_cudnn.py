@@ -6,7 +6,10 @@ engine).
 
 fp8ext casts Q, K and V to E4M3 (and, in backward, dO to E5M2) with its own kernels and per-tensor current scales;
 cuDNN runs the forward (S, the softmax, P8 with the fixed scale 448, O8 = P8 V8) and the backward (dP, dS8, dQ8,
-dK8, dV8) each as one fused kernel; fp8ext dequantizes O8 and dQ8 / dK8 / dV8 into the inputs' dtype. The scales
+dK8, dV8) each as one fused kernel; fp8ext dequantizes O8 and dQ8 / dK8 / dV8 into the inputs' dtype, or, with
+fp8_output=True (inference: Transformer Engine's fp8_mha), returns O8 itself as an FP8Tensor. O8 and the output are
+laid out [batch, seq, heads, head_dim] in memory (a [b, h, s, d] view), so that the output projection reads them as
+[batch * seq, heads * head_dim] rows without a copy. The scales
 of what cuDNN writes in FP8 come from attention_fp8.attention_scales (bounds from the inputs' amaxes, computed on
 the device: no host synchronisation). Graphs are built once per shape, layout, mask and format and kept.
 
@@ -27,8 +30,8 @@ from ..core.casts import amax, scale_from_amax
 from ..core.formats import E4M3, FP8Format, Format, format_of_code
 from ..core.tensor import FP8Tensor
 from . import dequantize, quantize
-from .attention_fp8 import (FP8AttentionOptions, attention_scales, check_attention, fp8_backward_from,
-                            sdpa_backward)
+from .attention_fp8 import (FP8AttentionOptions, attention_scales, check_attention, check_fp8_output,
+                            fp8_backward_from, sdpa_backward)
 
 __all__ = ["cudnn_fp8_attention", "cudnn_available"]
 
@@ -201,16 +204,23 @@ def _run(cudnn, handle, graph, pack: dict, device) -> None:
     graph.execute(pack, ws, handle=handle)
 
 
-def _forward(q, k, v, opts: FP8AttentionOptions):
-    """(the output in q's dtype and strides, what the backward needs: Q8, K8, V8, O8 (FP8 data), their scale_invs,
-    the amaxes of Q, K, V and the softmax statistics (cuDNN's log-sum-exp per row))."""
+def _seq_major(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An empty [b, h, s, d] tensor shaped like `like`, laid out [b, s, h, d] in memory (the output's layout)."""
+    b, h, s, d = like.shape
+    return torch.empty(b, s, h, d, dtype=dtype, device=like.device).transpose(1, 2)
+
+
+def _forward(q, k, v, opts: FP8AttentionOptions, dequantize_out: bool = True):
+    """(the output in q's dtype, laid out [b, s, h, d] in memory (None when not dequantize_out), what the backward
+    needs: Q8, K8, V8, O8 (FP8 data, O8 laid out as the output), their scale_invs, the amaxes of Q, K, V and the
+    softmax statistics (cuDNN's log-sum-exp per row))."""
     cudnn = _cudnn()
     dev = q.device
     handle = _handle(cudnn, dev)
     (q8, a_q), (k8, a_k), (v8, a_v) = (_cast(x, opts.fwd, opts.margin) for x in (q, k, v))
     amaxes = torch.stack([a_q.reshape(()), a_k.reshape(()), a_v.reshape(())])
     scale_o = attention_scales(amaxes, None, q.shape, k.shape, opts)["o"]
-    o8 = torch.empty_like(q8.data)
+    o8 = _seq_major(q8.data, q8.data.dtype)
     b, h, sq, _ = q.shape
     stats = torch.empty(b, h, sq, 1, dtype=torch.float32, device=dev)
     graph, (tq, tk, tv, *sc, to, tst, tas, tao) = _graph("fwd", _fwd_graph, cudnn, handle, q8.data, k8.data,
@@ -223,7 +233,7 @@ def _forward(q, k, v, opts: FP8AttentionOptions):
     _run(cudnn, handle, graph, pack, dev)
     o_inv = scale_o.reciprocal()
     saved = (q8.data, k8.data, v8.data, o8, q8.scale_inv, k8.scale_inv, v8.scale_inv, o_inv, amaxes, stats)
-    return _dequantize(o8, o_inv, q.dtype), saved
+    return (_dequantize(o8, o_inv, q.dtype) if dequantize_out else None), saved
 
 
 def _flash_backward(q8, k8, v8, q_inv, k_inv, v_inv, grad_out, opts: FP8AttentionOptions):
@@ -312,7 +322,7 @@ def _(q, k, v, softmax_scale, is_causal, fwd, bwd, margin, fp8_backward):
     q8, k8, v8 = (torch.empty_like(t, dtype=f8) for t in (q, k, v))
     b, h, sq, _ = q.shape
     scalar = [q.new_empty((), dtype=torch.float32) for _ in range(4)]
-    return [torch.empty_like(q), q8, k8, v8, torch.empty_like(q8), *scalar, q.new_empty(3, dtype=torch.float32),
+    return [_seq_major(q, q.dtype), q8, k8, v8, _seq_major(q8, f8), *scalar, q.new_empty(3, dtype=torch.float32),
             q.new_empty((b, h, sq, 1), dtype=torch.float32)]
 
 
@@ -345,11 +355,13 @@ _attention_op.register_autograd(_attention_grad, setup_context=_attention_setup)
 def cudnn_fp8_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attn_mask: Optional[torch.Tensor] = None, *, is_causal: bool = False,
                         scale: Optional[float] = None, enable_gqa: bool = False, fp8_format: Format = Format.HYBRID,
-                        margin: float = 0.0, fp8_backward: Optional[bool] = None) -> torch.Tensor:
+                        margin: float = 0.0, fp8_backward: Optional[bool] = None, fp8_output: bool = False):
     """fp8ext.ops.attention_fp8.fp8_scaled_dot_product_attention's arguments and numerics, on a CUDA device through
     cuDNN's FP8 fused attention (see the module docstring): [batch, heads, seq, head_dim] tensors of any strides,
-    returned in query's dtype with query's strides. attn_mask must be None (is_causal gives the causal mask)."""
+    returned in query's dtype as a [b, h, s, d] view of a [b, s, h, d] tensor. attn_mask must be None (is_causal
+    gives the causal mask). fp8_output=True returns O8 itself, an FP8Tensor (no gradient: inference only)."""
     check_attention(query, key, value, attn_mask, is_causal, enable_gqa)
+    check_fp8_output(fp8_output, (query, key, value), "cudnn_fp8_attention")
     if attn_mask is not None:
         raise NotImplementedError(f"{_FN}: cuDNN's FP8 fused attention takes the causal mask or none; a padding, "
                                   f"sliding-window or arbitrary mask is not supported yet (attn_mask_type 'causal' "
@@ -366,6 +378,14 @@ def cudnn_fp8_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
                                   f"(the forward alone, under torch.no_grad(), and the forward with the backward in high precision, "
                                   f"NVTE_FP8_DPA_BWD=0, take other multiples of 16)")
     softmax_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if fp8_output:
+        if torch.compiler.is_compiling():
+            raise NotImplementedError(f"{_FN}: fp8_output=True (an FP8Tensor result) does not run under "
+                                      f"torch.compile; compile with fp8_output=False")
+        opts = FP8AttentionOptions(softmax_scale, bool(is_causal), fp8_format.fwd, fp8_format.bwd, float(margin),
+                                   fp8_backward)
+        _, saved = _forward(query, key, value, opts, dequantize_out=False)
+        return FP8Tensor(saved[3], None, saved[7], opts.fwd)
     if torch.compiler.is_compiling():
         fwd, bwd = _CODES[fp8_format]
         return torch.ops.fp8ext.cudnn_fp8_attention(query, key, value, softmax_scale, bool(is_causal), fwd, bwd,

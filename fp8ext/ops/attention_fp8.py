@@ -55,7 +55,7 @@ from . import quantize
 
 __all__ = ["fp8_scaled_dot_product_attention", "FP8AttentionOptions", "FP8AttentionState", "FP8AttentionGrads",
            "attention_forward", "attention_probs", "attention_backward", "attention_scales", "check_attention",
-           "high_precision_backward", "sdpa_backward", "fp8_backward_from"]
+           "high_precision_backward", "sdpa_backward", "fp8_backward_from", "check_fp8_output"]
 
 _FN = "fp8_scaled_dot_product_attention"
 
@@ -312,7 +312,7 @@ def fp8_scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, val
                                      attn_mask: Optional[torch.Tensor] = None, *, is_causal: bool = False,
                                      scale: Optional[float] = None, enable_gqa: bool = False,
                                      fp8_format: Format = Format.HYBRID, margin: float = 0.0,
-                                     fp8_backward: Optional[bool] = None) -> torch.Tensor:
+                                     fp8_backward: Optional[bool] = None, fp8_output: bool = False):
     """torch.nn.functional.scaled_dot_product_attention computed in FP8 as cuDNN's FP8 fused attention computes it
     (the module docstring lists the steps), with autograd.
 
@@ -324,9 +324,13 @@ def fp8_scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, val
     (E4M3 forward, E5M2 backward) or Format.E4M3; margin: as a recipe's. fp8_backward: False runs the backward in
     high precision (high_precision_backward); None reads Transformer Engine's switch, the environment variable
     NVTE_FP8_DPA_BWD ("0": high precision; unset or "1": FP8). Returns [batch, heads, seq_q, head_dim] in
-    query's dtype; a query whose keys are all masked gives 0 (as torch's SDPA does).
+    query's dtype; a query whose keys are all masked gives 0 (as torch's SDPA does). fp8_output=True (inference
+    only, no gradient) returns O8 itself instead: an FP8Tensor whose data are the E4M3 bytes [batch, heads, seq_q,
+    head_dim] and scale_inv their per-tensor dequantizing scale (Transformer Engine's fp8_output, which fp8_mha
+    uses to hand attention's output to the output projection without a bf16 round trip).
     """
     check_attention(query, key, value, attn_mask, is_causal, enable_gqa)
+    check_fp8_output(fp8_output, (query, key, value), _FN)
     if not isinstance(fp8_format, Format):
         raise TypeError(f"{_FN}(): fp8_format must be a fp8ext.Format, got {fp8_format!r}")
     if scale is None:
@@ -336,6 +340,8 @@ def fp8_scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, val
             raise TypeError(f"{_FN}(): {name} must be a finite number, got {x!r}")
     opts = FP8AttentionOptions(float(scale), bool(is_causal), fp8_format.fwd, fp8_format.bwd, float(margin),
                                fp8_backward_from(fp8_backward, _FN))
+    if fp8_output:
+        return attention_forward(query, key, value, attn_mask, opts).o8
     return FP8AttentionFunction.apply(query, key, value, attn_mask, opts)
 
 
@@ -351,6 +357,16 @@ def fp8_backward_from(value: Optional[bool], where: str) -> bool:
         raise ValueError(f"{where}(): the environment variable NVTE_FP8_DPA_BWD must be 0 (FP8 attention's backward "
                          f"in high precision) or 1 (in FP8), got {env!r}")
     return env == "1"
+
+
+def check_fp8_output(fp8_output, tensors, where: str) -> None:
+    """fp8_output must be a bool, and True only where no gradient is wanted: an FP8Tensor result carries none."""
+    if not isinstance(fp8_output, bool):
+        raise TypeError(f"{where}(): fp8_output must be True or False, got {fp8_output!r}")
+    if fp8_output and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise RuntimeError(f"{where}(): fp8_output=True returns the output's FP8 bytes and scale (an FP8Tensor), "
+                           f"which carry no gradient, but query, key or value requires grad; run it under "
+                           f"torch.no_grad() (inference), or with fp8_output=False to train")
 
 
 def check_attention(q, k, v, attn_mask, is_causal: bool, enable_gqa: bool) -> None:

@@ -62,6 +62,68 @@ def test_a_quantized_model_prefills_with_fp8_attention_under_a_recipe_with_fp8_d
     assert 0 < err < 0.08, f"relative change of the logits with FP8 attention {err:.4f}"
 
 
+@pytest.mark.parametrize("activations", ["dynamic", "static"])
+def test_fp8_mha_hands_attentions_fp8_bytes_to_the_output_projection(fp8_attention_calls, activations):
+    model, batches, ids = model_and_data()
+    if activations == "static":
+        inference.calibrate(model, batches, progress=False)
+    inference.quantize_model(model, "channel", activations)
+    seen, made = [], []
+    engine = fp8ext.modules.attention.FP8_ATTENTION_ENGINES["cpu"]
+    fp8ext.modules.attention.FP8_ATTENTION_ENGINES["cpu"] = lambda *a, **kw: made.append(engine(*a, **kw)) or made[-1]
+    hooks = [b.attn.o_proj.register_forward_pre_hook(lambda mod, args: seen.append(args[0])) for b in model.blocks]
+    with torch.no_grad():
+        plain = model(ids)
+        dpa = model(ids, fp8=True, fp8_recipe=fp8ext.Float8CurrentScaling(fp8_dpa=True))
+        seen.clear(), made.clear()
+        mha = model(ids, fp8=True, fp8_recipe=fp8ext.Float8CurrentScaling(fp8_mha=True))
+    for h in hooks:
+        h.remove()
+    assert [kw.get("fp8_output") for kw in fp8_attention_calls[-CFG.n_layers:]] == [True] * CFG.n_layers
+    b, s = ids.shape
+    for o8, x in zip(made, seen):  # o_proj reads attention's bytes and scale, not a bf16 tensor cast again
+        assert isinstance(x, inference.FP8Activation) and x.shape == (b, s, o8.data.shape[1] * o8.data.shape[3])
+        want = o8.data.permute(0, 2, 1, 3).reshape(b * s, -1)
+        assert torch.equal(x.data.view(torch.uint8), want.view(torch.uint8))
+        assert torch.equal(x.scale_inv, o8.scale_inv.reshape(()).expand(b * s))
+    assert len(seen) == len(made) == CFG.n_layers
+    assert 0 < rel_err(mha.float(), plain.float()) < 0.08
+    assert rel_err(mha.float(), dpa.float()) < 0.05, "only the output projection's input scale differs from fp8_dpa"
+
+
+def test_fp8_mha_is_refused_where_it_cannot_run():
+    recipe = fp8ext.Float8CurrentScaling(fp8_mha=True)
+    model, _, ids = model_and_data()
+    with pytest.raises(NotImplementedError, match="fp8_mha=True .*no gradient.*fp8_dpa=True with fp8_mha=False"):
+        model(ids, fp8=True, fp8_recipe=recipe)  # training: the FP8 output has no gradient
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="quantize the model first"):
+        model(ids, fp8=True, fp8_recipe=recipe)  # an o_proj that takes no FP8 input
+    model, _, ids = model_and_data(cfg=BLOCK_CFG)
+    inference.quantize_model(model, "block128", "dynamic")
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="weights 'tensor' or 'channel'"):
+        model(ids, fp8=True, fp8_recipe=recipe)
+
+
+@pytest.mark.parametrize("weights, activations", [s for s in SCHEMES if s[0] != "block128"])
+def test_fp8_input_takes_an_activation_with_one_scale_as_a_float64_product(weights, activations):
+    torch.manual_seed(2)
+    lin = nn.Linear(256, 128, bias=False).to(torch.bfloat16)
+    x = torch.randn(2, 16, 256, dtype=torch.bfloat16)
+    layer = FP8InferenceLinear.from_linear(lin, weights, activations, input_amax=3.0)
+    sinv = torch.tensor(x.float().abs().max().item() / 448)
+    x8 = fp8ext.quantize(x, fp8ext.E4M3, 1 / sinv)
+    got = layer(layer.fp8_input(fp8ext.FP8Tensor(x8, None, sinv, fp8ext.E4M3)))
+    want = (x8.double() * sinv.double()) @ (layer.weight.double() * layer.weight_scale.double()).t()
+    assert got.shape == (2, 16, 128) and got.dtype == torch.bfloat16 and rel_err(got, want) < 4e-3
+    with pytest.raises(ValueError, match="contiguous \\[..., 256\\]"):
+        layer.fp8_input(fp8ext.FP8Tensor(x8[..., :128], None, sinv, fp8ext.E4M3))
+    with pytest.raises(ValueError, match="E4M3 with one per-tensor scale"):
+        layer.fp8_input(fp8ext.FP8Tensor(x8, None, sinv.expand(2), fp8ext.E4M3))
+    block = FP8InferenceLinear.from_linear(nn.Linear(256, 128).to(torch.bfloat16), "block128", "dynamic")
+    with pytest.raises(ValueError, match="block128 weights"):
+        block.fp8_input(fp8ext.FP8Tensor(x8, None, sinv, fp8ext.E4M3))
+
+
 @pytest.mark.parametrize("weights, limit", [("tensor", 0.501), ("channel", 0.52), ("block128", 0.52)])
 def test_weight_memory_is_about_half_of_bf16(weights, limit):
     model, batches, _ = model_and_data()

@@ -142,3 +142,42 @@ def test_cuda_graph_replays_forward_and_backward():
         assert torch.equal(out, want[0]), f"replay {seed}: the forward"
         for name, g, w in zip(("dq", "dk", "dv"), grads, want[1:]):
             assert rel(g, w) < 1e-2, f"replay {seed}: {name}"
+
+
+def test_the_output_is_laid_out_seq_major_and_fp8_output_is_its_bytes():
+    q, k, v, _ = (t.to("cuda", torch.bfloat16).transpose(1, 2).contiguous().transpose(1, 2) for t in inputs())
+    with torch.no_grad():
+        out = attention_cudnn.cudnn_fp8_attention(q, k, v, is_causal=True, enable_gqa=True)
+        o8 = attention_cudnn.cudnn_fp8_attention(q, k, v, is_causal=True, enable_gqa=True, fp8_output=True)
+        heads_major = attention_cudnn.cudnn_fp8_attention(*(t.contiguous() for t in (q, k, v)), is_causal=True,
+                                                          enable_gqa=True)
+    assert out.transpose(1, 2).is_contiguous(), "[b, s, h, d] in memory: the output projection reads it as is"
+    assert isinstance(o8, fp8ext.FP8Tensor) and o8.data.dtype == torch.float8_e4m3fn and o8.data.shape == q.shape
+    assert torch.equal(o8.dequantize(torch.bfloat16), out), "the output is O8 dequantized, bit for bit"
+    assert torch.equal(heads_major, out), "the inputs' layout changes nothing"
+    with pytest.raises(RuntimeError, match="fp8_output=True .*no gradient"):
+        attention_cudnn.cudnn_fp8_attention(q.requires_grad_(), k, v, is_causal=True, enable_gqa=True,
+                                            fp8_output=True)
+
+
+@pytest.mark.parametrize("activations", ["dynamic", "static"])
+def test_fp8_mha_prefill_of_a_quantized_transformer_on_a_gpu(activations):
+    from fp8ext import inference
+    from fp8ext.models.transformer import Transformer, preset
+    torch.manual_seed(0)
+    cfg = preset("tiny", d_model=256, n_heads=2, n_kv_heads=1, d_ff=512)  # head_dim 128
+    model = Transformer(cfg).to(torch.bfloat16)
+    ids = torch.randint(0, cfg.vocab_size, (4, 128))
+    if activations == "static":
+        inference.calibrate(model, [ids[:2]], progress=False)
+    inference.quantize_model(model, "channel", activations)
+    gpu = model.to("cuda")
+    logits = {}
+    with torch.no_grad():
+        for name in ("fp8_dpa", "fp8_mha"):
+            recipe = fp8ext.Float8CurrentScaling(**{name: True})
+            logits[name] = gpu(ids.cuda(), fp8=True, fp8_recipe=recipe).float().cpu()
+        cpu = model.to("cpu")(ids, fp8=True, fp8_recipe=fp8ext.Float8CurrentScaling(fp8_mha=True)).float()
+    assert torch.isfinite(logits["fp8_mha"]).all()
+    assert rel(logits["fp8_mha"], logits["fp8_dpa"]) < 0.05
+    assert rel(logits["fp8_mha"], cpu) < 0.05, "cuDNN against the emulation, each through the FP8 o_proj"

@@ -475,14 +475,45 @@ def test_emulation_refuses(call, error, match):
 
 @pytest.mark.parametrize("recipe", [fp8ext.DelayedScaling, fp8ext.Float8CurrentScaling, fp8ext.Float8BlockScaling,
                                     fp8ext.Float8RowwiseScaling], ids=lambda r: r.__name__)
-def test_fp8_mha_is_refused_and_fp8_dpa_needs_a_per_tensor_recipe(recipe):
-    with pytest.raises(NotImplementedError, match="fp8_mha=True .*not supported by fp8ext yet; fp8_dpa=True is"):
-        recipe(fp8_mha=True)
+def test_fp8_dpa_and_fp8_mha_need_a_per_tensor_recipe(recipe):
     if recipe in (fp8ext.DelayedScaling, fp8ext.Float8CurrentScaling):
         assert recipe(fp8_dpa=True).fp8_dpa
+        assert recipe(fp8_mha=True).fp8_dpa, "fp8_mha=True sets fp8_dpa=True"
     else:
-        with pytest.raises(NotImplementedError, match="fp8_dpa=True .*DelayedScaling or Float8CurrentScaling"):
-            recipe(fp8_dpa=True)
+        for field in ("fp8_dpa", "fp8_mha"):
+            with pytest.raises(NotImplementedError, match=f"{field}=True .*DelayedScaling or Float8CurrentScaling"):
+                recipe(**{field: True})
+
+
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_fp8_output_is_the_outputs_fp8_bytes_and_scale(fmt, dtype):
+    # Transformer Engine's fp8_output (what fp8_mha uses): the FP8 bytes the output is the dequantization of
+    attn = fp8ext.DotProductAttention(4, 16, num_gqa_groups=2, qkv_format=fmt)
+    layers, _ = module_inputs(12, 12, fmt, dtype)
+    with torch.no_grad(), fp8ext.fp8_autocast(fp8_recipe=fp8ext.Float8CurrentScaling(fp8_mha=True)):
+        out = attn(*layers)
+        o8 = attn(*layers, fp8_output=True)
+    assert isinstance(o8, fp8ext.FP8Tensor) and o8.data.dtype == E4M3 and o8.scale_inv.numel() == 1
+    assert o8.data.shape == out.shape == ((12, 2, 64) if fmt == "sbhd" else (2, 12, 64))
+    assert torch.equal(o8.dequantize(dtype), out), "the output is O8 dequantized, bit for bit"
+    # independently: O8's scale is fmt.max over the bound c * amax(V), and every byte is the cast of the output
+    v = layers[2]
+    c = 1.0625 + 12 / (1024 * 448)
+    assert o8.scale_inv.item() == pytest.approx(c * v.double().abs().max().item() / 448, rel=1e-6)
+
+
+def test_fp8_output_needs_fp8_attention_and_no_gradient():
+    attn = fp8ext.DotProductAttention(4, 16, num_gqa_groups=2)
+    layers, _ = module_inputs(8, 8)
+    with pytest.raises(ValueError, match="fp8_output=True .*needs FP8 attention"):
+        attn(*layers, fp8_output=True)
+    leaves = [t.clone().requires_grad_() for t in layers]
+    with fp8ext.fp8_autocast(fp8_recipe=FP8_DPA):
+        with pytest.raises(RuntimeError, match="fp8_output=True .*no gradient.*torch.no_grad"):
+            attn(*leaves, fp8_output=True)
+    with pytest.raises(TypeError, match="fp8_output must be True or False"):
+        fp8_scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in layers), enable_gqa=True, fp8_output=1)
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])

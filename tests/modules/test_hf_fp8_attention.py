@@ -54,6 +54,15 @@ def test_fp8_dpa_runs_each_layer_in_fp8_also_when_checkpointing_recomputes_it(fp
     assert torch.equal(loss_ckpt, loss) and all(torch.equal(x, y) for x, y in zip(grads_ckpt, grads))
 
 
+def test_fp8_mha_is_refused_in_a_hugging_face_model(fp8_attention_calls):
+    fp8ext.register_hf_attention()
+    model = tiny_llama("fp8ext")
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="fp8_mha=True .*transformers calls itself"):
+        with fp8ext.fp8_autocast(fp8_recipe=fp8ext.DelayedScaling(fp8_mha=True)):
+            model(input_ids=IDS)
+    assert fp8_attention_calls == []
+
+
 def test_a_padding_mask_reaches_the_engine_as_a_bool_mask(fp8_attention_calls):
     fp8ext.register_hf_attention()
     model = tiny_llama("fp8ext")

@@ -139,11 +139,12 @@ def test_te_linear_rejects_unknown_arguments():
         fp8ext.Linear(32, 16, no_such_thing=1)
 
 
-def test_fp8_mha_is_refused_clearly_and_fp8_dpa_accepted():
+def test_fp8_mha_sets_fp8_dpa_as_transformer_engine_does():
     for recipe in (fp8ext.DelayedScaling, fp8ext.Float8CurrentScaling):
-        with pytest.raises(NotImplementedError, match="fp8_mha=True .*not supported.*fp8_dpa=True is"):
-            recipe(fp8_mha=True)
-        assert recipe(fp8_dpa=True).fp8_dpa, "fp8_dpa=True: FP8 attention in fp8ext.DotProductAttention"
+        r = recipe(fp8_mha=True)
+        assert r.fp8_mha and r.fp8_dpa, "TE forces fp8_dpa=True when fp8_mha=True"
+        assert r == recipe(fp8_mha=True, fp8_dpa=True)
+        assert recipe(fp8_dpa=True).fp8_dpa and not recipe(fp8_dpa=True).fp8_mha
 
 
 def test_te_linear_init_method_params_dtype_and_return_bias():
