@@ -13,7 +13,9 @@ per-head max|K| and max|V|), and quantized with each scheme. Rows:
   - KV cache: the same held-out text read one byte per step through a KV cache (a one-byte prompt, so every
     later position is a decode step), bf16 against FP8 with calibrated scales and with scales taken from the
     prompt (one byte, times the cache's one-binade margin), for the bf16 model and the FP8 (channel, static)
-    model; plus the relative L2 error of the cached K and V against the bf16 cache, and the cache's bytes.
+    model; plus the relative L2 error of the cached K and V against the bf16 cache, and the cache's bytes;
+  - prefill with FP8 attention: the FP8 (channel, static / dynamic) models' forward loss with attention in FP8
+    (a recipe with fp8_dpa=True, and with fp8_mha=True: its E4M3 output read by o_proj) against bf16 attention.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import time
 
 import torch
 
-from fp8ext import inference
+from fp8ext import Float8CurrentScaling, inference
 from fp8ext.inference import FP8InferenceLinear, KVCache, decode_loss
 from fp8ext.models.transformer import Transformer, preset
 from fp8ext.ops import dequantize
@@ -47,8 +49,10 @@ def dequantized_weight(layer: FP8InferenceLinear) -> torch.Tensor:
 
 
 @torch.no_grad()
-def forward_loss(model, data) -> float:
-    return sum(model(x, y)[1].item() for x, y in data) / len(data)
+def forward_loss(model, data, recipe=None) -> float:
+    """Mean loss of one forward over each (x, y); with a recipe, inside its fp8_autocast (FP8 attention)."""
+    kw = {} if recipe is None else {"fp8": True, "fp8_recipe": recipe}
+    return sum(model(x, y, **kw)[1].item() for x, y in data) / len(data)
 
 
 @torch.no_grad()
@@ -134,6 +138,16 @@ def main() -> None:
             cache = KVCache.from_model(m, 16, seq, kv)
             kv_rows.append((name, kv, scales if kv == "fp8" else "", loss, loss - m_ref, err, cache.nbytes))
 
+    attn_rows = []  # prefill with FP8 attention (the CPU emulation of cuDNN's): the quantized models' forward loss
+    for key in (("channel", "static"), ("channel", "dynamic")):
+        m = models[key]
+        plain = forward_loss(m, data)
+        for label, recipe in (("bf16 attention", None), ("FP8 attention (fp8_dpa)", Float8CurrentScaling(fp8_dpa=True)),
+                              ("FP8 attention, FP8 output into o_proj (fp8_mha)",
+                               Float8CurrentScaling(fp8_mha=True))):
+            loss = plain if recipe is None else forward_loss(m, data, recipe)
+            attn_rows.append(("/".join(key), label, loss, loss - plain))
+
     date = datetime.date.today().isoformat()
     lines = [f"Model: `{a['preset']}` preset trained {state.get('step', a['max_steps'])} steps by fp8ext.train "
              f"({run}); held-out text: {args.eval_batches} x 16 x {seq} bytes of {corpus.description}. "
@@ -154,6 +168,11 @@ def main() -> None:
     for name, kv, scales, loss, dloss, (ke, ve), nb in kv_rows:
         lines.append(f"| {name} | {kv} | {scales} | {loss:.4f} | {math.exp(loss):.4f} | {math.exp(dloss) - 1:+.2%} "
                      f"| {ke:.2%} | {ve:.2%} | {nb:,} |")
+    lines += ["", "Prefill with FP8 attention (one forward over each held-out sequence; attention computed by the CPU "
+              "emulation of cuDNN's FP8 fused attention):", "",
+              "| model | attention | val loss | perplexity | vs bf16 attention |", "|---|---|---:|---:|---:|"]
+    for name, label, loss, dloss in attn_rows:
+        lines.append(f"| FP8 {name} | {label} | {loss:.4f} | {math.exp(loss):.4f} | {math.exp(dloss) - 1:+.2%} |")
     lines += ["", f"({time.time() - t0:.0f} s)"]
     text = "\n".join(lines)
     print(text)
