@@ -101,7 +101,9 @@ class DelayedScaling(Recipe):
     fp8ext.ops.attention_fp8 says). fp8_mha=True sets fp8_dpa=True as well, and in inference (a model quantized by
     fp8ext.inference.quantize_model, under torch.no_grad()) fp8ext's transformer hands attention's FP8 output to
     the output projection without a bf16 round trip; with RoPE between the QKV projection and attention, Q, K and V
-    are cast after it (Transformer Engine's MultiheadAttention does the same). Training refuses it.
+    are cast after it (Transformer Engine's MultiheadAttention does the same). fp8ext's transformer refuses it in
+    training and under torch.compile, a Hugging Face model always; fp8ext.DotProductAttention alone computes as
+    with fp8_dpa, its output in FP8 only when called with fp8_output=True (as TE's).
     Note on margin: a multiplicative "margin 2.0" is margin=1 here (2**1).
     """
 

@@ -269,6 +269,9 @@ class GroupedQueryAttention(nn.Module):
 
     def _fp8_mha_ok(self, q: torch.Tensor) -> bool:
         """True where fp8_mha can run (raises where it cannot): inference, an o_proj that takes an FP8 input."""
+        if torch.compiler.is_compiling():
+            raise NotImplementedError("fp8_mha=True does not run under torch.compile (its FP8 output is not a tensor "
+                                      "the compiled graph can carry); compile with fp8_dpa=True and fp8_mha=False")
         if torch.is_grad_enabled() and q.requires_grad:
             raise NotImplementedError("fp8_mha=True hands attention's FP8 output to the output projection, which "
                                       "carries no gradient in fp8ext: it runs in inference (torch.no_grad()); "

@@ -343,6 +343,8 @@ class DotProductAttention(nn.Module):
         """
         where = "DotProductAttention.forward()"
         _check_defaults(kwargs, _TE_FORWARD_DEFAULTS, where)
+        if not isinstance(fp8_output, bool):
+            raise TypeError(f"{where}: fp8_output must be True or False, got {fp8_output!r}")
         fmt = self.qkv_format if qkv_format is None else _qkv_format(qkv_format, where)
         mask_type = self.attn_mask_type if attn_mask_type is None else _mask_type(attn_mask_type, where)
         window = self.window_size

@@ -8,8 +8,9 @@ fp8ext casts Q, K and V to E4M3 (and, in backward, dO to E5M2) with its own kern
 cuDNN runs the forward (S, the softmax, P8 with the fixed scale 448, O8 = P8 V8) and the backward (dP, dS8, dQ8,
 dK8, dV8) each as one fused kernel; fp8ext dequantizes O8 and dQ8 / dK8 / dV8 into the inputs' dtype, or, with
 fp8_output=True (inference: Transformer Engine's fp8_mha), returns O8 itself as an FP8Tensor. O8 and the output are
-laid out [batch, seq, heads, head_dim] in memory (a [b, h, s, d] view), so that the output projection reads them as
-[batch * seq, heads * head_dim] rows without a copy. The scales
+laid out with the sequence before the heads in memory ([batch, seq, heads, head_dim], or [seq, batch, heads,
+head_dim] where the query is laid out so; a [b, h, s, d] view), so that the output projection reads them as rows
+without a copy. The scales
 of what cuDNN writes in FP8 come from attention_fp8.attention_scales (bounds from the inputs' amaxes, computed on
 the device: no host synchronisation). Graphs are built once per shape, layout, mask and format and kept.
 
@@ -204,23 +205,27 @@ def _run(cudnn, handle, graph, pack: dict, device) -> None:
     graph.execute(pack, ws, handle=handle)
 
 
-def _seq_major(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An empty [b, h, s, d] tensor shaped like `like`, laid out [b, s, h, d] in memory (the output's layout)."""
-    b, h, s, d = like.shape
-    return torch.empty(b, s, h, d, dtype=dtype, device=like.device).transpose(1, 2)
+def _out_like(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An empty [b, h, s, d] tensor shaped like q, laid out as the output is: in q's memory order where that puts
+    the sequence before the heads ([b, s, h, d] or [s, b, h, d]: DotProductAttention's layouts, whose views need no
+    copy then), else [b, s, h, d] (what an output projection reads as rows)."""
+    p = _storage_order(q)
+    if not p or p.index(1) < p.index(2):
+        p = (0, 2, 1, 3)
+    return torch.empty([q.shape[i] for i in p], dtype=dtype, device=q.device).permute(_inverse(p))
 
 
 def _forward(q, k, v, opts: FP8AttentionOptions, dequantize_out: bool = True):
-    """(the output in q's dtype, laid out [b, s, h, d] in memory (None when not dequantize_out), what the backward
-    needs: Q8, K8, V8, O8 (FP8 data, O8 laid out as the output), their scale_invs, the amaxes of Q, K, V and the
-    softmax statistics (cuDNN's log-sum-exp per row))."""
+    """(the output in q's dtype, laid out by _out_like (None when not dequantize_out), what the backward needs: Q8,
+    K8, V8, O8 (FP8 data, O8 laid out as the output), their scale_invs, the amaxes of Q, K, V and the softmax
+    statistics (cuDNN's log-sum-exp per row))."""
     cudnn = _cudnn()
     dev = q.device
     handle = _handle(cudnn, dev)
     (q8, a_q), (k8, a_k), (v8, a_v) = (_cast(x, opts.fwd, opts.margin) for x in (q, k, v))
     amaxes = torch.stack([a_q.reshape(()), a_k.reshape(()), a_v.reshape(())])
     scale_o = attention_scales(amaxes, None, q.shape, k.shape, opts)["o"]
-    o8 = _seq_major(q8.data, q8.data.dtype)
+    o8 = _out_like(q8.data, q8.data.dtype)
     b, h, sq, _ = q.shape
     stats = torch.empty(b, h, sq, 1, dtype=torch.float32, device=dev)
     graph, (tq, tk, tv, *sc, to, tst, tas, tao) = _graph("fwd", _fwd_graph, cudnn, handle, q8.data, k8.data,
@@ -322,7 +327,7 @@ def _(q, k, v, softmax_scale, is_causal, fwd, bwd, margin, fp8_backward):
     q8, k8, v8 = (torch.empty_like(t, dtype=f8) for t in (q, k, v))
     b, h, sq, _ = q.shape
     scalar = [q.new_empty((), dtype=torch.float32) for _ in range(4)]
-    return [_seq_major(q, q.dtype), q8, k8, v8, _seq_major(q8, f8), *scalar, q.new_empty(3, dtype=torch.float32),
+    return [_out_like(q, q.dtype), q8, k8, v8, _out_like(q8, f8), *scalar, q.new_empty(3, dtype=torch.float32),
             q.new_empty((b, h, sq, 1), dtype=torch.float32)]
 
 
@@ -358,7 +363,7 @@ def cudnn_fp8_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
                         margin: float = 0.0, fp8_backward: Optional[bool] = None, fp8_output: bool = False):
     """fp8ext.ops.attention_fp8.fp8_scaled_dot_product_attention's arguments and numerics, on a CUDA device through
     cuDNN's FP8 fused attention (see the module docstring): [batch, heads, seq, head_dim] tensors of any strides,
-    returned in query's dtype as a [b, h, s, d] view of a [b, s, h, d] tensor. attn_mask must be None (is_causal
+    returned in query's dtype, laid out with the sequence before the heads in memory (_out_like). attn_mask must be None (is_causal
     gives the causal mask). fp8_output=True returns O8 itself, an FP8Tensor (no gradient: inference only)."""
     check_attention(query, key, value, attn_mask, is_causal, enable_gqa)
     check_fp8_output(fp8_output, (query, key, value), "cudnn_fp8_attention")

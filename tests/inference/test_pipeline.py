@@ -115,8 +115,9 @@ def test_fp8_input_takes_an_activation_with_one_scale_as_a_float64_product(weigh
     got = layer(layer.fp8_input(fp8ext.FP8Tensor(x8, None, sinv, fp8ext.E4M3)))
     want = (x8.double() * sinv.double()) @ (layer.weight.double() * layer.weight_scale.double()).t()
     assert got.shape == (2, 16, 128) and got.dtype == torch.bfloat16 and rel_err(got, want) < 4e-3
-    with pytest.raises(ValueError, match="contiguous \\[..., 256\\]"):
-        layer.fp8_input(fp8ext.FP8Tensor(x8[..., :128], None, sinv, fp8ext.E4M3))
+    for bad in (x8[..., :128], x8.transpose(0, 1)):  # too few features; not contiguous
+        with pytest.raises(ValueError, match="contiguous \\[..., 256\\]"):
+            layer.fp8_input(fp8ext.FP8Tensor(bad, None, sinv, fp8ext.E4M3))
     with pytest.raises(ValueError, match="E4M3 with one per-tensor scale"):
         layer.fp8_input(fp8ext.FP8Tensor(x8, None, sinv.expand(2), fp8ext.E4M3))
     block = FP8InferenceLinear.from_linear(nn.Linear(256, 128).to(torch.bfloat16), "block128", "dynamic")

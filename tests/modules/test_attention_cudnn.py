@@ -25,9 +25,19 @@ def inputs(b=2, h=4, hk=2, s=128, d=128, seed=0):
     return [torch.randn(shape, generator=g) for shape in ((b, h, s, d), (b, hk, s, d), (b, hk, s, d), (b, h, s, d))]
 
 
-def run(fn, tensors, device, dtype, **kw):
-    """(out, dq, dk, dv) of fn over [b, h, s, d] views of bshd tensors (the layout DotProductAttention hands over)."""
-    q, k, v, do = (t.to(device, dtype).transpose(1, 2).contiguous().transpose(1, 2) for t in tensors)
+LAYOUTS = {"bshd": (0, 2, 1, 3), "sbhd": (2, 0, 1, 3), "bhsd": (0, 1, 2, 3)}  # memory order of [b, h, s, d] dims
+
+
+def in_layout(t, layout):
+    """t [b, h, s, d] as a view of a tensor laid out `layout` in memory."""
+    p = LAYOUTS[layout]
+    return t.permute(p).contiguous().permute([p.index(i) for i in range(4)])
+
+
+def run(fn, tensors, device, dtype, layout="bshd", **kw):
+    """(out, dq, dk, dv) of fn over [b, h, s, d] views of tensors laid out `layout` (DotProductAttention hands over
+    "bshd" and "sbhd" views; a Hugging Face model [b, h, s, d] itself)."""
+    q, k, v, do = (in_layout(t.to(device, dtype), layout) for t in tensors)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     out = fn(*leaves, **kw)
     return [out] + list(torch.autograd.grad(out, leaves, do))
@@ -37,12 +47,13 @@ def rel(a, b) -> float:
     return ((a.double().cpu() - b.double().cpu()).norm() / b.double().cpu().norm()).item()
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "no_mask"])
 @pytest.mark.parametrize("h, hk", [(4, 4), (4, 2)], ids=["MHA", "GQA"])
-def test_gpu_engine_computes_what_the_emulation_defines(causal, h, hk):
+def test_gpu_engine_computes_what_the_emulation_defines(causal, h, hk, layout):
     x = inputs(h=h, hk=hk)
     kw = dict(is_causal=causal, enable_gqa=True)
-    gpu = run(attention_cudnn.cudnn_fp8_attention, x, "cuda", torch.bfloat16, **kw)
+    gpu = run(attention_cudnn.cudnn_fp8_attention, x, "cuda", torch.bfloat16, layout, **kw)
     cpu = run(fp8_scaled_dot_product_attention, x, "cpu", torch.bfloat16, **kw)
     exact = run(F.scaled_dot_product_attention, x, "cpu", torch.float64, **kw)
     report = {name: (round(rel(g, c), 4), round(rel(g, e), 4), round(rel(c, e), 4))
@@ -144,24 +155,31 @@ def test_cuda_graph_replays_forward_and_backward():
             assert rel(g, w) < 1e-2, f"replay {seed}: {name}"
 
 
-def test_the_output_is_laid_out_seq_major_and_fp8_output_is_its_bytes():
-    q, k, v, _ = (t.to("cuda", torch.bfloat16).transpose(1, 2).contiguous().transpose(1, 2) for t in inputs())
+def test_the_output_puts_the_sequence_before_the_heads_and_fp8_output_is_its_bytes():
+    x = [t.to("cuda", torch.bfloat16) for t in inputs()[:3]]
+    outs = {}
     with torch.no_grad():
-        out = attention_cudnn.cudnn_fp8_attention(q, k, v, is_causal=True, enable_gqa=True)
+        for layout in LAYOUTS:
+            outs[layout] = attention_cudnn.cudnn_fp8_attention(*(in_layout(t, layout) for t in x), is_causal=True,
+                                                               enable_gqa=True)
+        q, k, v = (in_layout(t, "bshd") for t in x)
         o8 = attention_cudnn.cudnn_fp8_attention(q, k, v, is_causal=True, enable_gqa=True, fp8_output=True)
-        heads_major = attention_cudnn.cudnn_fp8_attention(*(t.contiguous() for t in (q, k, v)), is_causal=True,
-                                                          enable_gqa=True)
-    assert out.transpose(1, 2).is_contiguous(), "[b, s, h, d] in memory: the output projection reads it as is"
+    # the memory order the output projection (and DotProductAttention's "bshd" / "sbhd" views) reads as is
+    assert outs["bshd"].permute(0, 2, 1, 3).is_contiguous() and outs["bhsd"].permute(0, 2, 1, 3).is_contiguous()
+    assert outs["sbhd"].permute(2, 0, 1, 3).is_contiguous()
+    assert torch.equal(outs["bhsd"], outs["bshd"]) and torch.equal(outs["sbhd"], outs["bshd"]), \
+        "the inputs' layout changes nothing but the output's"
+    out = outs["bshd"]
     assert isinstance(o8, fp8ext.FP8Tensor) and o8.data.dtype == torch.float8_e4m3fn and o8.data.shape == q.shape
+    assert o8.data.permute(0, 2, 1, 3).is_contiguous()
     assert torch.equal(o8.dequantize(torch.bfloat16), out), "the output is O8 dequantized, bit for bit"
-    assert torch.equal(heads_major, out), "the inputs' layout changes nothing"
     with pytest.raises(RuntimeError, match="fp8_output=True .*no gradient"):
         attention_cudnn.cudnn_fp8_attention(q.requires_grad_(), k, v, is_causal=True, enable_gqa=True,
                                             fp8_output=True)
 
 
 @pytest.mark.parametrize("activations", ["dynamic", "static"])
-def test_fp8_mha_prefill_of_a_quantized_transformer_on_a_gpu(activations):
+def test_fp8_mha_prefill_of_a_quantized_transformer_on_a_gpu(activations, monkeypatch):
     from fp8ext import inference
     from fp8ext.models.transformer import Transformer, preset
     torch.manual_seed(0)
@@ -172,11 +190,20 @@ def test_fp8_mha_prefill_of_a_quantized_transformer_on_a_gpu(activations):
         inference.calibrate(model, [ids[:2]], progress=False)
     inference.quantize_model(model, "channel", activations)
     gpu = model.to("cuda")
-    logits = {}
+    logits, calls, seen = {}, [], []
+    engine = fp8ext.modules.attention.FP8_ATTENTION_ENGINES["cuda"]
+    monkeypatch.setitem(fp8ext.modules.attention.FP8_ATTENTION_ENGINES, "cuda",
+                        lambda *a, **kw: calls.append(kw) or engine(*a, **kw))
+    for block in gpu.blocks:
+        block.attn.o_proj.register_forward_pre_hook(lambda mod, args: seen.append(type(args[0]).__name__))
     with torch.no_grad():
         for name in ("fp8_dpa", "fp8_mha"):
             recipe = fp8ext.Float8CurrentScaling(**{name: True})
+            calls.clear(), seen.clear()
             logits[name] = gpu(ids.cuda(), fp8=True, fp8_recipe=recipe).float().cpu()
+            want = name == "fp8_mha"
+            assert [kw.get("fp8_output", False) for kw in calls] == [want] * cfg.n_layers, name
+            assert seen == ["FP8Activation" if want else "Tensor"] * cfg.n_layers, name
         cpu = model.to("cpu")(ids, fp8=True, fp8_recipe=fp8ext.Float8CurrentScaling(fp8_mha=True)).float()
     assert torch.isfinite(logits["fp8_mha"]).all()
     assert rel(logits["fp8_mha"], logits["fp8_dpa"]) < 0.05

@@ -514,6 +514,9 @@ def test_fp8_output_needs_fp8_attention_and_no_gradient():
             attn(*leaves, fp8_output=True)
     with pytest.raises(TypeError, match="fp8_output must be True or False"):
         fp8_scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in layers), enable_gqa=True, fp8_output=1)
+    with torch.no_grad(), fp8ext.fp8_autocast(fp8_recipe=FP8_DPA):
+        with pytest.raises(TypeError, match="fp8_output must be True or False"):
+            attn(*layers, fp8_output="no")
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])
