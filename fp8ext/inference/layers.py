@@ -229,8 +229,7 @@ class FP8InferenceLinear(nn.Module):
         sinv = sinv.reshape(()).float()
         if self.activations == "dynamic" or self.weights != "tensor":  # the GEMM pairs one scale per row
             sinv = sinv.expand(rows.shape[0]).contiguous()
-        act = FP8Activation(rows.view(torch.float8_e4m3fn), sinv, data.shape, dtype, ("per-tensor", None))
-        return act
+        return FP8Activation(rows.view(torch.float8_e4m3fn), sinv, data.shape, dtype, ("per-tensor", None))
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         """is_first_microbatch is accepted (and ignored) so the layer stands in for fp8ext.Linear. x may be an

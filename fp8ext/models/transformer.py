@@ -253,8 +253,9 @@ class GroupedQueryAttention(nn.Module):
         if recipe is not None:  # the recipe's fp8_dpa=True
             mask_type = "causal" if s > 1 else "no_mask"
             if recipe.fp8_mha:  # attention's FP8 output straight into the FP8 output projection
+                self._check_fp8_mha(q)
                 o8 = self.core_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask_type=mask_type, fp8_output=self._fp8_mha_ok(q))
+                                         attn_mask_type=mask_type, fp8_output=True)
                 return self.o_proj(self.o_proj.fp8_input(o8, q.dtype), **mb)
             y = self.core_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask_type=mask_type)
             return self.o_proj(y, **mb)
@@ -266,9 +267,8 @@ class GroupedQueryAttention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=s > 1)  # one new token attends to all before it
         return self.o_proj(y.transpose(1, 2).reshape(b, s, h * hd), **mb)
 
-
-    def _fp8_mha_ok(self, q: torch.Tensor) -> bool:
-        """True where fp8_mha can run (raises where it cannot): inference, an o_proj that takes an FP8 input."""
+    def _check_fp8_mha(self, q: torch.Tensor) -> None:
+        """Raises where fp8_mha cannot run; it runs in eager inference, with an o_proj that takes an FP8 input."""
         if torch.compiler.is_compiling():
             raise NotImplementedError("fp8_mha=True does not run under torch.compile (its FP8 output is not a tensor "
                                       "the compiled graph can carry); compile with fp8_dpa=True and fp8_mha=False")
@@ -280,7 +280,6 @@ class GroupedQueryAttention(nn.Module):
             raise NotImplementedError(f"fp8_mha=True hands attention's FP8 output to an FP8 output projection: "
                                       f"quantize the model first (fp8ext.inference.quantize_model, weights "
                                       f"'tensor' or 'channel'); this o_proj is {self.o_proj!r}")
-        return True
 
     def _decode(self, q, k_cache, v_cache, length, k_scale, v_scale, mb):
         """o_proj of decode attention of q [b, n_heads, 1, head_dim] over the cache's positions [0, length)."""

@@ -362,13 +362,12 @@ class DotProductAttention(nn.Module):
         out = attention_engine(q, k, v, mask, is_causal=is_causal, scale=self.softmax_scale,
                                recipe=fp8_attention_recipe(forward_context(self)), fp8_backward=self.fp8_backward,
                                fp8_output=fp8_output)
-        if fp8_output:  # O8's bytes in the module's layout (a view where the engine laid them out so, as cuDNN does)
-            data = out.data.permute(2, 0, 1, 3).reshape(sq, b, -1) if fmt == "sbhd" else \
-                out.data.permute(0, 2, 1, 3).reshape(b, sq, -1)
-            return FP8Tensor(data, None, out.scale_inv, out.fmt)
-        if fmt == "sbhd":
-            return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
-        return out.permute(0, 2, 1, 3).reshape(b, sq, -1)
+        # [b, h, s, d] to the module's layout with the heads merged: a view where the engine laid the output out so
+        merged = (lambda t: t.permute(2, 0, 1, 3).reshape(sq, b, -1)) if fmt == "sbhd" else \
+            (lambda t: t.permute(0, 2, 1, 3).reshape(b, sq, -1))
+        if fp8_output:  # O8's bytes and scale
+            return FP8Tensor(merged(out.data), None, out.scale_inv, out.fmt)
+        return merged(out)
 
     def _heads_first(self, query_layer, key_layer, value_layer, fmt: str, where: str):
         """query, key, value checked against the module and viewed as [batch, heads, seq, head_dim]."""
